@@ -1,0 +1,38 @@
+# Two commands do everything on a fresh machine:  `make demo`  and  `make test`.
+# Each creates .venv with the pinned versions in constraints.txt on first use.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+export GPTPIPE_HOME ?= $(CURDIR)/var
+
+.PHONY: install demo test stop bench lint clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# torch first and pinned: a bare `torch` requirement would pull a multi-GB CUDA build.
+	# GPU users: see README "Installing on a GPU machine".
+	$(PY) -m pip install -q -c constraints.txt "torch==2.13.0"
+	$(PY) -m pip install -q -c constraints.txt -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(PY) -m flows.demo
+
+stop: install
+	$(PY) -m flows.demo --stop
+
+test: install
+	$(PY) -m pytest -q
+
+bench: install
+	$(PY) -m benchmarks.run_all
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) var

@@ -1,0 +1,330 @@
+"""One config system for the whole pipeline: typed dataclasses, named presets, a TOML/JSON file,
+and `section.key=value` overrides, validated once at the edge (before any work starts).
+
+    cfg = load_config("tiny-cpu", ["train.max_steps=50", "model.n_layer=2"])
+    cfg = load_config("my_run.toml")          # a file may name a `preset` to start from
+
+Everything downstream receives a validated `RunConfig` and trusts it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import tomllib
+import typing
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the field and the fix."""
+
+
+@dataclass
+class ModelConfig:
+    block_size: int = 1024  # max sequence length (learned position embeddings)
+    vocab_size: int = 50304  # 50257 padded up to a multiple of 64 for faster matmuls
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    dropout: float = 0.0
+    bias: bool = True  # GPT-2 has biases in Linear and LayerNorm
+
+    def validate(self) -> None:
+        if self.n_embd % self.n_head != 0:
+            raise ConfigError(
+                f"model.n_embd={self.n_embd} is not divisible by model.n_head={self.n_head}; "
+                "choose n_embd as a multiple of n_head (e.g. 768 with 12 heads)")
+        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"model.{name} must be positive, got {getattr(self, name)}")
+        if self.vocab_size < 50257:
+            raise ConfigError(f"model.vocab_size={self.vocab_size} is smaller than the GPT-2 vocabulary "
+                              "(50257); use 50257 or the padded 50304")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
+
+
+# The four OpenAI GPT-2 sizes plus small shapes that train on a CPU in seconds to minutes.
+MODEL_PRESETS: dict[str, ModelConfig] = {
+    "gpt2": ModelConfig(n_layer=12, n_head=12, n_embd=768),  # 124M
+    "gpt2-medium": ModelConfig(n_layer=24, n_head=16, n_embd=1024),  # 350M
+    "gpt2-large": ModelConfig(n_layer=36, n_head=20, n_embd=1280),  # 774M
+    "gpt2-xl": ModelConfig(n_layer=48, n_head=25, n_embd=1600),  # 1558M
+    "tiny-cpu": ModelConfig(block_size=256, n_layer=4, n_head=4, n_embd=128),
+    "micro": ModelConfig(block_size=64, n_layer=2, n_head=2, n_embd=32),  # tests
+}
+
+
+def model_preset(name: str) -> ModelConfig:
+    if name not in MODEL_PRESETS:
+        raise ConfigError(f"unknown model preset {name!r}; choose one of {sorted(MODEL_PRESETS)}")
+    return replace(MODEL_PRESETS[name])
+
+
+@dataclass
+class DataConfig:
+    # Where text comes from: "builtin" (the small offline corpus), "hf" (a Hugging Face hub dataset),
+    # or a local directory / glob of parquet, jsonl or txt files.
+    source: str = "builtin"
+    hf_repo: str = "HuggingFaceFW/fineweb-edu"
+    hf_config: str = "sample-10BT"
+    hf_revision: str = "main"
+    text_column: str = "text"
+    shard_tokens: int = 100_000_000  # tokens per shard file (llm.c layout, uint16)
+    dataset_name: str = ""  # shard directory name under <home>/shards; "" = derived from the source
+    max_docs: int = 0  # 0 = all documents (useful to cap a hub download for a smoke run)
+    num_workers: int = 0  # tokenize processes; 0 = one per core
+
+    def validate(self) -> None:
+        if self.shard_tokens < 1024:
+            raise ConfigError(f"data.shard_tokens={self.shard_tokens} is too small; use >= 1024")
+        if not self.source:
+            raise ConfigError("data.source is empty; use 'builtin', 'hf', or a local path/glob")
+
+
+@dataclass
+class OptimConfig:
+    max_lr: float = 6e-4
+    min_lr: float = 6e-5
+    warmup_steps: int = 715
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # 0 disables clipping
+
+    def validate(self) -> None:
+        if not 0 <= self.min_lr <= self.max_lr:
+            raise ConfigError(f"optim.min_lr={self.min_lr} must be in [0, optim.max_lr={self.max_lr}]")
+        if self.warmup_steps < 0:
+            raise ConfigError("optim.warmup_steps must be >= 0")
+
+
+@dataclass
+class TrainConfig:
+    run_name: str = ""  # the run's stable identity; "" = the preset name
+    total_batch_tokens: int = 524_288  # tokens per optimizer step, across all ranks and micro-steps
+    micro_batch: int = 64  # B: sequences per rank per micro-step
+    seq_len: int = 1024  # T: tokens per sequence (<= model.block_size)
+    max_steps: int = 19_073  # ~10B tokens at 0.5M tokens/step
+    seed: int = 1337
+    max_minutes: float = 0.0  # time budget for this invocation (nightly runs); 0 = unlimited
+    checkpoint_interval: int = 1000
+    keep_last: int = 3  # checkpoints kept besides the best-by-val-loss one
+    log_interval: int = 1
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "auto"  # auto (bf16 on capable GPUs, fp16 on older, fp32 on CPU) | float32 | bfloat16 | float16
+    compile: str = "auto"  # auto (on for CUDA) | true | false
+
+    def validate(self) -> None:
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"train.device={self.device!r}; use auto, cpu or cuda")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(f"train.dtype={self.dtype!r}; use auto, float32, bfloat16 or float16")
+        if self.compile not in ("auto", "true", "false"):
+            raise ConfigError(f"train.compile={self.compile!r}; use auto, true or false")
+        for name in ("total_batch_tokens", "micro_batch", "seq_len", "max_steps", "checkpoint_interval",
+                     "keep_last", "log_interval"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"train.{name} must be positive, got {getattr(self, name)}")
+        if self.max_minutes < 0:
+            raise ConfigError("train.max_minutes must be >= 0 (0 = no time budget)")
+
+
+@dataclass
+class EvalConfig:
+    eval_interval: int = 250  # steps between validation (and HellaSwag) evaluations; 0 = only at the end
+    val_tokens: int = 10_485_760  # fixed number of validation tokens (same batches every time)
+    hellaswag: bool = True
+    hellaswag_path: str = ""  # local jsonl (air-gapped); "" = download into the cache
+    hellaswag_limit: int = 0  # 0 = all 10,042 examples
+    sample_interval: int = 250  # steps between text samples; 0 = only at the end
+    sample_prompt: str = "Hello, I'm a language model,"
+    sample_tokens: int = 32
+
+    def validate(self) -> None:
+        for name in ("eval_interval", "val_tokens", "hellaswag_limit", "sample_interval", "sample_tokens"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"eval.{name} must be >= 0, got {getattr(self, name)}")
+
+
+@dataclass
+class RunConfig:
+    preset: str = "gpt2-124m"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    @property
+    def run_name(self) -> str:
+        return self.train.run_name or self.preset
+
+    def validate(self, world_size: int = 1) -> RunConfig:
+        """Check every section and the cross-field rules; returns self so calls can chain."""
+        for section in (self.model, self.data, self.optim, self.train, self.eval):
+            section.validate()
+        t = self.train
+        if t.seq_len > self.model.block_size:
+            raise ConfigError(f"train.seq_len={t.seq_len} exceeds model.block_size={self.model.block_size}")
+        per_micro = t.micro_batch * t.seq_len * world_size
+        if t.total_batch_tokens % per_micro != 0:
+            raise ConfigError(
+                f"train.total_batch_tokens={t.total_batch_tokens} is not divisible by micro_batch*seq_len*"
+                f"world_size = {t.micro_batch}*{t.seq_len}*{world_size} = {per_micro}; adjust "
+                "train.micro_batch or train.total_batch_tokens")
+        if self.optim.warmup_steps > t.max_steps:
+            raise ConfigError(f"optim.warmup_steps={self.optim.warmup_steps} exceeds "
+                              f"train.max_steps={t.max_steps}")
+        return self
+
+    def grad_accum_steps(self, world_size: int = 1) -> int:
+        return self.train.total_batch_tokens // (self.train.micro_batch * self.train.seq_len * world_size)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def identity_hash(self) -> str:
+        """Hash of what defines a training trajectory (model, data, optimizer, batch, seed, length).
+        Budget, device, logging and eval cadence may change between invocations of the same run."""
+        t = self.train
+        ident = {"model": asdict(self.model), "optim": asdict(self.optim),
+                 "data": {"source": self.data.source, "shard_tokens": self.data.shard_tokens,
+                          "dataset_name": self.data.dataset_name},
+                 "train": {"total_batch_tokens": t.total_batch_tokens, "seq_len": t.seq_len,
+                           "max_steps": t.max_steps, "seed": t.seed}}
+        return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# --- presets ------------------------------------------------------------------------------------
+
+def _gpt2_124m() -> RunConfig:
+    # build-nanogpt's recipe: 0.5M-token batches, 6e-4 cosine to 6e-5, 715 warmup, 19,073 steps ~ 10B tokens.
+    return RunConfig(preset="gpt2-124m", model=model_preset("gpt2"),
+                     data=DataConfig(source="hf"), optim=OptimConfig(), train=TrainConfig(), eval=EvalConfig())
+
+
+def _tiny_cpu() -> RunConfig:
+    # Learns visibly on a 2-core CPU in a few minutes on the built-in corpus.
+    return RunConfig(
+        preset="tiny-cpu", model=model_preset("tiny-cpu"),
+        data=DataConfig(source="builtin", shard_tokens=1_000_000),
+        optim=OptimConfig(max_lr=3e-3, min_lr=3e-4, warmup_steps=20, weight_decay=0.1),
+        train=TrainConfig(total_batch_tokens=16 * 256, micro_batch=8, seq_len=256, max_steps=300,
+                          checkpoint_interval=100, keep_last=2, log_interval=10),
+        eval=EvalConfig(eval_interval=100, val_tokens=64 * 256, hellaswag=True, hellaswag_limit=200,
+                        sample_interval=100, sample_tokens=48))
+
+
+def _micro() -> RunConfig:
+    # For tests: a model that does a step in milliseconds.
+    return RunConfig(
+        preset="micro", model=model_preset("micro"),
+        data=DataConfig(source="builtin", shard_tokens=100_000),
+        optim=OptimConfig(max_lr=1e-3, min_lr=1e-4, warmup_steps=2),
+        train=TrainConfig(total_batch_tokens=8 * 32, micro_batch=4, seq_len=32, max_steps=20,
+                          checkpoint_interval=5, keep_last=2, log_interval=1),
+        eval=EvalConfig(eval_interval=10, val_tokens=8 * 32, hellaswag=False, sample_interval=10,
+                        sample_tokens=8))
+
+
+PRESETS = {"gpt2-124m": _gpt2_124m, "tiny-cpu": _tiny_cpu, "micro": _micro}
+
+
+# --- loading and overrides ----------------------------------------------------------------------
+
+def _coerce(value: str, typ: type, key: str):
+    """Turn an override string into the field's type, with an error that names the key."""
+    if isinstance(value, typ) and not (typ is int and isinstance(value, bool)):
+        return value
+    try:
+        if typ is bool:
+            if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on"):
+                return True
+            if isinstance(value, str) and value.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(value)
+        if typ is int:
+            return int(str(value).replace("_", ""))
+        if typ is float:
+            return float(value)
+        return str(value)
+    except ValueError:
+        raise ConfigError(f"{key}={value!r} is not a valid {typ.__name__}") from None
+
+
+def _set(cfg: RunConfig, key: str, value) -> None:
+    section_name, _, name = key.partition(".")
+    sections = {f.name for f in fields(RunConfig) if dataclasses.is_dataclass(f.default_factory)}
+    if section_name not in sections or not name:
+        raise ConfigError(f"unknown config key {key!r}; keys look like section.name with section in "
+                          f"{sorted(sections)}")
+    section = getattr(cfg, section_name)
+    hints = typing.get_type_hints(type(section))
+    if name not in hints:
+        raise ConfigError(f"unknown config key {key!r}; {section_name} has {sorted(hints)}")
+    setattr(section, name, _coerce(value, hints[name], key))
+
+
+def apply_overrides(cfg: RunConfig, overrides: list[str] | dict | None) -> RunConfig:
+    """Apply `section.key=value` strings (CLI) or a {"section.key": value} / nested dict (Prefect)."""
+    if not overrides:
+        return cfg
+    items: list[tuple[str, object]] = []
+    if isinstance(overrides, dict):
+        for k, v in overrides.items():
+            if isinstance(v, dict):
+                items += [(f"{k}.{kk}", vv) for kk, vv in v.items()]
+            else:
+                items.append((k, v))
+    else:
+        for text in overrides:
+            if "=" not in text:
+                raise ConfigError(f"override {text!r} is not of the form section.key=value")
+            k, _, v = text.partition("=")
+            items.append((k.strip(), v.strip()))
+    for k, v in items:
+        if k == "preset":
+            raise ConfigError("'preset' cannot be overridden; pass it as the config name instead")
+        _set(cfg, k, v)
+    return cfg
+
+
+def preset(name: str) -> RunConfig:
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)} or pass a .toml/.json file")
+    return PRESETS[name]()
+
+
+def load_config(name_or_path: str, overrides: list[str] | dict | None = None,
+                world_size: int = 1) -> RunConfig:
+    """A preset name or a .toml/.json file (which may say `preset = "..."` to start from), then overrides.
+    Validated before it is returned."""
+    path = Path(name_or_path)
+    if path.suffix in (".toml", ".json"):
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        raw = tomllib.loads(path.read_text()) if path.suffix == ".toml" else json.loads(path.read_text())
+        cfg = preset(raw.pop("preset", "gpt2-124m"))
+        cfg = apply_overrides(cfg, raw)
+    else:
+        cfg = preset(name_or_path)
+    cfg = apply_overrides(cfg, overrides)
+    return cfg.validate(world_size)
+
+
+def from_dict(d: dict) -> RunConfig:
+    """Rebuild a RunConfig from `to_dict()` output (e.g. a checkpoint's meta.json)."""
+    d = dict(d)
+    cfg = RunConfig(preset=d.pop("preset", "gpt2-124m"))
+    return apply_overrides(cfg, d)
+
+
+def pipeline_home() -> Path:
+    """Root for all artifacts (raw data, shards, runs, caches, embedded MLflow/Prefect state)."""
+    return Path(os.environ.get("GPTPIPE_HOME", Path.cwd() / "var")).resolve()

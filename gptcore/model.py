@@ -1,0 +1,218 @@
+"""GPT-2, exactly as OpenAI / Hugging Face define it, written to be read.
+
+Pre-LayerNorm transformer blocks, GELU (tanh approximation), learned position embeddings, the token
+embedding tied to the output head, init std 0.02 with the residual projections scaled by
+1/sqrt(2 * n_layer). Attention goes through F.scaled_dot_product_attention, which picks flash attention
+on a GPU. The vocabulary is padded (50257 -> 50304) for faster matmuls; the padded ids never win a
+sample and never enter the loss.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import torch
+import torch.nn as nn
+from torch.nn import functional as F
+
+from gptcore.config import ModelConfig
+
+GPT2_VOCAB = 50257  # real token ids are < GPT2_VOCAB; ids above are padding
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.dropout = cfg.dropout
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)  # q, k, v in one matmul
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.c_proj.RESIDUAL_SCALE = True  # scaled init: see GPT._init_weights
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        # (B, T, C) -> (B, n_head, T, head_dim)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
+        self.gelu = nn.GELU(approximate="tanh")  # GPT-2 used the tanh approximation
+        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.c_proj.RESIDUAL_SCALE = True
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, eps=1e-5, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=1e-5, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        cfg.validate()
+        self.config = cfg
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(cfg.vocab_size, cfg.n_embd),
+            wpe=nn.Embedding(cfg.block_size, cfg.n_embd),
+            drop=nn.Dropout(cfg.dropout),
+            h=nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)]),
+            ln_f=nn.LayerNorm(cfg.n_embd, eps=1e-5, bias=cfg.bias),
+        ))
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # weight tying, as in GPT-2
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            std = 0.02
+            if getattr(module, "RESIDUAL_SCALE", False):
+                # each block adds two residual branches; keep the residual stream's variance constant
+                std *= (2 * self.config.n_layer) ** -0.5
+            torch.nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                torch.nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_params(self, exclude_padding: bool = False, exclude_position: bool = False) -> int:
+        """Parameters counted once (the tied embedding counts once)."""
+        n = sum(p.numel() for p in self.parameters())
+        if exclude_padding:
+            n -= (self.config.vocab_size - GPT2_VOCAB) * self.config.n_embd
+        if exclude_position:
+            n -= self.transformer.wpe.weight.numel()
+        return n
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                reduction: str = "mean") -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Returns (logits over the real vocabulary, loss). Targets equal to -1 are ignored.
+        logits has the real GPT-2 vocab width (50257), so padding can never win or take probability."""
+        B, T = idx.shape
+        if T > self.config.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
+        pos = torch.arange(T, dtype=torch.long, device=idx.device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        for block in self.transformer.h:
+            x = block(x)
+        x = self.transformer.ln_f(x)
+        logits = self.lm_head(x)[..., :GPT2_VOCAB]
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1),
+                                   ignore_index=-1, reduction=reduction)
+            if reduction == "none":
+                loss = loss.view(B, T)
+        return logits, loss
+
+    # --- optimisation ---------------------------------------------------------------------------
+
+    def configure_optimizer(self, weight_decay: float, lr: float, betas: tuple[float, float],
+                            eps: float, device_type: str) -> torch.optim.AdamW:
+        """AdamW with decay on >=2-D tensors only (matmul weights, embeddings), none on biases/norms;
+        the fused CUDA kernel when available."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
+        fused = device_type == "cuda" and "fused" in inspect.signature(torch.optim.AdamW).parameters
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused)
+
+    def flops_per_token(self, seq_len: int | None = None) -> float:
+        """Training FLOPs per token (forward + backward), PaLM appendix B: 6N + 12*L*H*Q*T."""
+        cfg = self.config
+        T = seq_len or cfg.block_size
+        N = self.num_params(exclude_position=True)
+        return 6 * N + 12 * cfg.n_layer * cfg.n_head * (cfg.n_embd // cfg.n_head) * T
+
+    def estimate_mfu(self, tokens_per_second: float, peak_flops: float, seq_len: int | None = None) -> float:
+        """Model FLOPs utilisation: achieved training FLOP/s over the hardware's peak FLOP/s."""
+        return self.flops_per_token(seq_len) * tokens_per_second / peak_flops
+
+    # --- sampling -------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                 top_k: int | None = None, seed: int | None = None,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+        """Append max_new_tokens sampled tokens to idx (B, T). temperature=0 means greedy.
+        Uses its own torch.Generator so sampling never disturbs (or depends on) the global RNG."""
+        if idx.size(1) + max_new_tokens > self.config.block_size:
+            raise ValueError(
+                f"prompt of {idx.size(1)} tokens + {max_new_tokens} new tokens exceeds block_size "
+                f"{self.config.block_size}; shorten the prompt or ask for fewer tokens")
+        if generator is None:
+            generator = torch.Generator(device=idx.device)
+            generator.manual_seed(0 if seed is None else seed)
+        was_training = self.training
+        self.eval()
+        for _ in range(max_new_tokens):
+            logits, _ = self(idx)
+            logits = logits[:, -1, :].float()
+            if temperature == 0:
+                next_id = logits.argmax(dim=-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                probs = F.softmax(logits, dim=-1)
+                next_id = torch.multinomial(probs, num_samples=1, generator=generator)
+            idx = torch.cat((idx, next_id), dim=1)
+        self.train(was_training)
+        return idx
+
+
+def clean_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Strip torch.compile's `_orig_mod.` and DDP's `module.` prefixes so checkpoints stay portable."""
+    out = {}
+    for k, v in state.items():
+        while k.startswith(("_orig_mod.", "module.")):
+            k = k.split(".", 1)[1]
+        out[k] = v
+    return out
+
+
+def unwrap(model: nn.Module) -> GPT:
+    """The plain GPT inside DDP and/or torch.compile wrappers."""
+    while hasattr(model, "module") or hasattr(model, "_orig_mod"):
+        model = getattr(model, "module", None) or model._orig_mod
+    return model
+
+
+def peak_flops_guess(device: torch.device) -> float:
+    """Peak dense bf16 FLOP/s for MFU when nothing better is known (H100 SXM: 989e12; A100: 312e12)."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, flops in (("H100", 989e12), ("A100", 312e12), ("L4", 121e12), ("A10", 125e12),
+                           ("4090", 165e12), ("V100", 125e12)):
+            if key in name:
+                return flops
+        return 100e12
+    return 1e11  # a few CPU cores; benchmarks measure the real matmul peak instead
+
+
+def loss_at_init() -> float:
+    return math.log(GPT2_VOCAB)

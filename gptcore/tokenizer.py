@@ -1,0 +1,67 @@
+"""The GPT-2 BPE (tiktoken's `gpt2` / `r50k_base`) built offline from a rank file shipped in the package.
+
+tiktoken.get_encoding("gpt2") downloads its files from OpenAI's blob store on first use; training
+clusters are often air-gapped, so we build the identical Encoding from package data, after checking
+the file's sha256 so a corrupted or substituted rank file can never silently change token ids.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import hashlib
+from pathlib import Path
+
+import tiktoken
+
+RANK_FILE = Path(__file__).parent / "assets" / "r50k_base.tiktoken"
+RANK_FILE_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
+EOT = 50256  # <|endoftext|>: separates documents
+N_VOCAB = 50257
+# The GPT-2 pre-tokenisation regex (identical to tiktoken's r50k_pat_str).
+PAT_STR = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
+
+
+class TokenizerError(RuntimeError):
+    pass
+
+
+def _load_ranks(path: Path) -> dict[bytes, int]:
+    data = path.read_bytes()
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != RANK_FILE_SHA256:
+        raise TokenizerError(
+            f"GPT-2 rank file {path} has sha256 {digest}, expected {RANK_FILE_SHA256}: it is corrupted "
+            "or not the GPT-2 vocabulary. Reinstall the package (pip install -e .) to restore it.")
+    ranks = {}
+    for line in data.splitlines():
+        if line:
+            token, rank = line.split()
+            ranks[base64.b64decode(token)] = int(rank)
+    return ranks
+
+
+def load_encoding(rank_file: Path = RANK_FILE) -> tiktoken.Encoding:
+    """Build the GPT-2 Encoding from a (verified) rank file without touching the network."""
+    return tiktoken.Encoding(
+        name="gpt2",
+        pat_str=PAT_STR,
+        mergeable_ranks=_load_ranks(Path(rank_file)),
+        special_tokens={"<|endoftext|>": EOT},
+        explicit_n_vocab=N_VOCAB,
+    )
+
+
+@functools.cache
+def get_encoding() -> tiktoken.Encoding:
+    """The process-wide GPT-2 encoding (built once; tiktoken encodings are thread-safe)."""
+    return load_encoding()
+
+
+def encode(text: str) -> list[int]:
+    """Encode plain text; special-token strings in the text are treated as ordinary text."""
+    return get_encoding().encode_ordinary(text)
+
+
+def decode(ids) -> str:
+    return get_encoding().decode([int(i) for i in ids if int(i) < N_VOCAB])
