@@ -1,0 +1,465 @@
+"""Ship a training run's metrics to MLflow, from outside the training loop.
+
+The trainer only appends JSON lines to `<run_dir>/metrics.jsonl` (gptcore.metrics); it never imports
+mlflow, so a slow or dead tracking server cannot slow down or kill training. This module tails that
+file and sends what is new with `MlflowClient.log_batch`:
+
+    python -m tasks.tracking var/runs/tiny-cpu             # ship what is there, once
+    python -m tasks.tracking var/runs/tiny-cpu --follow    # keep shipping until the run is DONE
+    Shipper(run_dir).start() ... .stop()                   # the same, as a background thread
+
+Nothing lost, nothing duplicated:
+- the JSONL file is the buffer. `<run_dir>/mlflow_cursor.json` holds the byte offset of the first line
+  not yet acknowledged by the server (and the MLflow run id); it advances only after `log_batch`
+  returned. While the server is down, lines simply wait in the file.
+- a batch can still be sent twice (acknowledged, then the process dies before the cursor is saved).
+  Every metric is sent with the record's own timestamp, so a resent batch is an exact copy of rows
+  already stored: MLflow's SQL store keys metrics by (run, key, step, timestamp, value) and skips
+  such copies (tests/test_tracking.py checks this against a real server).
+
+One MLflow run per training run identity (tags `gptpipe.run_name` + `gptpipe.identity_hash`, in
+experiment `gpt2-pretrain`): a resumed or nightly-continued run logs into the same MLflow run, steps
+continuing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from gptcore.config import from_dict, pipeline_home
+from gptcore.shards import atomic_write_bytes
+
+log = logging.getLogger("gptpipe.tracking")
+
+EXPERIMENT = "gpt2-pretrain"
+TAG_RUN_NAME = "gptpipe.run_name"
+TAG_IDENTITY = "gptpipe.identity_hash"
+TAG_MANIFEST = "gptpipe.manifest_id"
+TAG_CODE = "gptpipe.code_version"
+TAG_FLOW_RUN = "gptpipe.prefect_flow_run_id"
+CURSOR = "mlflow_cursor.json"
+METRICS = "metrics.jsonl"
+MAX_METRICS_PER_BATCH = 1000  # MLflow's log_batch limit
+MAX_PARAMS_PER_BATCH = 100
+MAX_READ_BYTES = 4 << 20  # per round, so a long backlog goes out in bounded pieces
+
+
+class TrackingError(RuntimeError):
+    """A tracking problem the user must fix (bad run directory, bad configuration)."""
+
+
+# --- where MLflow lives --------------------------------------------------------------------------
+
+def tracking_uri() -> str:
+    """MLFLOW_TRACKING_URI if set (a local `mlflow server`, or a team server), else the embedded
+    SQLite store under the pipeline home."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI")
+    if uri:
+        return uri
+    root = pipeline_home() / "mlflow"
+    root.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{root / 'mlflow.db'}"
+
+
+def _artifact_location(uri: str) -> str | None:
+    """For the embedded SQLite store, keep artifacts beside the database (MLflow would otherwise use
+    ./mlruns relative to wherever the process happens to run). A server decides for itself."""
+    if uri.startswith("sqlite:///"):
+        return (Path(uri[len("sqlite:///"):]).parent / "artifacts").resolve().as_uri()
+    return None
+
+
+def client(uri: str | None = None):
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=uri or tracking_uri(), registry_uri=uri or tracking_uri())
+
+
+def experiment_id(mlc, name: str = EXPERIMENT) -> str:
+    exp = mlc.get_experiment_by_name(name)
+    if exp is not None:
+        return exp.experiment_id
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return mlc.create_experiment(name, artifact_location=_artifact_location(mlc.tracking_uri))
+    except MlflowException:  # created concurrently by another process
+        exp = mlc.get_experiment_by_name(name)
+        if exp is None:
+            raise
+        return exp.experiment_id
+
+
+def find_or_create_run(mlc, run_name: str, identity_hash: str, experiment: str = EXPERIMENT) -> str:
+    """The MLflow run id of this training run identity, creating the run the first time."""
+    exp_id = experiment_id(mlc, experiment)
+    found = mlc.search_runs(
+        [exp_id], filter_string=f"tags.`{TAG_RUN_NAME}` = '{run_name}' and "
+                                f"tags.`{TAG_IDENTITY}` = '{identity_hash}'",
+        order_by=["attributes.start_time ASC"], max_results=1)
+    if found:
+        return found[0].info.run_id
+    run = mlc.create_run(exp_id, run_name=run_name,
+                         tags={TAG_RUN_NAME: run_name, TAG_IDENTITY: identity_hash})
+    return run.info.run_id
+
+
+def code_version() -> str:
+    """GPTPIPE_CODE_VERSION if set (e.g. by CI or a container build), else the git commit of this
+    checkout (+"-dirty" with uncommitted changes to tracked files), else "unknown"."""
+    if os.environ.get("GPTPIPE_CODE_VERSION"):
+        return os.environ["GPTPIPE_CODE_VERSION"]
+    repo = Path(__file__).resolve().parent.parent
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True,
+                                timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return commit + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def flatten(d: dict, prefix: str = "") -> dict[str, str]:
+    """{"model": {"n_layer": 12}} -> {"model.n_layer": "12"} (MLflow params are flat strings)."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = str(v)
+    return out
+
+
+# --- reading the run directory ---------------------------------------------------------------------
+
+def run_identity(run_dir: Path) -> dict | None:
+    """run_name, identity_hash, manifest_id and the resolved config of a run directory, or None if the
+    trainer has not written them yet."""
+    cfg_path = run_dir / "config.json"
+    if not cfg_path.is_file():
+        return None
+    config = json.loads(cfg_path.read_text())
+    cfg = from_dict(config)
+    ident = {"run_name": cfg.run_name, "identity_hash": cfg.identity_hash(), "manifest_id": "",
+             "config": config}
+    run_json = run_dir / "run.json"
+    if run_json.is_file():  # the trainer's own record wins (it is what resume checks)
+        rj = json.loads(run_json.read_text())
+        for key in ("run_name", "identity_hash", "manifest_id"):
+            if rj.get(key):
+                ident[key] = rj[key]
+    return ident
+
+
+def read_new_lines(path: Path, offset: int, max_bytes: int = MAX_READ_BYTES) -> list[tuple[int, bytes]]:
+    """Complete lines after `offset` as (end_offset, line). A trailing partial line (the trainer is
+    mid-write) is left for the next round."""
+    if not path.is_file():
+        return []
+    with open(path, "rb") as f:
+        f.seek(offset)
+        data = f.read(max_bytes)
+    end = data.rfind(b"\n")
+    if end < 0:
+        if len(data) == max_bytes:
+            raise TrackingError(f"{path}: a line longer than {max_bytes} bytes at offset {offset}")
+        return []
+    out, pos = [], 0
+    for line in data[:end + 1].splitlines(keepends=True):
+        pos += len(line)
+        out.append((offset + pos, line))
+    return out
+
+
+def to_metrics(rec: dict) -> list:
+    """The numeric entries of one train/eval record as MLflow Metrics, stamped with the record's time
+    (so a resend is an exact duplicate)."""
+    from mlflow.entities import Metric
+
+    ts = int(round(float(rec["time"]) * 1000))
+    step = int(rec["step"])
+    return [Metric(key=k, value=float(v), timestamp=ts, step=step) for k, v in rec.items()
+            if k not in ("step", "time", "kind") and isinstance(v, int | float) and not isinstance(v, bool)]
+
+
+def read_records(path: Path) -> list[dict]:
+    recs = []
+    if path.is_file():
+        for line in path.read_bytes().splitlines():
+            try:
+                recs.append(json.loads(line))
+            except ValueError:
+                continue
+    return recs
+
+
+def plot_curves(records: list[dict], out_png: Path) -> bool:
+    """Train/val loss and HellaSwag accuracy against step, as one PNG. False if nothing to plot."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def series(key):
+        pts = [(r["step"], r[key]) for r in records if isinstance(r.get(key), int | float)]
+        return [p[0] for p in pts], [p[1] for p in pts]
+
+    train, val = series("train/loss"), series("val/loss")
+    acc, acc_norm = series("hellaswag/acc"), series("hellaswag/acc_norm")
+    if not (train[0] or val[0]):
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    axes[0].plot(*train, label="train loss", lw=0.8)
+    axes[0].plot(*val, "o-", label="val loss")
+    axes[0].set_xlabel("step")
+    axes[0].set_ylabel("loss")
+    axes[0].legend()
+    axes[1].plot(*acc, "o-", label="acc")
+    axes[1].plot(*acc_norm, "o-", label="acc_norm")
+    axes[1].set_xlabel("step")
+    axes[1].set_title("HellaSwag")
+    axes[1].legend()
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    plt.close(fig)
+    atomic_write_bytes(out_png, [buf.getvalue()])
+    return True
+
+
+# --- the shipper -----------------------------------------------------------------------------------
+
+class Shipper:
+    """Tails `<run_dir>/metrics.jsonl` into one MLflow run. `ship_once()` sends everything complete
+    that is not yet acknowledged; `start()`/`stop()` run it every `interval` seconds in a daemon thread
+    that swallows (and logs) tracking-server errors, backing off while the server is down."""
+
+    def __init__(self, run_dir: str | Path, tracking_uri: str | None = None, experiment: str = EXPERIMENT,
+                 flow_run_id: str | None = None, interval: float = 5.0, plot_interval: float = 60.0):
+        self.run_dir = Path(run_dir)
+        self.uri = tracking_uri or globals()["tracking_uri"]()
+        self.experiment = experiment
+        self.flow_run_id = flow_run_id
+        self.interval = interval
+        self.plot_interval = plot_interval
+        self.shipped = 0  # records acknowledged by this Shipper
+        self.last_error: str | None = None
+        self._client = None
+        self._run_id: str | None = None  # set once this session has set the run up
+        self._last_plot = 0.0
+        self._plot_due = False
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # cursor: {"tracking_uri", "run_id", "offset"}; another server means starting over at offset 0
+    def _load_cursor(self) -> dict:
+        p = self.run_dir / CURSOR
+        cur = json.loads(p.read_text()) if p.is_file() else {}
+        if cur.get("tracking_uri") != self.uri:
+            cur = {"tracking_uri": self.uri, "run_id": None, "offset": 0}
+        return cur
+
+    def _save_cursor(self, cur: dict) -> None:
+        atomic_write_bytes(self.run_dir / CURSOR, [json.dumps(cur).encode()])
+
+    @property
+    def run_id(self) -> str | None:
+        return self._run_id
+
+    def _setup(self, cur: dict) -> bool:
+        """Find or create the MLflow run and record this invocation (params, tags, config). False while
+        the trainer has not written its config yet."""
+        ident = run_identity(self.run_dir)
+        if ident is None:
+            return False
+        from mlflow.entities import Param, RunTag
+
+        mlc = self._client = self._client or client(self.uri)
+        run_id = cur.get("run_id") or find_or_create_run(mlc, ident["run_name"], ident["identity_hash"],
+                                                         self.experiment)
+        run = mlc.get_run(run_id)
+        # Params are immutable in MLflow: the first invocation's values stay; settings that may change
+        # between invocations (time budget, device, cadence) are in each invocation's config artifact.
+        params = flatten(ident["config"])
+        params["data.manifest_id"] = ident["manifest_id"]
+        params["code_version"] = code_version()
+        if self.flow_run_id:
+            params["prefect.flow_run_id"] = self.flow_run_id
+        new = [Param(k, v) for k, v in sorted(params.items()) if k not in run.data.params]
+        for i in range(0, len(new), MAX_PARAMS_PER_BATCH):
+            mlc.log_batch(run_id, params=new[i:i + MAX_PARAMS_PER_BATCH], synchronous=True)
+        tags = {TAG_MANIFEST: ident["manifest_id"], TAG_CODE: params["code_version"]}
+        if self.flow_run_id:
+            tags[TAG_FLOW_RUN] = self.flow_run_id
+        mlc.log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()], synchronous=True)
+        mlc.log_dict(run_id, ident["config"], "config.json")
+        if run.info.status != "RUNNING" and not (self.run_dir / "DONE").exists():
+            mlc.update_run(run_id, status="RUNNING")  # a resumed run is running again
+        cur["run_id"] = self._run_id = run_id
+        self._save_cursor(cur)
+        return True
+
+    def ship_once(self, final: bool = False) -> int:
+        """Send every complete, unacknowledged line; returns the number of records acknowledged.
+        Raises on tracking-server errors (the cursor keeps what was not acknowledged)."""
+        with self._lock:
+            cur = self._load_cursor()
+            if self._run_id is None or cur.get("run_id") != self._run_id:
+                if not self._setup(cur):
+                    return 0
+            mlc, path, n = self._client, self.run_dir / METRICS, 0
+            if path.is_file() and path.stat().st_size < cur["offset"]:
+                log.warning("%s is shorter than the shipped offset %d (rewritten?); re-shipping it from the "
+                            "start (duplicates are skipped by the server)", path, cur["offset"])
+                cur["offset"] = 0
+            while lines := read_new_lines(path, cur["offset"]):
+                n += self._ship_lines(mlc, cur, lines)
+            self._finish_round(mlc, final)
+            return n
+
+    def _ship_lines(self, mlc, cur: dict, lines: list[tuple[int, bytes]]) -> int:
+        batch, end, n = [], cur["offset"], 0
+
+        def flush():
+            nonlocal batch, n
+            if batch:
+                mlc.log_batch(self._run_id, metrics=batch, synchronous=True)
+            cur["offset"] = end  # acknowledged: advance
+            self._save_cursor(cur)
+            batch = []
+
+        for line_end, line in lines:
+            try:
+                rec = json.loads(line)
+                kind = rec.get("kind", "train")
+                metrics = to_metrics(rec) if kind != "sample" else []
+            except (ValueError, KeyError, TypeError):
+                log.warning("skipping a malformed line in %s at byte %d: %.80r", METRICS, end, line)
+                end = line_end
+                continue
+            if len(batch) + len(metrics) > MAX_METRICS_PER_BATCH:
+                flush()
+            if kind == "sample" and isinstance(rec.get("text"), str):
+                flush()  # keep acknowledgements in file order
+                mlc.log_text(self._run_id, rec["text"], f"samples/step_{int(rec['step']):08d}.txt")
+            batch += metrics
+            self._plot_due |= kind == "eval" or "val/loss" in rec
+            end, n = line_end, n + 1
+        flush()
+        self.shipped += n
+        return n
+
+    def _finish_round(self, mlc, final: bool) -> None:
+        done = (self.run_dir / "DONE").exists()
+        now = time.monotonic()
+        if (final or done or self._plot_due) and (final or now - self._last_plot >= self.plot_interval):
+            with tempfile.TemporaryDirectory() as tmp:
+                png = Path(tmp) / "curves.png"
+                if plot_curves(read_records(self.run_dir / METRICS), png):
+                    mlc.log_artifact(self._run_id, str(png))
+            self._last_plot, self._plot_due = now, False
+        if final and done and mlc.get_run(self._run_id).info.status != "FINISHED":
+            mlc.set_terminated(self._run_id, "FINISHED")
+
+    # --- background thread ---
+
+    def start(self) -> Shipper:
+        self._thread = threading.Thread(target=self._loop, name=f"mlflow-shipper:{self.run_dir.name}",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        backoff = self.interval
+        while not self._stop.is_set():
+            if self._try_ship(final=False):
+                backoff = self.interval
+            else:
+                backoff = min(backoff * 2, 60.0)
+            self._stop.wait(backoff)
+
+    def _try_ship(self, final: bool) -> bool:
+        try:
+            self.ship_once(final=final)
+            if self.last_error:
+                log.info("tracking server reachable again; shipping resumed")
+            self.last_error = None
+            return True
+        except Exception as e:  # noqa: BLE001 -- never let tracking take the caller down
+            if self.last_error is None:
+                log.warning("MLflow shipping paused (%s: %s); metrics stay in %s and are sent when the "
+                            "server is back", type(e).__name__, e, self.run_dir / METRICS)
+            self.last_error = f"{type(e).__name__}: {e}"
+            return False
+
+    def stop(self, timeout: float = 60.0) -> bool:
+        """Stop the thread and make a final attempt to ship everything. True if fully shipped."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        return self._try_ship(final=True)
+
+    def pending_bytes(self) -> int:
+        path = self.run_dir / METRICS
+        size = path.stat().st_size if path.is_file() else 0
+        return max(0, size - self._load_cursor()["offset"])
+
+
+def ship(run_dir: str | Path, tracking_uri: str | None = None, experiment: str = EXPERIMENT,
+         flow_run_id: str | None = None) -> dict:
+    """Ship once (e.g. after a run, or to catch up after an outage): {"run_id", "shipped"}."""
+    s = Shipper(run_dir, tracking_uri, experiment, flow_run_id)
+    n = s.ship_once(final=True)
+    return {"run_id": s.run_id, "shipped": n}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="Ship a run's metrics.jsonl to MLflow (idempotent, resumable).")
+    p.add_argument("run_dir", help="a training run directory, e.g. var/runs/tiny-cpu")
+    p.add_argument("--follow", action="store_true", help="keep shipping until the run is DONE (or SIGTERM)")
+    p.add_argument("--interval", type=float, default=5.0)
+    p.add_argument("--experiment", default=EXPERIMENT)
+    p.add_argument("--tracking-uri", default=None, help="default: $MLFLOW_TRACKING_URI or the embedded store")
+    p.add_argument("--flow-run-id", default=None)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    run_dir = Path(args.run_dir)
+    if not run_dir.is_dir():
+        print(f"error: run directory {run_dir} does not exist; pass <home>/runs/<run_name>", file=sys.stderr)
+        return 2
+    s = Shipper(run_dir, args.tracking_uri, args.experiment, args.flow_run_id, interval=args.interval)
+    if args.follow:
+        stop = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        s.start()
+        try:
+            while not stop.is_set() and not ((run_dir / "DONE").exists() and s.pending_bytes() == 0):
+                stop.wait(args.interval)
+        except KeyboardInterrupt:
+            pass
+        ok = s.stop()
+    else:
+        ok = s._try_ship(final=True)
+    if not ok:
+        print(f"error: could not ship to {s.uri}: {s.last_error}. Nothing is lost: the unsent lines stay "
+              f"in {run_dir / METRICS}; run this command again when the server is reachable.", file=sys.stderr)
+        return 1
+    print(json.dumps({"run_id": s.run_id, "shipped": s.shipped}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""A real `mlflow server` (SQLite backend, proxied local artifacts) on a free 127.0.0.1 port, for tests.
+
+    with MlflowServer(tmp_path) as srv:        # or the `mlflow_server` fixture (module scope)
+        client = MlflowClient(srv.uri)
+        srv.stop(); srv.start()               # same port, same database: a restart
+
+To use the fixture in a test module: `from tests.mlflow_server import mlflow_server  # noqa: F401`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MlflowServer:
+    def __init__(self, root: str | Path, port: int | None = None):
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.port = port or free_port()
+        self.proc: subprocess.Popen | None = None
+        self.log_path = self.root / "server.log"
+
+    @property
+    def uri(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def start(self, timeout: float = 90.0) -> MlflowServer:
+        if self.healthy():
+            raise RuntimeError(f"port {self.port} already serves something; not starting a second server")
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        env.pop("MLFLOW_TRACKING_URI", None)
+        cmd = [sys.executable, "-m", "mlflow", "server",
+               "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",
+               "--artifacts-destination", str(self.root / "artifacts"),
+               "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1"]
+        # Own process group: the server forks uvicorn and a job runner; stop() ends all of them.
+        self.proc = subprocess.Popen(cmd, stdout=open(self.log_path, "ab"), stderr=subprocess.STDOUT,
+                                     env=env, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mlflow server exited with {self.proc.returncode}; see {self.log_path}:\n"
+                                   + self.log_path.read_text()[-3000:])
+            if self.healthy():
+                return self
+            time.sleep(0.25)
+        self.stop()
+        raise RuntimeError(f"mlflow server did not become healthy in {timeout}s; see {self.log_path}")
+
+    def stop(self, timeout: float = 20.0) -> None:
+        if self.proc is None:
+            return
+        pgid = self.proc.pid  # == process group id (start_new_session)
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.proc.wait(timeout)
+                # the group may outlive its leader for a moment; make sure the port is free
+                end = time.monotonic() + timeout
+                while self.healthy() and time.monotonic() < end:
+                    time.sleep(0.1)
+                if not self.healthy():
+                    break
+            except subprocess.TimeoutExpired:
+                continue
+        try:
+            os.killpg(pgid, signal.SIGKILL)  # leftovers of the group, if any
+        except ProcessLookupError:
+            pass
+        self.proc = None
+
+    def __enter__(self) -> MlflowServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    with MlflowServer(tmp_path_factory.mktemp("mlflow-server")) as srv:
+        yield srv
