@@ -455,7 +455,8 @@ def main(argv: list[str] | None = None) -> int:
         ok = s._try_ship(final=True)
     if not ok:
         print(f"error: could not ship to {s.uri}: {s.last_error}. Nothing is lost: the unsent lines stay "
-              f"in {run_dir / METRICS}; run this command again when the server is reachable.", file=sys.stderr)
+              f"in {run_dir / METRICS}; run this command again when the server is reachable.",
+              file=sys.stderr)
         return 1
     print(json.dumps({"run_id": s.run_id, "shipped": s.shipped}))
     return 0

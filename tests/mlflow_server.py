@@ -49,7 +49,9 @@ class MlflowServer:
     def start(self, timeout: float = 90.0) -> MlflowServer:
         if self.healthy():
             raise RuntimeError(f"port {self.port} already serves something; not starting a second server")
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        # No GenAI job runner (one process less); one thread per worker: the CPU is shared.
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                   MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
         env.pop("MLFLOW_TRACKING_URI", None)
         cmd = [sys.executable, "-m", "mlflow", "server",
                "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",
@@ -69,7 +71,7 @@ class MlflowServer:
         self.stop()
         raise RuntimeError(f"mlflow server did not become healthy in {timeout}s; see {self.log_path}")
 
-    def stop(self, timeout: float = 20.0) -> None:
+    def stop(self, timeout: float = 5.0) -> None:
         if self.proc is None:
             return
         pgid = self.proc.pid  # == process group id (start_new_session)

@@ -1,0 +1,237 @@
+"""Metric shipping (tasks/tracking.py) against a real `mlflow server` with a SQLite backend."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from gptcore.config import load_config
+from tasks import tracking
+from tests.mlflow_server import free_port, mlflow_server  # noqa: F401  (fixture)
+
+REPO = Path(__file__).resolve().parent.parent
+T0 = 1_760_000_000.0
+
+
+@pytest.fixture(autouse=True)
+def fast_failures(monkeypatch):
+    # MLflow's HTTP client retries a refused connection for minutes by default; the shipper has its own
+    # retry loop, so tests let a dead server surface at once.
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+
+
+def make_run_dir(root: Path, run_name: str, manifest_id: str = "manifest-abc") -> Path:
+    cfg = load_config("micro", [f"train.run_name={run_name}"])
+    rd = root / "runs" / run_name
+    rd.mkdir(parents=True)
+    (rd / "config.json").write_text(json.dumps(cfg.to_dict()))
+    (rd / "run.json").write_text(json.dumps({"run_name": run_name, "identity_hash": cfg.identity_hash(),
+                                             "manifest_id": manifest_id}))
+    return rd
+
+
+def records(steps, eval_every: int = 10) -> list[dict]:
+    """What the trainer writes: a train record per step, eval + sample records every eval_every steps."""
+    out = []
+    for s in steps:
+        t = T0 + s * 0.25
+        out.append({"step": s, "time": t, "kind": "train", "train/loss": 11.0 - 0.01 * s,
+                    "train/lr": 1e-3 * s, "train/tokens_per_s": 1000.0 + s})
+        if s % eval_every == 0:
+            out.append({"step": s, "time": t + 0.1, "kind": "eval", "val/loss": 10.5 - 0.01 * s,
+                        "hellaswag/acc": 0.25 + s / 1e4, "hellaswag/acc_norm": 0.26 + s / 1e4})
+            out.append({"step": s, "time": t + 0.2, "kind": "sample", "text": f"sample at step {s}"})
+    return out
+
+
+def append(rd: Path, recs: list[dict]) -> None:
+    with open(rd / "metrics.jsonl", "a") as f:
+        for r in recs:
+            f.write(json.dumps(r) + "\n")
+            f.flush()
+
+
+def expected(recs: list[dict], key: str) -> list[tuple[int, float]]:
+    return sorted((r["step"], r[key]) for r in recs if key in r)
+
+
+def history(mlc: MlflowClient, run_id: str, key: str) -> list[tuple[int, float]]:
+    return sorted((m.step, m.value) for m in mlc.get_metric_history(run_id, key))
+
+
+KEYS = ["train/loss", "train/lr", "train/tokens_per_s", "val/loss", "hellaswag/acc", "hellaswag/acc_norm"]
+
+
+def test_gptcore_never_imports_mlflow():
+    # training must not depend on the tracking server: the trainer side cannot even import mlflow
+    offenders = [p.name for p in (REPO / "gptcore").glob("*.py")
+                 if "import mlflow" in p.read_text() or "from mlflow" in p.read_text()]
+    assert offenders == []
+
+
+def test_ship_values_steps_params_artifacts_and_no_duplicates(mlflow_server, tmp_path):  # noqa: F811
+    rd = make_run_dir(tmp_path, "ship-basic")
+    recs = records(range(1, 31))
+    append(rd, recs)
+    with open(rd / "metrics.jsonl", "a") as f:  # the trainer is mid-way through writing a line
+        f.write('{"step": 31, "time": 1760000007.75, "kind": "train", "train/lo')
+
+    out = tracking.ship(rd, mlflow_server.uri, flow_run_id="flow-123")
+    assert out["shipped"] == len(recs)
+    mlc = MlflowClient(mlflow_server.uri)
+    run_id = out["run_id"]
+    for key in KEYS:
+        assert history(mlc, run_id, key) == expected(recs, key), key
+    # timestamps are the records' own (what makes a resend an exact duplicate)
+    assert {m.timestamp for m in mlc.get_metric_history(run_id, "val/loss")} == \
+        {int(round(r["time"] * 1000)) for r in recs if "val/loss" in r}
+    run = mlc.get_run(run_id)
+    assert run.data.params["model.n_layer"] == "2" and run.data.params["train.run_name"] == "ship-basic"
+    assert run.data.params["data.manifest_id"] == "manifest-abc"
+    assert run.data.params["prefect.flow_run_id"] == "flow-123"
+    assert run.data.params["code_version"]
+    ident = load_config("micro", ["train.run_name=ship-basic"]).identity_hash()
+    assert run.data.tags[tracking.TAG_IDENTITY] == ident
+    assert run.data.tags[tracking.TAG_FLOW_RUN] == "flow-123"
+    arts = {a.path for a in mlc.list_artifacts(run_id)}
+    assert {"config.json", "curves.png", "samples"} <= arts
+    samples = sorted(a.path for a in mlc.list_artifacts(run_id, "samples"))
+    assert samples == ["samples/step_00000010.txt", "samples/step_00000020.txt", "samples/step_00000030.txt"]
+    dl = Path(mlc.download_artifacts(run_id, "samples/step_00000020.txt", str(tmp_path)))
+    assert dl.read_text() == "sample at step 20"
+    png = Path(mlc.download_artifacts(run_id, "curves.png", str(tmp_path)))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    cursor = json.loads((rd / tracking.CURSOR).read_text())
+    assert cursor["run_id"] == run_id
+    assert cursor["offset"] == sum(len(json.dumps(r)) + 1 for r in recs)  # stops before the partial line
+
+    # A crash after the server acknowledged a batch but before the cursor was saved: everything is
+    # sent again. The server must keep exactly one copy of each point.
+    cursor["offset"] = 0
+    (rd / tracking.CURSOR).write_text(json.dumps(cursor))
+    assert tracking.ship(rd, mlflow_server.uri)["shipped"] == len(recs)
+    for key in KEYS:
+        assert history(mlc, run_id, key) == expected(recs, key), key
+
+    # The trainer finishes the line, resumes in a later invocation (new process, new flow run): same
+    # MLflow run, steps continuing; params keep the first invocation's values.
+    rest = records(range(31, 41))
+    with open(rd / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(rest[0])[len('{"step": 31, "time": 1760000007.75, "kind": "train", "train/lo'):]
+                + "\n")
+    append(rd, rest[1:])
+    (rd / "DONE").write_text("")
+    out2 = tracking.ship(rd, mlflow_server.uri, flow_run_id="flow-456")
+    assert out2["run_id"] == run_id and out2["shipped"] == len(rest)
+    for key in KEYS:
+        assert history(mlc, run_id, key) == expected(recs + rest, key), key
+    run = mlc.get_run(run_id)
+    assert run.data.params["prefect.flow_run_id"] == "flow-123"
+    assert run.data.tags[tracking.TAG_FLOW_RUN] == "flow-456"
+    assert run.info.status == "FINISHED"  # DONE was written
+
+    # Another training run identity gets its own MLflow run, found again on the next ship
+    rd2 = make_run_dir(tmp_path, "ship-other")
+    append(rd2, records(range(1, 3)))
+    other = tracking.ship(rd2, mlflow_server.uri)["run_id"]
+    assert other != run_id
+    (rd2 / tracking.CURSOR).unlink()  # even without the cursor, the identity tags find the run
+    assert tracking.ship(rd2, mlflow_server.uri)["run_id"] == other
+    assert len(mlc.get_metric_history(other, "train/loss")) == 2
+
+
+def test_shipping_survives_server_restart(mlflow_server, tmp_path):  # noqa: F811
+    """A training run writing metrics while the tracking server goes away and comes back: the writer never
+    waits, the shipper pauses, and afterwards every metric is in MLflow exactly once."""
+    rd = make_run_dir(tmp_path, "restart")
+    written: list[dict] = []
+    stop_writing = threading.Event()
+    max_gap = [0.0]
+
+    def trainer():  # writes like the real trainer: one flushed line per record, never blocked by MLflow
+        step, last = 1, time.monotonic()
+        while not stop_writing.is_set() and step <= 400:
+            recs = records([step])
+            append(rd, recs)
+            written.extend(recs)
+            now = time.monotonic()
+            max_gap[0] = max(max_gap[0], now - last)
+            last, step = now, step + 1
+            time.sleep(0.02)
+
+    shipper = tracking.Shipper(rd, mlflow_server.uri, interval=0.2, plot_interval=3600)
+    writer = threading.Thread(target=trainer)
+    writer.start()
+    shipper.start()
+    try:
+        deadline = time.monotonic() + 30
+        while shipper.shipped < 20 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert shipper.shipped >= 20, shipper.last_error
+        mlflow_server.stop()
+        deadline = time.monotonic() + 30
+        while shipper.last_error is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert shipper.last_error is not None  # it noticed the outage...
+        shipped_during_outage = shipper.shipped
+        time.sleep(1.0)
+        assert shipper.shipped == shipped_during_outage  # ...and nothing was acknowledged meanwhile
+        buffered = len(written) - shipped_during_outage  # records written but not yet in MLflow
+    finally:
+        mlflow_server.start()
+    stop_writing.set()
+    writer.join()
+    deadline = time.monotonic() + 60
+    while (shipper.pending_bytes() > 0 or shipper.last_error) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert shipper.stop() is True
+    assert shipper.pending_bytes() == 0
+    assert max_gap[0] < 1.0  # the writer was never held up by the outage
+
+    mlc = MlflowClient(mlflow_server.uri)
+    assert buffered > 0  # the outage really held records back, and they arrived afterwards
+    for key in KEYS:
+        assert history(mlc, shipper.run_id, key) == expected(written, key), key
+    samples = {a.path for a in mlc.list_artifacts(shipper.run_id, "samples")}
+    assert samples == {f"samples/step_{r['step']:08d}.txt" for r in written if r["kind"] == "sample"}
+
+
+def test_cli_errors_and_outage(tmp_path):
+    env = dict(os.environ, MLFLOW_HTTP_REQUEST_MAX_RETRIES="0", MLFLOW_HTTP_REQUEST_TIMEOUT="5",
+               OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, "-m", "tasks.tracking", str(tmp_path / "nope")], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "does not exist" in p.stderr
+
+    rd = make_run_dir(tmp_path, "cli-down")
+    append(rd, records(range(1, 5)))
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    p = subprocess.run([sys.executable, "-m", "tasks.tracking", str(rd), "--tracking-uri", dead], cwd=REPO,
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1 and "Nothing is lost" in p.stderr
+    assert not (rd / tracking.CURSOR).exists()  # nothing acknowledged, nothing recorded as shipped
+
+
+def test_embedded_sqlite_store(tmp_path, monkeypatch):
+    """Without MLFLOW_TRACKING_URI everything lands under the pipeline home: <home>/mlflow/."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("GPTPIPE_HOME", str(tmp_path / "home"))
+    uri = tracking.tracking_uri()
+    assert uri == f"sqlite:///{tmp_path / 'home' / 'mlflow' / 'mlflow.db'}"
+    rd = make_run_dir(tmp_path / "home", "embedded")
+    recs = records(range(1, 11))
+    append(rd, recs)
+    out = tracking.ship(rd)
+    mlc = MlflowClient(uri)
+    assert history(mlc, out["run_id"], "val/loss") == expected(recs, "val/loss")
+    art_root = tmp_path / "home" / "mlflow" / "artifacts"
+    assert list(art_root.rglob("config.json")) and list(art_root.rglob("step_00000010.txt"))
