@@ -1,0 +1,95 @@
+"""HellaSwag scoring speed: the batched scorer vs one ending at a time (build-nanogpt's loop, minus
+its per-example padding), on the same model and examples in the same run.
+
+    python -m benchmarks.bench_hellaswag [--preset tiny-cpu] [--examples 64] [--file hellaswag_val.jsonl]
+
+Without --file it scores the hand-written fixture examples (repeated to --examples). Also used by the
+tests as the independent reference implementation (`reference_scores`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from torch.nn import functional as F
+
+from gptcore import hellaswag
+from gptcore.config import model_preset
+from gptcore.model import GPT
+from gptcore.tokenizer import encode
+
+FIXTURE = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "hellaswag_mini.jsonl"
+
+
+@torch.no_grad()
+def reference_scores(model: GPT, records: list[tuple[str, list[str], int]], device="cpu"):
+    """Straightforward definition: for each ending, one forward over ctx + " " + ending, cross-entropy
+    of the ending tokens given everything before them. Returns lists of (summed, mean) losses."""
+    model.eval()
+    sums, means = [], []
+    for ctx, endings, _ in records:
+        ctx_tokens = encode(ctx)
+        s_row, m_row = [], []
+        for ending in endings:
+            end_tokens = encode(" " + ending)
+            tokens = torch.tensor([ctx_tokens + end_tokens], device=device)
+            logits, _ = model(tokens)
+            # logits at position p predict token p+1; the ending starts at len(ctx_tokens)
+            pred = logits[0, len(ctx_tokens) - 1:-1].float()
+            losses = F.cross_entropy(pred, tokens[0, len(ctx_tokens):], reduction="none")
+            s_row.append(losses.sum().item())
+            m_row.append(losses.mean().item())
+        sums.append(s_row)
+        means.append(m_row)
+    return sums, means
+
+
+def reference_accuracy(model: GPT, records, device="cpu") -> dict:
+    sums, means = reference_scores(model, records, device)
+    labels = [r[2] for r in records]
+    acc = sum(min(range(4), key=s.__getitem__) == y for s, y in zip(sums, labels, strict=True))
+    acc_norm = sum(min(range(4), key=m.__getitem__) == y for m, y in zip(means, labels, strict=True))
+    return {"acc": acc / len(records), "acc_norm": acc_norm / len(records), "n": len(records)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="tiny-cpu", help="model preset (gptcore.config.MODEL_PRESETS)")
+    ap.add_argument("--examples", type=int, default=64)
+    ap.add_argument("--file", default=str(FIXTURE), help="a HellaSwag jsonl (default: the test fixture)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model = GPT(model_preset(args.preset)).eval()
+
+    records = hellaswag.read_records(Path(args.file), args.examples)
+    records = (records * (args.examples // len(records) + 1))[:args.examples]
+    examples = [hellaswag.make_example(*r) for r in records]
+
+    hellaswag.evaluate(model, examples[:4], "cpu")  # warm-up (allocator, kernels)
+    # interleaved repeats, best of each: the machine is shared, so single timings are noisy
+    t_batched = t_ref = float("inf")
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        batched = hellaswag.evaluate(model, examples, "cpu")
+        t_batched = min(t_batched, time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        ref = reference_accuracy(model, records)
+        t_ref = min(t_ref, time.perf_counter() - t0)
+
+    result = {"preset": args.preset, "examples": len(examples),
+              "batched_examples_per_s": round(len(examples) / t_batched, 2),
+              "reference_examples_per_s": round(len(examples) / t_ref, 2),
+              "speedup": round(t_ref / t_batched, 2),
+              "batched": batched, "reference": ref, "same_result": batched == ref}
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,257 @@
+"""HellaSwag (validation split) scored exactly as build-nanogpt does, but batched for speed.
+
+Each example is a context and four endings. For every ending the model sees
+`tokens(ctx) + tokens(" " + ending)` and we sum the cross-entropy over the ending tokens only:
+`acc` picks the ending with the lowest summed loss, `acc_norm` the one with the lowest mean loss per
+ending token. (GPT-2 124M scores acc 0.2859, acc_norm 0.2955 this way.)
+
+Speed: the four endings of an example share one forward pass, several examples go in one batch, and
+every batch is padded to one of a few fixed shapes (length buckets, a fixed number of rows), so a
+torch.compile'd model compiles a handful of shapes once instead of once per example. Under DDP each
+rank scores examples[rank::world] and the counts are all-reduced.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import urllib.error
+import urllib.request
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn import functional as F
+
+from gptcore.config import RunConfig, pipeline_home
+from gptcore.model import unwrap
+from gptcore.shards import atomic_write_bytes
+from gptcore.tokenizer import encode
+
+log = logging.getLogger(__name__)
+
+DEFAULT_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
+URL_ENV = "GPTPIPE_HELLASWAG_URL"  # override the source (a mirror; tests serve a file on 127.0.0.1)
+VAL_EXAMPLES = 10_042
+# sha256 of the canonical hellaswag_val.jsonl. Unknown when this was written (no network); once a
+# verified download exists, pin its digest here and every later download is checked against it.
+VAL_SHA256 = ""
+DOWNLOAD_TIMEOUT_S = 60
+
+
+class HellaSwagError(ValueError):
+    """A HellaSwag file is malformed; the message names the file and the line."""
+
+
+@dataclass
+class Example:
+    ctx: str
+    endings: list[str]
+    label: int
+    ctx_tokens: list[int]
+    ending_tokens: list[list[int]]  # each ending encoded with its leading space, as build-nanogpt
+
+
+# --- the file ------------------------------------------------------------------------------------
+
+def parse_record(line: str, lineno: int, source: str | Path) -> tuple[str, list[str], int]:
+    """(ctx, endings, label) of one jsonl line, or a HellaSwagError naming the file and line."""
+    where = f"{source} line {lineno}"
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise HellaSwagError(f"{where} is not valid JSON ({e}); the file is truncated or corrupt: "
+                             "delete it so it is downloaded again, or fix the line") from None
+    if not isinstance(obj, dict):
+        raise HellaSwagError(f"{where} is a JSON {type(obj).__name__}, expected an object with "
+                             "ctx/endings/label")
+    ctx, endings, label = obj.get("ctx"), obj.get("endings"), obj.get("label")
+    if not isinstance(ctx, str):
+        raise HellaSwagError(f"{where} has no string 'ctx' field")
+    if not (isinstance(endings, list) and len(endings) == 4 and all(isinstance(e, str) for e in endings)):
+        raise HellaSwagError(f"{where}: 'endings' must be a list of 4 strings, got {endings!r:.80}")
+    if isinstance(label, str) and label.isdigit():
+        label = int(label)  # the Hugging Face copy stores labels as strings
+    if not (isinstance(label, int) and not isinstance(label, bool) and 0 <= label < 4):
+        raise HellaSwagError(f"{where}: 'label' must be an integer 0..3, got {label!r}")
+    return ctx, endings, label
+
+
+def read_records(path: Path, limit: int = 0) -> list[tuple[str, list[str], int]]:
+    path = Path(path)
+    if not path.is_file():
+        raise HellaSwagError(f"HellaSwag file {path} does not exist; set eval.hellaswag_path to the "
+                             "hellaswag_val.jsonl file or leave it empty to download it")
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if limit and len(records) >= limit:
+                break
+            if not line.strip():
+                raise HellaSwagError(f"{path} line {lineno} is empty; HellaSwag jsonl has one example "
+                                     "per line (delete the file to re-download it)")
+            records.append(parse_record(line, lineno, path))
+    return records
+
+
+def make_example(ctx: str, endings: list[str], label: int) -> Example:
+    return Example(ctx, endings, label, encode(ctx), [encode(" " + e) for e in endings])
+
+
+def load_examples(path: Path, limit: int = 0) -> list[Example]:
+    """The first `limit` examples (0 = all), tokenized once so periodic evals only run the model."""
+    return [make_example(*r) for r in read_records(path, limit)]
+
+
+def verify_bytes(data: bytes, expected_examples: int = VAL_EXAMPLES, sha256: str | None = None) -> str:
+    """'' if `data` is a complete HellaSwag validation file, else what is wrong with it."""
+    sha256 = VAL_SHA256 if sha256 is None else sha256
+    if sha256 and hashlib.sha256(data).hexdigest() != sha256:
+        return f"sha256 {hashlib.sha256(data).hexdigest()} != pinned {sha256}"
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return f"not UTF-8 text ({e})"
+    lines = text.splitlines()
+    if len(lines) != expected_examples:
+        return f"{len(lines)} lines, expected {expected_examples} (truncated or not the validation split)"
+    try:
+        for i, line in enumerate(lines, start=1):
+            parse_record(line, i, "download")
+    except HellaSwagError as e:
+        return str(e)
+    return ""
+
+
+def cache_path() -> Path:
+    return pipeline_home() / "hellaswag" / "hellaswag_val.jsonl"
+
+
+def fetch(cfg: RunConfig) -> tuple[Path | None, str]:
+    """(path, '') when the dataset is available, else (None, why not)."""
+    if cfg.eval.hellaswag_path:
+        p = Path(cfg.eval.hellaswag_path).expanduser()
+        if p.is_file():
+            return p, ""
+        return None, (f"eval.hellaswag_path={p} does not exist; point it at a hellaswag_val.jsonl file "
+                      "or set it to '' to download the dataset")
+    dest = cache_path()
+    if dest.is_file():  # only ever written (atomically) after verification
+        return dest, ""
+    url = os.environ.get(URL_ENV) or DEFAULT_URL
+    try:
+        with urllib.request.urlopen(url, timeout=DOWNLOAD_TIMEOUT_S) as r:
+            data = r.read()
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        return None, (f"cannot download {url} ({e}); on an air-gapped machine copy hellaswag_val.jsonl "
+                      f"to {dest} or set eval.hellaswag_path (or {URL_ENV} to a reachable mirror)")
+    problem = verify_bytes(data)
+    if problem:
+        return None, f"the file downloaded from {url} failed verification: {problem}"
+    atomic_write_bytes(dest, [data])
+    log.info("HellaSwag validation split cached at %s", dest)
+    return dest, ""
+
+
+def ensure_dataset(cfg: RunConfig) -> Path | None:
+    """Path of the verified validation split (downloaded once), or None with the reason logged.
+    Never raises for network problems: a missing benchmark must not stop a training run."""
+    path, reason = fetch(cfg)
+    if path is None:
+        log.warning("HellaSwag evaluation skipped: %s", reason)
+    return path
+
+
+# --- scoring -------------------------------------------------------------------------------------
+
+def bucket_lengths(block_size: int) -> list[int]:
+    """Padded sequence lengths 32, 48, 64, 96, 128, 192, ... (< 1/3 padding), capped by the block size.
+    HellaSwag rows (up to ~200 tokens) touch only a few of them, so a compiled model sees few shapes."""
+    out, n = [], 32
+    while n < block_size:
+        out += [m for m in (n, n * 3 // 2) if m < block_size]
+        n *= 2
+    return out + [block_size]
+
+
+def example_rows(ex: Example, block_size: int) -> list[tuple[list[int], int]]:
+    """Per ending: (tokens, how many trailing tokens are ending tokens to score). Rows longer than the
+    block keep their last block_size tokens (only matters for models with a block smaller than
+    HellaSwag's longest example, ~200 tokens)."""
+    rows = []
+    for end in ex.ending_tokens:
+        toks = (ex.ctx_tokens + end)[-block_size:]
+        rows.append((toks, min(len(end), len(toks) - 1)))  # the first token of a row has no prediction
+    return rows
+
+
+def default_batch_tokens(device) -> int:
+    # Logits are (rows, length, 50257). A GPU wants big batches (8192 tokens = 0.8 GB of bf16 logits);
+    # a CPU is compute-bound and runs fastest while the logits stay small (512 tokens = 0.1 GB).
+    return 8192 if torch.device(device).type == "cuda" else 512
+
+
+@torch.no_grad()
+def score(model: torch.nn.Module, examples: list[Example], device, autocast_ctx=None,
+          batch_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed loss, ending token count), each (len(examples), 4) float64 on the CPU."""
+    inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    block = unwrap(inner).config.block_size
+    buckets = bucket_lengths(block)
+    batch_tokens = batch_tokens or default_batch_tokens(device)
+    sums = torch.zeros(len(examples), 4, dtype=torch.float64)
+    counts = torch.zeros(len(examples), 4, dtype=torch.float64)
+
+    by_bucket: dict[int, list[int]] = {}
+    for i, ex in enumerate(examples):
+        longest = max(len(t) for t, _ in example_rows(ex, block))
+        by_bucket.setdefault(next(b for b in buckets if b >= longest), []).append(i)
+
+    was_training = inner.training
+    inner.eval()
+    for length, idxs in sorted(by_bucket.items()):
+        per_batch = max(1, batch_tokens // (4 * length))  # examples per forward: fixed for this bucket
+        for start in range(0, len(idxs), per_batch):
+            chunk = idxs[start:start + per_batch]
+            # the last chunk is padded with empty rows, so every forward of this bucket has one shape
+            x = torch.zeros(4 * per_batch, length, dtype=torch.long)
+            y = torch.full((4 * per_batch, length), -1, dtype=torch.long)
+            for j, i in enumerate(chunk):
+                for k, (toks, n_end) in enumerate(example_rows(examples[i], block)):
+                    n = len(toks)
+                    x[4 * j + k, :n] = torch.tensor(toks)
+                    # position p predicts token p+1: score the predictions of the last n_end tokens
+                    y[4 * j + k, n - 1 - n_end:n - 1] = torch.tensor(toks[n - n_end:])
+            x, y = x.to(device), y.to(device)
+            with autocast_ctx or nullcontext():
+                logits, _ = inner(x)
+            mask = y >= 0
+            # only the scored positions' logits are upcast and normalised (a few % of the batch)
+            logp = F.log_softmax(logits[mask].float(), dim=-1)
+            nll = -logp.gather(1, y[mask].unsqueeze(1)).squeeze(1).double()
+            row_sum = torch.zeros(x.size(0), dtype=torch.float64, device=nll.device)
+            row_sum.index_add_(0, mask.nonzero()[:, 0], nll)
+            n_rows = 4 * len(chunk)
+            sums[chunk] = row_sum[:n_rows].view(-1, 4).cpu()
+            counts[chunk] = mask.sum(1)[:n_rows].view(-1, 4).double().cpu()
+    inner.train(was_training)
+    return sums, counts
+
+
+def evaluate(model: torch.nn.Module, examples: list[Example], device, autocast_ctx=None,
+             rank: int = 0, world: int = 1, batch_tokens: int | None = None) -> dict:
+    """{"acc", "acc_norm", "n"} over all examples; under DDP every rank must call this."""
+    mine = examples[rank::world]
+    sums, counts = score(model, mine, device, autocast_ctx, batch_tokens)
+    labels = torch.tensor([ex.label for ex in mine], dtype=torch.long)
+    correct = (sums.argmin(1) == labels).sum() if mine else torch.tensor(0)
+    correct_norm = ((sums / counts).argmin(1) == labels).sum() if mine else torch.tensor(0)
+    totals = torch.tensor([int(correct), int(correct_norm), len(mine)], dtype=torch.long, device=device)
+    if world > 1 and dist.is_available() and dist.is_initialized():
+        dist.all_reduce(totals)
+    c, cn, n = (int(v) for v in totals.cpu())
+    return {"acc": c / n if n else 0.0, "acc_norm": cn / n if n else 0.0, "n": n}
