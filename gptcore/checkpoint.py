@@ -1,0 +1,202 @@
+"""The one checkpoint writer and reader.
+
+A checkpoint is a directory `<run_dir>/checkpoints/step_{step:08d}/` holding
+
+    model.safetensors   the clean model weights (no `_orig_mod.` / `module.` prefixes; the tied
+                        embedding stored once, as `transformer.wte.weight`, like Hugging Face GPT-2)
+    trainer.pt          everything else needed to resume exactly: optimizer, data-loader position,
+                        RNG states of every rank, GradScaler. Plain tensors/containers only, so it
+                        loads with `torch.load(weights_only=True)` (no pickled code).
+    meta.json           step, tokens seen, val loss, config, model config, manifest id, run identity,
+                        sha256 of model.safetensors
+
+It is written into `checkpoints/.tmp-step_...` and renamed into place, so a reader (or a resume after
+SIGKILL) sees either a complete checkpoint or none. Retention keeps the last `keep_last` plus the best
+one by validation loss.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from gptcore.config import ModelConfig
+from gptcore.model import GPT, clean_state_dict, unwrap
+from gptcore.shards import file_sha256
+
+MODEL_FILE = "model.safetensors"
+TRAINER_FILE = "trainer.pt"
+META_FILE = "meta.json"
+TIED = ("lm_head.weight", "transformer.wte.weight")  # (dropped on save, kept) - the same tensor
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, corrupt, or does not fit the model; the message says what."""
+
+
+def checkpoints_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def step_dir(run_dir: Path, step: int) -> Path:
+    return checkpoints_dir(run_dir) / f"step_{step:08d}"
+
+
+# --- weights ------------------------------------------------------------------------------------
+
+def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's clean state dict as contiguous CPU tensors, the tied head weight stored once."""
+    sd = clean_state_dict(unwrap(model).state_dict())
+    sd.pop(TIED[0], None)
+    return {k: v.detach().to("cpu").contiguous() for k, v in sd.items()}
+
+
+def save_weights(model: torch.nn.Module, path: Path) -> None:
+    save_file(model_tensors(model), str(path), metadata={"format": "pt"})
+
+
+def load_weights(model: torch.nn.Module, path: Path) -> None:
+    """Load model.safetensors into `model` (plain, compiled or DDP-wrapped); a shape or key mismatch
+    raises CheckpointError naming the tensors, before anything is changed."""
+    sd = load_file(str(path))
+    if TIED[1] in sd:
+        sd[TIED[0]] = sd[TIED[1]]
+    target = unwrap(model)
+    own = target.state_dict()
+    missing = sorted(set(own) - set(sd))
+    unexpected = sorted(set(sd) - set(own))
+    wrong = [f"{k}: checkpoint {tuple(sd[k].shape)} vs model {tuple(own[k].shape)}"
+             for k in own if k in sd and sd[k].shape != own[k].shape]
+    if missing or unexpected or wrong:
+        raise CheckpointError(
+            f"{path} does not fit this model (a checkpoint from another model shape?): "
+            f"missing {missing[:5]}, unexpected {unexpected[:5]}, shape mismatch {wrong[:5]}; "
+            "use the model config the checkpoint was trained with, or start a new run name")
+    target.load_state_dict(sd, strict=True)
+
+
+# --- writing ------------------------------------------------------------------------------------
+
+def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, trainer_state: dict, meta: dict,
+                    keep_last: int = 3) -> Path:
+    """Write one checkpoint atomically and apply retention; returns its directory.
+    `meta` supplies the run fields (config, manifest_id, ...); step, model_sha256 and time are added."""
+    final = step_dir(run_dir, step)
+    tmp = final.with_name(f".tmp-{final.name}-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        save_weights(model, tmp / MODEL_FILE)
+        torch.save(trainer_state, tmp / TRAINER_FILE)
+        meta = {**meta, "step": step, "model_config": _model_config(model),
+                "model_sha256": file_sha256(tmp / MODEL_FILE), "time": time.time()}
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=1, default=str))
+        for f in tmp.iterdir():  # data on disk before the rename makes it visible
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        if final.exists():  # the same step saved again (e.g. SIGTERM right after a periodic save)
+            old = final.with_name(f".old-{final.name}-{os.getpid()}")
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    prune(run_dir, keep_last)
+    return final
+
+
+def _model_config(model: torch.nn.Module) -> dict:
+    from dataclasses import asdict
+    return asdict(unwrap(model).config)
+
+
+def prune(run_dir: Path, keep_last: int) -> list[Path]:
+    """Delete checkpoints except the last `keep_last` and the best by val loss; returns the deleted."""
+    ckpts = list_checkpoints(run_dir)
+    keep = set(ckpts[-keep_last:]) if keep_last > 0 else set()
+    best = best_checkpoint(run_dir)
+    if best is not None:
+        keep.add(best)
+    deleted = [c for c in ckpts if c not in keep]
+    for c in deleted:
+        # rename first so a half-deleted directory is never mistaken for a checkpoint
+        trash = c.with_name(f".del-{c.name}-{os.getpid()}")
+        os.replace(c, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+    return deleted
+
+
+# --- reading ------------------------------------------------------------------------------------
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints (those with meta.json), oldest step first."""
+    d = checkpoints_dir(run_dir)
+    if not d.is_dir():
+        return []
+    found = [p for p in d.iterdir() if _STEP_DIR.match(p.name) and (p / META_FILE).is_file()]
+    return sorted(found, key=lambda p: p.name)
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    ckpts = list_checkpoints(run_dir)
+    return ckpts[-1] if ckpts else None
+
+
+def best_checkpoint(run_dir: Path) -> Path | None:
+    """The checkpoint with the lowest recorded val loss (latest step wins ties); the latest checkpoint
+    if none has a val loss; None if there are no checkpoints."""
+    ckpts = list_checkpoints(run_dir)
+    scored = []
+    for c in ckpts:
+        try:
+            v = read_meta(c).get("val_loss")
+        except CheckpointError:
+            continue
+        if isinstance(v, (int, float)) and v == v:  # skip None and NaN
+            scored.append((v, -int(c.name[5:]), c))
+    if scored:
+        return min(scored)[2]
+    return ckpts[-1] if ckpts else None
+
+
+def read_meta(ckpt_dir: Path) -> dict:
+    path = Path(ckpt_dir) / META_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{ckpt_dir} is not a checkpoint: no {META_FILE}; pass a directory like "
+                              "<home>/runs/<run>/checkpoints/step_00001000")
+    try:
+        return json.loads(path.read_text())
+    except ValueError as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e}); the checkpoint is corrupt") from e
+
+
+def load_trainer_state(ckpt_dir: Path, map_location="cpu") -> dict:
+    path = Path(ckpt_dir) / TRAINER_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{ckpt_dir} has no {TRAINER_FILE}: it holds weights only and cannot resume "
+                              "training; start a new run from it or pick another checkpoint")
+    return torch.load(path, map_location=map_location, weights_only=True)
+
+
+def load_model(ckpt_dir: Path, device="cpu", verify: bool = True) -> tuple[GPT, dict]:
+    """The GPT stored in a checkpoint (weights only; trainer.pt not needed), in eval mode, and its meta."""
+    ckpt_dir = Path(ckpt_dir)
+    meta = read_meta(ckpt_dir)
+    weights = ckpt_dir / MODEL_FILE
+    if not weights.is_file():
+        raise CheckpointError(f"{ckpt_dir} has no {MODEL_FILE}; the checkpoint is incomplete")
+    if verify and meta.get("model_sha256") and file_sha256(weights) != meta["model_sha256"]:
+        raise CheckpointError(f"{weights} does not match the sha256 in {META_FILE}: the file is corrupt")
+    model = GPT(ModelConfig(**meta["model_config"]))
+    load_weights(model, weights)
+    return model.to(device).eval(), meta

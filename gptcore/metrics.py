@@ -1,0 +1,79 @@
+"""Where training metrics go: one JSON object per line in `<run_dir>/metrics.jsonl`, written by rank 0.
+
+The file is append-only (a resumed run keeps its history) and flushed per line, so anything can tail it:
+tasks/tracking.py ships it to MLflow from outside the training process, and training never waits on
+a tracking server. Metric keys: train/loss, train/lr, train/grad_norm, train/step_time,
+train/tokens_per_s, train/mfu, train/tokens_seen, val/loss, hellaswag/acc, hellaswag/acc_norm,
+hellaswag/n; text samples are kind "sample" with key "text".
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Protocol
+
+
+class MetricsLogger(Protocol):
+    def log(self, step: int, metrics: dict, kind: str = "train") -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _plain(v):
+    """Tensors / numpy scalars to plain Python; non-finite floats to null (strict JSON everywhere)."""
+    if hasattr(v, "item"):
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+class JsonlLogger:
+    """Appends `{"step", "time", "kind", **metrics}` lines to `path`, flushing each one."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        torn = self.path.is_file() and self.path.stat().st_size > 0 and not self.path.read_bytes().endswith(b"\n")
+        self._f = open(self.path, "a", encoding="utf-8")
+        if torn:  # a SIGKILL mid-line: end that line so the next row starts clean
+            self._f.write("\n")
+
+    def log(self, step: int, metrics: dict, kind: str = "train") -> None:
+        row = {"step": int(step), "time": time.time(), "kind": kind,
+               **{k: _plain(v) for k, v in metrics.items()}}
+        self._f.write(json.dumps(row) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        if not self._f.closed:
+            self._f.close()
+
+
+class NullLogger:
+    """For ranks other than 0, and for callers that do not want metrics."""
+
+    def log(self, step: int, metrics: dict, kind: str = "train") -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def read_metrics(path: Path, kind: str | None = None) -> list[dict]:
+    """All rows of a metrics.jsonl (optionally of one kind); a torn last line (SIGKILL) is skipped."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if kind is None or row.get("kind") == kind:
+            rows.append(row)
+    return rows
