@@ -37,7 +37,7 @@ class JsonlLogger:
     def __init__(self, path: Path):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        torn = self.path.is_file() and self.path.stat().st_size > 0 and not self.path.read_bytes().endswith(b"\n")
+        torn = _last_byte(self.path) not in (b"", b"\n")
         self._f = open(self.path, "a", encoding="utf-8")
         if torn:  # a SIGKILL mid-line: end that line so the next row starts clean
             self._f.write("\n")
@@ -51,6 +51,14 @@ class JsonlLogger:
     def close(self) -> None:
         if not self._f.closed:
             self._f.close()
+
+
+def _last_byte(path: Path) -> bytes:
+    if not path.is_file() or path.stat().st_size == 0:
+        return b""
+    with open(path, "rb") as f:
+        f.seek(-1, 2)
+        return f.read(1)
 
 
 class NullLogger:
