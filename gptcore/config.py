@@ -78,6 +78,7 @@ class DataConfig:
     dataset_name: str = ""  # shard directory name under <home>/shards; "" = derived from the source
     max_docs: int = 0  # 0 = all documents (useful to cap a hub download for a smoke run)
     num_workers: int = 0  # tokenize processes; 0 = one per core
+    dataset_dir: str = ""  # train on this shard directory; "" = gptcore.sharding.dataset_dir(cfg)
 
     def validate(self) -> None:
         if self.shard_tokens < 1024:
@@ -119,6 +120,7 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (bf16 on capable GPUs, fp16 on older, fp32 on CPU) | float32 | bfloat16 | float16
     compile: str = "auto"  # auto (on for CUDA) | true | false
+    run_dir: str = ""  # where the run lives; "" = <home>/runs/<run_name>
 
     def validate(self) -> None:
         if self.device not in ("auto", "cpu", "cuda"):
