@@ -79,10 +79,13 @@ class DataConfig:
     max_docs: int = 0  # 0 = all documents (useful to cap a hub download for a smoke run)
     num_workers: int = 0  # tokenize processes; 0 = one per core
     dataset_dir: str = ""  # train on this shard directory; "" = gptcore.sharding.dataset_dir(cfg)
+    piece_bytes: int = 32_000_000  # source text per tokenize piece (unit of parallel work and of resume)
 
     def validate(self) -> None:
         if self.shard_tokens < 1024:
             raise ConfigError(f"data.shard_tokens={self.shard_tokens} is too small; use >= 1024")
+        if self.piece_bytes < 1 or self.num_workers < 0 or self.max_docs < 0:
+            raise ConfigError("data.piece_bytes must be >= 1, data.num_workers and data.max_docs >= 0")
         if not self.source:
             raise ConfigError("data.source is empty; use 'builtin', 'hf', or a local path/glob")
 

@@ -61,12 +61,33 @@ def shard_header(n_tokens: int) -> bytes:
 def write_shard(path: Path, tokens: np.ndarray) -> str:
     """Atomically write `tokens` as a shard; returns the file's sha256."""
     tokens = np.asarray(tokens)
-    if tokens.size and (tokens.min() < 0 or tokens.max() > np.iinfo(TOKEN_DTYPE).max):
-        raise ShardError(f"token ids must fit uint16 (0..65535); got range {tokens.min()}..{tokens.max()}")
-    body = tokens.astype(TOKEN_DTYPE, copy=False).tobytes()
-    header = shard_header(tokens.size)
-    atomic_write_bytes(path, [header, body])
-    return hashlib.sha256(header + body).hexdigest()
+    return write_shard_chunks(path, [tokens], tokens.size)
+
+
+def write_shard_chunks(path: Path, chunks, n_tokens: int) -> str:
+    """Like write_shard, but from an iterable of token arrays (e.g. memmap slices), so a shard is never
+    held in memory as one array. `n_tokens` goes into the header and must equal the chunks' total."""
+    h = hashlib.sha256()
+
+    def body():
+        header = shard_header(n_tokens)
+        h.update(header)
+        yield header
+        written = 0
+        for chunk in chunks:
+            chunk = np.asarray(chunk)
+            if chunk.dtype != TOKEN_DTYPE and chunk.size and (
+                    chunk.min() < 0 or chunk.max() > np.iinfo(TOKEN_DTYPE).max):
+                raise ShardError(f"token ids must fit uint16 (0..65535); got range {chunk.min()}..{chunk.max()}")
+            data = memoryview(np.ascontiguousarray(chunk, dtype=TOKEN_DTYPE)).cast("B")
+            h.update(data)
+            written += chunk.size
+            yield data
+        if written != n_tokens:
+            raise ShardError(f"shard {path}: header says {n_tokens} tokens but {written} were given")
+
+    atomic_write_bytes(path, body())
+    return h.hexdigest()
 
 
 def read_shard(path: Path) -> np.ndarray:

@@ -1,0 +1,435 @@
+"""Tokenize-and-shard: source text -> GPT-2 token shards (llm.c layout) + manifest.json.
+
+    pieces = plan_pieces(cfg, source_dir)      # fixed contiguous document ranges of the source
+    for p in pieces: tokenize_piece(cfg, p)    # in parallel (processes / Prefect tasks), any order
+    manifest = build_shards(cfg, pieces)       # cut shards from the ordered concatenation of pieces
+
+Every document is preceded by EOT (50256), as in build-nanogpt. Shards hold exactly data.shard_tokens
+tokens (the last one fewer); documents may span shards and no token is dropped. Shard 0 is `val`.
+
+Why pieces: a piece is a range of documents fixed by the source alone (not by the number of workers),
+so workers can finish in any order and the shards, cut afterwards from the pieces in order, are
+byte-identical for 1 or N workers. Each piece file and each shard is written atomically and recorded
+with its sha256, so a run killed at any point (even SIGKILL) redoes only what is missing or broken.
+The manifest is written last: its presence means the dataset is complete.
+
+CLI: python -m gptcore.sharding <preset|file.toml> [data.key=value ...]
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+from tqdm import tqdm
+
+from gptcore import sources
+from gptcore.config import RunConfig, pipeline_home
+from gptcore.shards import (MANIFEST, Manifest, ShardError, ShardInfo, atomic_write_bytes, file_sha256,
+                            read_shard, write_shard_chunks)
+from gptcore.tokenizer import EOT, RANK_FILE_SHA256, get_encoding
+
+PIECES = ".pieces"  # work area inside the dataset dir; removed once the manifest is written
+PROGRESS = ".progress.json"  # shards written so far (so a resumed build skips them)
+BYTES_PER_TOKEN = 3.0  # conservative (English ~4.2 bytes/token): for the free-disk estimate only
+
+
+class DataError(RuntimeError):
+    """Tokenize-and-shard cannot proceed; the message names the problem and the fix."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    index: int
+    path: str  # source file, absolute
+    kind: str  # parquet | jsonl | txt
+    name: str  # the file's stable name (lineage)
+    file_id: str  # sha256 or size+mtime of the file: a changed file invalidates its pieces
+    start: int  # parquet: first row group; jsonl: byte offset; txt: 0
+    stop: int  # parquet: end row group (exclusive); jsonl: end byte offset; txt: file size
+    limit: int = -1  # documents to take (data.max_docs cap), -1 = all
+    est_bytes: int = 0  # approximate text bytes (progress bars, disk estimate)
+
+    def key(self, text_column: str) -> str:
+        ident = {k: v for k, v in asdict(self).items() if k not in ("index", "path", "est_bytes")}
+        ident |= {"text_column": text_column, "tokenizer": RANK_FILE_SHA256}
+        return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# --- where things go ------------------------------------------------------------------------------
+
+def dataset_name(cfg: RunConfig) -> str:
+    """data.dataset_name, or derived from the source and shard size (distinct specs never collide)."""
+    d = cfg.data
+    if d.dataset_name:
+        return d.dataset_name
+    if d.source == "builtin":
+        base = "shakespeare"
+    elif d.source == "hf":
+        base = f"{d.hf_repo.split('/')[-1]}-{d.hf_config}"
+    else:
+        base = sources.source_id(cfg)
+    base += f"-{d.max_docs}docs" if d.max_docs else ""
+    return sources._safe(f"{base}-{_short(d.shard_tokens)}")
+
+
+def _short(n: int) -> str:
+    for unit, div in (("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if n % div == 0:
+            return f"{n // div}{unit}"
+    return str(n)
+
+
+def dataset_dir(cfg: RunConfig) -> Path:
+    return pipeline_home() / "shards" / dataset_name(cfg)
+
+
+def is_complete(cfg: RunConfig) -> bool:
+    """True when the dataset dir holds a manifest for this config whose shards all check out (sizes and
+    headers; cheap). Does not contact the source."""
+    try:
+        m = Manifest.load(dataset_dir(cfg))
+    except ShardError:
+        return False
+    s = m.source
+    same = (m.shard_tokens == cfg.data.shard_tokens and s.get("source") == cfg.data.source
+            and s.get("text_column") == cfg.data.text_column and s.get("max_docs") == cfg.data.max_docs)
+    return same and not m.verify(dataset_dir(cfg))
+
+
+# --- planning -------------------------------------------------------------------------------------
+
+def plan_pieces(cfg: RunConfig, source_dir: Path) -> list[Piece]:
+    """Cut the source into pieces of ~data.piece_bytes of text, in document order. Depends only on the
+    source and piece_bytes, so every run (any worker count) plans the same pieces. Checks free disk."""
+    d = cfg.data
+    _, files = sources.load_listing(source_dir)
+    pieces: list[Piece] = []
+    docs_left = d.max_docs or -1
+    for f in files:
+        if docs_left == 0:
+            break
+        path = f.resolve(source_dir)
+        if not path.is_file():
+            raise DataError(f"source file {path} is missing; re-run the download stage")
+        fid = f.sha256 or f"{f.size}-{f.mtime_ns}"
+        ranges = []  # (start, stop, docs or -1 if unknown, est_bytes)
+        if f.kind == "parquet":
+            meta = sources.parquet_text_column(path, d.text_column).metadata
+            start, rows, nbytes = 0, 0, 0
+            for g in range(meta.num_row_groups):
+                rg = meta.row_group(g)
+                rows, nbytes = rows + rg.num_rows, nbytes + rg.total_byte_size
+                if nbytes >= d.piece_bytes or g == meta.num_row_groups - 1:
+                    ranges.append((start, g + 1, rows, nbytes))
+                    start, rows, nbytes = g + 1, 0, 0
+        elif f.kind == "jsonl":
+            cuts = sources.jsonl_boundaries(path, d.piece_bytes)
+            for a, b in zip(cuts, cuts[1:]):
+                ranges.append((a, b, sources.count_lines(path, a, b) if docs_left > 0 else -1, b - a))
+        else:
+            ranges.append((0, f.size, 1, f.size))
+        for start, stop, ndocs, nbytes in ranges:
+            if docs_left == 0:
+                break
+            limit = -1
+            if docs_left > 0:
+                limit = min(docs_left, ndocs)
+                docs_left -= limit
+                limit = -1 if limit == ndocs else limit
+            if ndocs == 0:
+                continue
+            pieces.append(Piece(len(pieces), str(path), f.kind, f.name, fid, start, stop, limit, nbytes))
+    if not pieces:
+        raise DataError(f"source {d.source!r} has no documents (empty files); nothing to tokenize")
+    check_disk(cfg, pieces)
+    return pieces
+
+
+def check_disk(cfg: RunConfig, pieces: list[Piece]) -> None:
+    """Fail before any work if the estimated output (piece files + shards) does not fit."""
+    out = dataset_dir(cfg)
+    probe = next(p for p in [out, *out.parents] if p.exists())
+    need = int(sum(p.est_bytes for p in pieces) / BYTES_PER_TOKEN * 2 * 2 * 1.05)  # uint16, pieces + shards
+    free = shutil.disk_usage(probe).free
+    if need > free:
+        raise DataError(f"not enough free disk for the tokenized dataset in {out}: need ~{need / 1e9:.2f} GB "
+                        f"(pieces + shards), {free / 1e9:.2f} GB free. Free space, point GPTPIPE_HOME at a "
+                        "larger disk, or cap the data with data.max_docs")
+
+
+# --- tokenizing one piece -------------------------------------------------------------------------
+
+def _piece_paths(cfg: RunConfig, piece: Piece) -> tuple[Path, Path]:
+    base = dataset_dir(cfg) / PIECES / f"piece_{piece.index:06d}"
+    return base.with_suffix(".bin"), base.with_suffix(".json")
+
+
+def piece_record(cfg: RunConfig, piece: Piece, need_data: bool = True) -> dict | None:
+    """The piece's record if it was made from this exact piece (and, with need_data, its token file is
+    there with the recorded length); else None. Records outlive the token files (deleted once the
+    manifest is written) so a later repair of one shard knows every piece's length without re-tokenizing."""
+    bin_path, rec_path = _piece_paths(cfg, piece)
+    try:
+        rec = json.loads(rec_path.read_text())
+        if rec["key"] == piece.key(cfg.data.text_column) and (
+                not need_data or len(read_shard(bin_path)) == rec["tokens"]):
+            return rec
+    except (OSError, ValueError, KeyError, ShardError):
+        pass
+    return None
+
+
+def encode_documents(texts: list[str], threads: int, enc=None) -> np.ndarray:
+    """EOT + tokens of each document, concatenated, as uint16. tiktoken's numpy path gives the same ids
+    as encode_ordinary (special-token text stays ordinary text) without building Python int lists;
+    its Rust core releases the GIL, so threads run in parallel."""
+    enc = enc or get_encoding()
+
+    def one(text: str) -> np.ndarray:
+        return enc.encode_to_numpy(text, disallowed_special=())
+
+    if threads > 1 and len(texts) > 1:
+        with ThreadPoolExecutor(threads) as ex:
+            arrays = list(ex.map(one, texts))
+    else:
+        arrays = [one(t) for t in texts]
+    out = np.empty(sum(a.size for a in arrays) + len(arrays), dtype=np.uint32)
+    pos = 0
+    for a in arrays:
+        out[pos] = EOT
+        out[pos + 1: pos + 1 + a.size] = a
+        pos += 1 + a.size
+    if out.size and out.max() > np.iinfo(np.uint16).max:
+        raise DataError(f"token id {int(out.max())} does not fit uint16 (max 65535): the tokenizer is not "
+                        "GPT-2's 50257-token BPE; shards store uint16 ids, so use gptcore.tokenizer")
+    return out.astype(np.uint16)
+
+
+def worker_threads(cfg: RunConfig) -> int:
+    """tiktoken threads per worker process so that workers x threads ~ cores."""
+    cores = os.cpu_count() or 1
+    return max(1, cores // (cfg.data.num_workers or cores))
+
+
+def tokenize_piece(cfg: RunConfig, piece: Piece, threads: int | None = None) -> Path:
+    """Tokenize one piece into <dataset>/.pieces/piece_NNNNNN.bin (+ .json record), atomically.
+    Skips (returns at once) if a verified file for this exact piece is already there."""
+    bin_path, rec_path = _piece_paths(cfg, piece)
+    if piece_record(cfg, piece) is not None:
+        return bin_path
+    threads = threads or worker_threads(cfg)
+    f = sources.SourceFile(path=piece.path, kind=piece.kind, size=0, name=piece.name)
+    chunks, docs = [], 0
+    for texts in sources.read_texts(f, Path("/"), piece.start, piece.stop, cfg.data.text_column, piece.limit):
+        chunks.append(encode_documents(texts, threads))
+        docs += len(texts)
+    n = sum(c.size for c in chunks)
+    sha = write_shard_chunks(bin_path, chunks, n)
+    rec = {"key": piece.key(cfg.data.text_column), "tokens": n, "docs": docs, "sha256": sha}
+    atomic_write_bytes(rec_path, [json.dumps(rec).encode()])  # after the data: record => data complete
+    return bin_path
+
+
+# --- cutting shards -------------------------------------------------------------------------------
+
+def _layout(cfg: RunConfig, records: list[dict]) -> tuple[np.ndarray, list[tuple[int, int, str, str]]]:
+    """Global token offset of each piece, and each shard's (start, end, file name, split)."""
+    starts = np.cumsum([0] + [r["tokens"] for r in records])
+    total, S, name = int(starts[-1]), cfg.data.shard_tokens, dataset_name(cfg)
+    n = math.ceil(total / S)
+    if n < 2:
+        raise DataError(f"the source has only {total:,} tokens: one shard of data.shard_tokens={S:,} would be "
+                        f"the val split with nothing left to train on; use data.shard_tokens <= {total // 2:,}")
+    shards = []
+    for k in range(n):
+        split = "val" if k == 0 else "train"
+        shards.append((k * S, min((k + 1) * S, total), f"{name}_{split}_{k:06d}.bin", split))
+    return starts, shards
+
+
+def _known_shards(cfg: RunConfig, spec: dict) -> dict[int, ShardInfo]:
+    """Shards recorded by an earlier run of this same spec (finished manifest or interrupted progress)."""
+    out, S = dataset_dir(cfg), cfg.data.shard_tokens
+    known: dict[int, ShardInfo] = {}
+    m = _existing_manifest(out)
+    if m is not None:
+        if {k: v for k, v in m.source.items() if k != "documents"} != spec or m.shard_tokens != S:
+            raise DataError(f"{out} already holds a different dataset (source or shard_tokens differ); set "
+                            "data.dataset_name to a new name, or delete that directory to rebuild it")
+        known = dict(enumerate(m.shards))
+    try:
+        doc = json.loads((out / PROGRESS).read_text())
+        if doc["spec"] == spec and doc["shard_tokens"] == S:
+            known |= {int(k): ShardInfo(**v) for k, v in doc["shards"].items()}
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return known
+
+
+def _shard_ok(out: Path, info: ShardInfo | None, a: int, b: int, fname: str) -> bool:
+    return (info is not None and info.name == fname and info.tokens == b - a
+            and info.source_range.get("tokens") == [a, b] and (out / fname).is_file()
+            and file_sha256(out / fname) == info.sha256)
+
+
+def pieces_to_tokenize(cfg: RunConfig, pieces: list[Piece]) -> list[Piece]:
+    """The pieces whose token files must be (re)made before build_shards: on a first or interrupted run
+    those not yet tokenized; on a finished dataset with a missing/corrupt shard, only the pieces that
+    shard is cut from."""
+    records = [piece_record(cfg, p, need_data=False) for p in pieces]
+    lacking = [p for p in pieces if piece_record(cfg, p) is None]
+    if any(r is None for r in records):
+        return lacking
+    starts, layout = _layout(cfg, records)
+    known, out = _known_shards(cfg, _spec(cfg, pieces)), dataset_dir(cfg)
+    need = set()
+    for k, (a, b, fname, _) in enumerate(layout):
+        if not _shard_ok(out, known.get(k), a, b, fname):
+            need |= {i for i in range(len(pieces)) if starts[i] < b and starts[i + 1] > a}
+    return [p for p in lacking if p.index in need]
+
+
+def build_shards(cfg: RunConfig, pieces: list[Piece]) -> Manifest:
+    """Cut shards of data.shard_tokens from the pieces in order; keep shards an earlier (interrupted or
+    finished) run wrote and that verify (sha256); write the manifest last; drop the piece token files."""
+    out, S = dataset_dir(cfg), cfg.data.shard_tokens
+    spec = _spec(cfg, pieces)
+    records = [piece_record(cfg, p, need_data=False) for p in pieces]
+    if any(r is None for r in records):
+        i = records.index(None)
+        raise DataError(f"piece {i} ({pieces[i].name} [{pieces[i].start}:{pieces[i].stop}]) is not tokenized; "
+                        "run tokenize_piece on pieces_to_tokenize(cfg, pieces) before build_shards")
+    starts, layout = _layout(cfg, records)
+    known = _known_shards(cfg, spec)
+    arrays: dict[int, np.ndarray] = {}  # piece token files opened lazily (memmaps), checked once
+
+    def piece_tokens(i: int) -> np.ndarray:
+        if i not in arrays:
+            path = _piece_paths(cfg, pieces[i])[0]
+            if piece_record(cfg, pieces[i]) is None or file_sha256(path) != records[i]["sha256"]:
+                _piece_paths(cfg, pieces[i])[1].unlink(missing_ok=True)
+                raise ShardError(f"piece file {path} is missing or corrupt; its record was removed: re-run "
+                                 "the tokenize stage to re-make it")
+            arrays[i] = read_shard(path)
+        return arrays[i]
+
+    shards: list[ShardInfo] = []
+    progress = {k: v for k, v in known.items()}
+    eot_seen = 0  # documents started before the current shard
+    bar = tqdm(total=int(starts[-1]), unit="tok", unit_scale=True, desc="shards", disable=None)
+    for k, (a, b, fname, split) in enumerate(layout):
+        info = known.get(k)
+        if not _shard_ok(out, info, a, b, fname):
+            idx = [i for i in range(len(pieces)) if starts[i] < b and starts[i + 1] > a]
+            chunks = [piece_tokens(i)[max(a, starts[i]) - starts[i]: min(b, starts[i + 1]) - starts[i]]
+                      for i in idx]
+            n_eot = sum(int(np.count_nonzero(c == EOT)) for c in chunks)
+            srange = {"tokens": [a, b], "docs": [eot_seen + int(chunks[0][0] == EOT) - 1, eot_seen + n_eot - 1],
+                      "pieces": [idx[0], idx[-1]], "files": sorted({pieces[i].name for i in idx})[:2]}
+            info = ShardInfo(fname, split, b - a, write_shard_chunks(out / fname, chunks, b - a), srange)
+            progress[k] = info
+            doc = {"spec": spec, "shard_tokens": S, "shards": {str(j): asdict(v) for j, v in progress.items()}}
+            atomic_write_bytes(out / PROGRESS, [json.dumps(doc).encode()])
+            for i in [i for i in arrays if starts[i + 1] <= b]:
+                del arrays[i]  # done with this piece's memmap
+        eot_seen = info.source_range["docs"][1] + 1
+        shards.append(info)
+        bar.update(b - a)
+    bar.close()
+    manifest = Manifest(shard_tokens=S, source={**spec, "documents": sum(r["docs"] for r in records)},
+                        shards=shards)
+    manifest.save(out)  # last: the manifest's presence marks the dataset complete
+    (out / PROGRESS).unlink(missing_ok=True)
+    for p in pieces:  # keep the tiny records, drop the token copies
+        _piece_paths(cfg, p)[0].unlink(missing_ok=True)
+    return manifest
+
+
+def _spec(cfg: RunConfig, pieces: list[Piece]) -> dict:
+    """What the dataset is made of (stored as manifest.source; a re-run with another spec is refused)."""
+    files: dict[str, dict] = {}
+    for p in pieces:
+        sha = "" if "-" in p.file_id else p.file_id
+        files.setdefault(p.name, {"name": p.name, "sha256": sha})
+    d = cfg.data
+    return {"id": sources.source_id(cfg), "source": d.source, "text_column": d.text_column,
+            "max_docs": d.max_docs, "tokenizer_sha256": RANK_FILE_SHA256, "files": list(files.values())}
+
+
+def _existing_manifest(out: Path) -> Manifest | None:
+    if not (out / MANIFEST).is_file():
+        return None
+    try:
+        return Manifest.load(out)
+    except ShardError:
+        return None
+
+
+# --- plain-python driver (no Prefect): python -m gptcore.sharding ----------------------------------
+
+def _tokenize_job(args):
+    cfg, piece, threads = args
+    tokenize_piece(cfg, piece, threads)
+    return piece.index, piece_record(cfg, piece)["tokens"]
+
+
+def run(cfg: RunConfig, workers: int | None = None) -> Manifest:
+    """fetch -> plan -> tokenize pieces on a process pool -> build shards. Skips when complete."""
+    source_dir = sources.fetch(cfg)
+    if is_complete(cfg):
+        print(f"dataset {dataset_dir(cfg)} is complete and verified; nothing to do", file=sys.stderr)
+        return Manifest.load(dataset_dir(cfg))
+    pieces = plan_pieces(cfg, source_dir)
+    todo = pieces_to_tokenize(cfg, pieces)
+    workers = min(workers or cfg.data.num_workers or os.cpu_count() or 1, max(1, len(todo)))
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    est = int(sum(p.est_bytes for p in todo) / 4.2)
+    t0 = time.perf_counter()
+    with tqdm(total=est, unit="tok", unit_scale=True, desc="tokenize", disable=None) as bar:
+        if workers == 1:
+            for p in todo:
+                bar.update(_tokenize_job((cfg, p, threads))[1])
+        elif todo:
+            import multiprocessing as mp
+
+            from gptcore import sharding  # the job must pickle as gptcore.sharding.*, not __main__.*
+            ctx = mp.get_context("forkserver")  # no fork() of a process that already runs arrow threads
+            ctx.set_forkserver_preload(["numpy", "pyarrow.parquet", "tiktoken", "gptcore.tokenizer"])
+            with ctx.Pool(workers) as pool:
+                for _, n in pool.imap_unordered(sharding._tokenize_job, [(cfg, p, threads) for p in todo]):
+                    bar.update(n)
+    manifest = build_shards(cfg, pieces)
+    dt = time.perf_counter() - t0
+    print(f"dataset {dataset_dir(cfg)}: {manifest.total_tokens():,} tokens in {len(manifest.shards)} shards "
+          f"({dt:.1f}s, {manifest.total_tokens() / max(dt, 1e-9) / 1e6:.2f}M tok/s), manifest {manifest.id}",
+          file=sys.stderr)
+    return manifest
+
+
+def main(argv: list[str] | None = None) -> int:
+    from gptcore.config import ConfigError, load_config
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0 if argv else 2
+    try:
+        run(load_config(argv[0], argv[1:]))
+    except (ConfigError, sources.SourceError, DataError, ShardError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

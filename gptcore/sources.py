@@ -1,0 +1,353 @@
+"""Where training text comes from, behind one interface:
+
+    source_dir = fetch(cfg)              # local dir holding source.json (+ downloaded files); idempotent
+    files = load_listing(source_dir)     # the verified source files, in document order
+    for texts in read_texts(f, start, stop, text_column): ...   # streaming batches of documents
+
+`data.source` selects the source:
+  "builtin"   the small public-domain corpus shipped in the package (Shakespeare, ~1.6M tokens)
+  "hf"        a Hugging Face hub dataset (default FineWeb-Edu sample-10BT), parquet files fetched one
+              by one into <home>/raw/<source_id>/ and verified against the hub's size and sha256;
+              HF_TOKEN and HF_ENDPOINT are honoured (HF_ENDPOINT also when set after import)
+  other       a local directory or glob of .parquet / .jsonl / .txt files (used in place, not copied)
+
+Documents: a parquet row or a jsonl line (its `data.text_column` field), or a whole .txt file.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import glob
+import hashlib
+import json
+import os
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from gptcore.config import RunConfig, pipeline_home
+from gptcore.shards import atomic_write_bytes, file_sha256
+
+BUILTIN = Path(__file__).parent / "assets" / "corpus" / "shakespeare.parquet"
+BUILTIN_SHA256 = "2db4ec02cd015044806362430773d64ca4be9030c573aa55d0afe047b3e76c7c"
+LISTING = "source.json"
+KINDS = {".parquet": "parquet", ".jsonl": "jsonl", ".txt": "txt"}
+
+
+class SourceError(RuntimeError):
+    """The source is missing, empty, unreadable or lacks the text column; the message says the fix."""
+
+
+@dataclass
+class SourceFile:
+    path: str  # absolute path of a local file; for hub/builtin files, relative to the source dir
+    kind: str  # parquet | jsonl | txt
+    size: int
+    sha256: str = ""  # known for hub and builtin files; local files are fingerprinted by size+mtime
+    mtime_ns: int = 0
+    name: str = ""  # stable name for lineage (path in the hub repo / relative to the local root)
+
+    def resolve(self, source_dir: Path) -> Path:
+        return Path(source_dir) / self.path
+
+    def unchanged(self, source_dir: Path) -> bool:
+        try:
+            st = self.resolve(source_dir).stat()
+        except OSError:
+            return False
+        return st.st_size == self.size and st.st_mtime_ns == self.mtime_ns
+
+
+def source_id(cfg: RunConfig) -> str:
+    """A directory-safe name for the source (the raw/<source_id>/ folder)."""
+    d = cfg.data
+    if d.source == "builtin":
+        return "builtin"
+    if d.source == "hf":
+        return _safe(f"hf-{d.hf_repo.replace('/', '--')}-{d.hf_config}-{d.hf_revision}")
+    spec = str(Path(d.source).expanduser().resolve()) if not glob.has_magic(d.source) else d.source
+    base = Path(d.source.rstrip("/*")).name or "local"
+    return _safe(f"local-{base}-{hashlib.sha256(spec.encode()).hexdigest()[:8]}")
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", name)
+
+
+def fetch(cfg: RunConfig) -> Path:
+    """Make the source available locally and verified; returns the source directory (with source.json).
+    A second call with everything in place only checks sizes/mtimes: no network, no re-hashing."""
+    source_dir = pipeline_home() / "raw" / source_id(cfg)
+    if cfg.data.source == "builtin":
+        files = [_builtin_file()]
+    elif cfg.data.source == "hf":
+        files = _fetch_hub(cfg, source_dir)
+    else:
+        files = _local_files(cfg.data.source)
+    _save_listing(source_dir, cfg, files, complete=True)
+    return source_dir
+
+
+def load_listing(source_dir: Path) -> tuple[dict, list[SourceFile]]:
+    path = Path(source_dir) / LISTING
+    if not path.is_file():
+        raise SourceError(f"{path} does not exist: run the download stage (gptcore.sources.fetch) first")
+    doc = json.loads(path.read_text())
+    return doc, [SourceFile(**f) for f in doc["files"]]
+
+
+def _save_listing(source_dir: Path, cfg: RunConfig, files: list[SourceFile], complete: bool) -> None:
+    d = cfg.data
+    doc = {"id": source_id(cfg), "source": d.source, "complete": complete, "max_docs": d.max_docs,
+           "hf": {"repo": d.hf_repo, "config": d.hf_config, "revision": d.hf_revision} if d.source == "hf" else None,
+           "files": [asdict(f) for f in files]}
+    path = Path(source_dir) / LISTING
+    body = json.dumps(doc, indent=1).encode()
+    if not path.is_file() or path.read_bytes() != body:
+        atomic_write_bytes(path, [body])
+
+
+# --- builtin --------------------------------------------------------------------------------------
+
+def _builtin_file() -> SourceFile:
+    if not BUILTIN.is_file():
+        raise SourceError(f"the built-in corpus {BUILTIN} is missing; reinstall the package (pip install -e .)")
+    if file_sha256(BUILTIN) != BUILTIN_SHA256:
+        raise SourceError(f"the built-in corpus {BUILTIN} is corrupted (sha256 mismatch); reinstall the "
+                          "package or rebuild it with gptcore/assets/corpus/build_corpus.py")
+    st = BUILTIN.stat()
+    return SourceFile(path=str(BUILTIN), kind="parquet", size=st.st_size, sha256=BUILTIN_SHA256,
+                      mtime_ns=st.st_mtime_ns, name="shakespeare.parquet")
+
+
+# --- local directory / glob -----------------------------------------------------------------------
+
+def _local_files(spec: str) -> list[SourceFile]:
+    path = Path(spec).expanduser()
+    if glob.has_magic(spec):
+        paths, root = [Path(p) for p in glob.glob(str(path), recursive=True)], None
+    elif path.is_dir():
+        paths, root = [p for p in path.rglob("*") if p.is_file()], path
+    elif path.is_file():
+        paths, root = [path], path.parent
+    else:
+        raise SourceError(f"data.source={spec!r} does not exist; use 'builtin', 'hf', or an existing "
+                          "directory / glob of .parquet, .jsonl or .txt files")
+    paths = sorted(p.resolve() for p in paths if p.is_file() and p.suffix in KINDS)
+    if not paths:
+        raise SourceError(f"data.source={spec!r} holds no .parquet, .jsonl or .txt files; point it at a "
+                          "directory or glob that matches some")
+    files = []
+    for p in paths:
+        if not os.access(p, os.R_OK):
+            raise SourceError(f"source file {p} is not readable (permission denied); fix its permissions")
+        st = p.stat()
+        name = str(p.relative_to(root.resolve())) if root is not None else p.name
+        files.append(SourceFile(path=str(p), kind=KINDS[p.suffix], size=st.st_size, mtime_ns=st.st_mtime_ns,
+                                name=name))
+    if all(f.size == 0 for f in files):
+        raise SourceError(f"data.source={spec!r}: all {len(files)} files are empty; nothing to tokenize")
+    return files
+
+
+# --- Hugging Face hub -----------------------------------------------------------------------------
+
+def _fetch_hub(cfg: RunConfig, source_dir: Path) -> list[SourceFile]:
+    """Download the config's parquet files one at a time (so a kill resumes at the file it was on),
+    each verified against the hub's LFS size + sha256 before it is recorded in source.json."""
+    d = cfg.data
+    listing = Path(source_dir) / LISTING
+    if listing.is_file():  # fast path: everything verified earlier and untouched since -> no network
+        doc, files = load_listing(source_dir)
+        if doc.get("complete") and doc.get("max_docs") == d.max_docs and all(
+                f.unchanged(source_dir) for f in files):
+            return files
+        done = {f.name: f for f in files if f.unchanged(source_dir)}
+    else:
+        done = {}
+
+    from huggingface_hub import HfApi, hf_hub_download  # only the hub source needs it
+
+    endpoint = os.environ.get("HF_ENDPOINT") or None  # read now, not at huggingface_hub import time
+    token = os.environ.get("HF_TOKEN") or None
+    api = HfApi(endpoint=endpoint, token=token)
+    try:
+        remote = _hub_data_files(api, d.hf_repo, d.hf_config, d.hf_revision)
+    except SourceError:
+        raise
+    except Exception as e:  # network / auth / missing repo: say which and what to do
+        raise SourceError(f"cannot list {d.hf_repo} ({d.hf_config}, revision {d.hf_revision}) on "
+                          f"{endpoint or 'huggingface.co'}: {e}. Check the network or HF_ENDPOINT, set HF_TOKEN "
+                          "for gated/private data, or use a local copy: data.source=/path/to/parquet") from e
+    files, rows = [], 0
+    for entry in remote:
+        if d.max_docs and rows >= d.max_docs:
+            break
+        f = done.get(entry.path)
+        if f is None or f.sha256 != entry.lfs_sha256:
+            f = _download_one(hf_hub_download, d, endpoint, token, source_dir, entry)
+            files.append(f)
+        else:
+            files.append(f)
+        _save_listing(source_dir, cfg, files, complete=False)  # a kill now resumes at the next file
+        if d.max_docs:
+            rows += pq.ParquetFile(f.resolve(source_dir)).metadata.num_rows
+    return files
+
+
+@dataclass
+class _Remote:
+    path: str
+    size: int
+    lfs_sha256: str
+
+
+def _hub_data_files(api, repo: str, config: str, revision: str) -> list[_Remote]:
+    """The parquet files of one dataset config, in path order. The config -> files mapping comes from
+    the dataset card's `configs:` (e.g. sample-10BT -> sample/10BT/*), as `datasets` does it."""
+    from huggingface_hub import DatasetCard
+
+    card = DatasetCard.load(repo, repo_type="dataset", token=api.token, endpoint=api.endpoint)
+    patterns = []
+    for c in (card.data.to_dict().get("configs") or []):
+        if c.get("config_name") == config:
+            data_files = c.get("data_files", [])
+            for item in data_files if isinstance(data_files, list) else [data_files]:
+                paths = item.get("path") if isinstance(item, dict) else item
+                patterns += paths if isinstance(paths, list) else [paths]
+    if not patterns:
+        names = [c.get("config_name") for c in (card.data.to_dict().get("configs") or [])]
+        raise SourceError(f"{repo} has no config {config!r} in its dataset card; choose data.hf_config "
+                          f"from {names}")
+    out = {}
+    for pat in patterns:
+        prefix = pat.split("*")[0].rsplit("/", 1)[0] if "/" in pat.split("*")[0] else None
+        for e in api.list_repo_tree(repo, path_in_repo=prefix, recursive=True, repo_type="dataset",
+                                    revision=revision):
+            if getattr(e, "size", None) is not None and e.path.endswith(".parquet") and fnmatch.fnmatch(e.path, pat):
+                sha = e.lfs.sha256 if e.lfs else ""
+                out[e.path] = _Remote(e.path, e.lfs.size if e.lfs else e.size, sha)
+    if not out:
+        raise SourceError(f"{repo} config {config!r} matches no parquet files ({patterns}); the dataset is "
+                          "empty or laid out differently: use data.source=<local dir> instead")
+    return [out[k] for k in sorted(out)]
+
+
+def _download_one(hf_hub_download, d, endpoint, token, source_dir: Path, entry: _Remote) -> SourceFile:
+    # hf_hub_download writes <file>.incomplete and renames when the transfer is complete (and resumes a
+    # partial one); we then check size and sha256 before the file is listed as verified.
+    local = hf_hub_download(d.hf_repo, entry.path, repo_type="dataset", revision=d.hf_revision,
+                            local_dir=Path(source_dir) / "files", endpoint=endpoint, token=token)
+    local = Path(local)
+    size = local.stat().st_size
+    sha = file_sha256(local)
+    if size != entry.size or (entry.lfs_sha256 and sha != entry.lfs_sha256):
+        local.unlink(missing_ok=True)
+        raise SourceError(f"downloaded {entry.path} does not match the hub (size {size} vs {entry.size}, "
+                          f"sha256 {sha[:12]} vs {entry.lfs_sha256[:12]}); deleted it: re-run to download again")
+    st = local.stat()
+    return SourceFile(path=str(local.relative_to(source_dir)), kind="parquet", size=size, sha256=sha,
+                      mtime_ns=st.st_mtime_ns, name=entry.path)
+
+
+# --- reading documents (streaming) ----------------------------------------------------------------
+
+def parquet_text_column(path: Path, text_column: str) -> pq.ParquetFile:
+    """Open a parquet file and check it has a string text column, with errors that name the fix."""
+    try:
+        pf = pq.ParquetFile(path)
+    except (OSError, pa.ArrowException) as e:
+        raise SourceError(f"cannot read parquet file {path}: {e}. It is corrupt or not parquet; delete or "
+                          "replace it (a hub file is re-downloaded on the next run)") from e
+    schema = pf.schema_arrow
+    if text_column not in schema.names:
+        raise SourceError(f"{path} has no column {text_column!r} (columns: {schema.names}); set "
+                          f"data.text_column to the one holding the text")
+    typ = schema.field(text_column).type
+    if not (pa.types.is_string(typ) or pa.types.is_large_string(typ)):
+        raise SourceError(f"column {text_column!r} of {path} is {typ}, not text; set data.text_column")
+    return pf
+
+
+def read_texts(f: SourceFile, source_dir: Path, start: int, stop: int, text_column: str, limit: int = -1,
+               batch_docs: int = 512):
+    """Yield lists of document texts from one piece of a file: parquet row groups [start, stop),
+    jsonl bytes [start, stop) (line-aligned), or a whole txt file. At most `limit` documents (-1 = all).
+    Memory stays at about one batch."""
+    path = f.resolve(source_dir)
+    left = limit if limit >= 0 else float("inf")
+    try:
+        if f.kind == "parquet":
+            pf = parquet_text_column(path, text_column)
+            for rb in pf.iter_batches(batch_size=batch_docs, row_groups=range(start, stop), columns=[text_column],
+                                      use_threads=False):
+                texts = [t or "" for t in rb.column(0).to_pylist()]
+                yield texts[: int(min(len(texts), left))]
+                left -= len(texts)
+                if left <= 0:
+                    return
+        elif f.kind == "jsonl":
+            yield from _read_jsonl(path, start, stop, text_column, left, batch_docs)
+        else:
+            if left > 0:
+                yield [path.read_bytes().decode("utf-8", errors="replace")]
+    except OSError as e:
+        raise SourceError(f"cannot read source file {path}: {e}; check it exists and is readable") from e
+
+
+def _read_jsonl(path: Path, start: int, stop: int, text_column: str, left, batch_docs: int):
+    batch = []
+    with open(path, "rb") as fh:
+        fh.seek(start)
+        pos = start
+        while pos < stop and left > 0:
+            line = fh.readline()
+            if not line:
+                break
+            at, pos = pos, pos + len(line)
+            if not line.strip():
+                continue
+            try:
+                doc = json.loads(line)
+            except ValueError as e:
+                raise SourceError(f"{path} at byte {at}: not valid JSON ({e}); fix or remove that line") from e
+            if not isinstance(doc, dict) or text_column not in doc:
+                keys = list(doc) if isinstance(doc, dict) else type(doc).__name__
+                raise SourceError(f"{path} at byte {at}: no field {text_column!r} (has {keys}); set "
+                                  "data.text_column to the field holding the text")
+            batch.append(doc[text_column] or "")
+            left -= 1
+            if len(batch) == batch_docs:
+                yield batch
+                batch = []
+    if batch:
+        yield batch
+
+
+def jsonl_boundaries(path: Path, piece_bytes: int) -> list[int]:
+    """Line-aligned byte offsets cutting a jsonl file into ~piece_bytes ranges (deterministic)."""
+    size = path.stat().st_size
+    cuts = [0]
+    with open(path, "rb") as fh:
+        while cuts[-1] + piece_bytes < size:
+            fh.seek(cuts[-1] + piece_bytes)
+            fh.readline()  # move to the start of the next line
+            if fh.tell() >= size:
+                break
+            cuts.append(fh.tell())
+    return cuts + [size]
+
+
+def count_lines(path: Path, start: int, stop: int) -> int:
+    """Non-blank lines (= documents) in a line-aligned jsonl byte range."""
+    n = 0
+    with open(path, "rb") as fh:
+        fh.seek(start)
+        pos = start
+        while pos < stop and (line := fh.readline()):
+            pos += len(line)
+            n += bool(line.strip())
+    return n

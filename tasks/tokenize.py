@@ -1,0 +1,66 @@
+"""Prefect stage: tokenize-and-shard, with the tokenize work mapped over source pieces.
+
+    dataset_dir = tokenize_dataset(cfg)      # cfg: RunConfig or cfg.to_dict()
+
+The `tokenize` flow plans the pieces (gptcore.sharding.plan_pieces), maps `tokenize-piece` tasks over
+the ones not yet done on the task runner (by default a ProcessPoolTaskRunner with data.num_workers
+processes; pass a DaskTaskRunner / RayTaskRunner from prefect-dask / prefect-ray to spread pieces over
+machines sharing GPTPIPE_HOME), then cuts the shards in order. The result does not depend on how many
+workers ran or in which order pieces finished. A finished dataset is verified and skipped.
+"""
+
+from __future__ import annotations
+
+import os
+
+from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+from prefect.task_runners import ProcessPoolTaskRunner, TaskRunner
+from prefect.utilities.annotations import unmapped
+
+from gptcore import sharding, sources
+from gptcore.config import RunConfig
+from tasks.download import as_config
+
+
+@task(name="tokenize-piece", retries=1, cache_policy=NO_CACHE)
+def tokenize_piece_task(cfg: dict, piece: sharding.Piece) -> int:
+    """Tokenize one piece (skips if already verified); returns its token count."""
+    c = as_config(cfg)
+    sharding.tokenize_piece(c, piece)
+    return sharding.piece_record(c, piece)["tokens"]
+
+
+@task(name="build-shards", cache_policy=NO_CACHE)
+def build_shards_task(cfg: dict, pieces: list[sharding.Piece]) -> str:
+    manifest = sharding.build_shards(as_config(cfg), pieces)
+    return manifest.id
+
+
+@flow(name="tokenize", task_runner=ProcessPoolTaskRunner(), log_prints=True)
+def tokenize_flow(cfg: dict) -> str:
+    logger = get_run_logger()
+    c = as_config(cfg)
+    out = sharding.dataset_dir(c)
+    if sharding.is_complete(c):
+        logger.info("dataset %s is complete and verified; skipping", out)
+        return str(out)
+    pieces = sharding.plan_pieces(c, sources.fetch(c))
+    todo = sharding.pieces_to_tokenize(c, pieces)
+    logger.info("%d pieces planned, %d to tokenize", len(pieces), len(todo))
+    tokens = tokenize_piece_task.map(unmapped(c.to_dict()), todo).result()
+    logger.info("tokenized %s tokens", f"{sum(tokens):,}")
+    manifest_id = build_shards_task(c.to_dict(), pieces)
+    logger.info("dataset %s ready, manifest %s", out, manifest_id)
+    return str(out)
+
+
+def tokenize_dataset(cfg: RunConfig | dict, task_runner: TaskRunner | None = None) -> str:
+    """Run the `tokenize` flow (as a subflow when called inside a flow); returns the dataset directory.
+    Skips at once when the dataset is already complete."""
+    c = as_config(cfg)
+    if sharding.is_complete(c):
+        return str(sharding.dataset_dir(c))
+    workers = c.data.num_workers or os.cpu_count() or 1
+    runner = task_runner or ProcessPoolTaskRunner(max_workers=workers)
+    return tokenize_flow.with_options(task_runner=runner)(c.to_dict())
