@@ -8,7 +8,11 @@ depend on the world size.
 
 from __future__ import annotations
 
+import argparse
+import json
 import logging
+import os
+import sys
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -16,7 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from gptcore.config import RunConfig
+from gptcore.config import ConfigError, RunConfig, apply_overrides, from_dict, load_config
 from gptcore.shards import Manifest, ShardError, read_shard
 
 log = logging.getLogger(__name__)
@@ -77,3 +81,131 @@ def validation_loss(model: torch.nn.Module, cfg: RunConfig, manifest_dir: Path, 
         dist.all_reduce(total)
     # every batch has B*T tokens, so the mean of batch means is the mean over tokens
     return float(total[0] / total[1])
+
+
+# --- standalone evaluation ----------------------------------------------------------------------
+
+def pick_device(name: str = "auto") -> tuple[torch.device, object]:
+    """(device, autocast context): bf16 autocast on a GPU that supports it, else fp16; none on a CPU."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type != "cuda":
+        return device, nullcontext()
+    dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return device, torch.autocast(device_type="cuda", dtype=dtype)
+
+
+def load_target(path: Path, device="cpu") -> tuple[torch.nn.Module, dict]:
+    """Load the model behind `path`: a checkpoint dir, a run dir (its newest checkpoint) or a Hugging Face
+    export dir. Returns (model in eval mode, info) where info names what was loaded."""
+    from gptcore import checkpoint
+
+    path = Path(path)
+    if (path / checkpoint.META_FILE).is_file():
+        model, meta = checkpoint.load_model(path, device)
+        return model, {"kind": "checkpoint", "path": str(path), "step": meta.get("step"), "meta": meta}
+    if (path / "checkpoints").is_dir():
+        ckpt = checkpoint.latest_checkpoint(path)
+        if ckpt is None:
+            raise FileNotFoundError(f"run directory {path} has no complete checkpoint yet; train first")
+        return load_target(ckpt, device)
+    if (path / "config.json").is_file():
+        from gptcore.hf import load_hf_dir  # the Hugging Face export/import module
+
+        loaded = load_hf_dir(path)
+        model = loaded[0] if isinstance(loaded, tuple) else loaded
+        return model.to(device).eval(), {"kind": "hf", "path": str(path)}
+    raise FileNotFoundError(f"{path} is neither a checkpoint (no meta.json), a run directory (no "
+                            "checkpoints/) nor a Hugging Face export (no config.json)")
+
+
+def evaluate_model(model: torch.nn.Module, cfg: RunConfig, device, autocast_ctx=None, *,
+                   hellaswag: bool = True, hellaswag_path: Path | None = None, limit: int = 0,
+                   val: bool = False, manifest_dir: Path | None = None, rank: int = 0,
+                   world: int = 1) -> dict:
+    """Validation loss and/or HellaSwag for an already-loaded model (a checkpoint, an HF export, or a
+    registered MLflow model loaded by tasks/). HellaSwag that cannot be fetched is reported, not raised."""
+    from gptcore import hellaswag as hs
+
+    out: dict = {}
+    if val:
+        if manifest_dir is None:
+            from gptcore.sharding import dataset_dir
+            manifest_dir = dataset_dir(cfg)
+        out["val_loss"] = validation_loss(model, cfg, manifest_dir, device, autocast_ctx, rank, world)
+        out["val_tokens"] = cfg.eval.val_tokens
+        out["manifest_id"] = Manifest.load(manifest_dir).id
+    if hellaswag:
+        path, reason = (Path(hellaswag_path), "") if hellaswag_path else hs.fetch(cfg)
+        if path is None:
+            log.warning("HellaSwag evaluation skipped: %s", reason)
+            out["hellaswag"] = {"skipped": reason}
+        else:
+            examples = hs.load_examples(path, limit)
+            out["hellaswag"] = hs.evaluate(model, examples, device, autocast_ctx, rank, world)
+    return out
+
+
+def _init_distributed() -> tuple[int, int, str]:
+    """(rank, world, device name) under torchrun; (0, 1, '') otherwise."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1, ""
+    use_cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if use_cuda:
+        torch.cuda.set_device(local)
+    return dist.get_rank(), world, f"cuda:{local}" if use_cuda else "cpu"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m gptcore.evaluate",
+        description="Evaluate a checkpoint, a run's newest checkpoint or a Hugging Face export dir: "
+                    "HellaSwag (acc, acc_norm) and optionally validation loss. Prints JSON. "
+                    "Runs under torchrun too (examples and val batches split across ranks).")
+    p.add_argument("target", help="checkpoint dir, run dir, or Hugging Face export dir")
+    p.add_argument("--hellaswag", metavar="PATH", help="local hellaswag_val.jsonl (default: download/cache)")
+    p.add_argument("--no-hellaswag", action="store_true", help="skip HellaSwag")
+    p.add_argument("--limit", type=int, default=0, help="score only the first N examples (0 = all)")
+    p.add_argument("--val", action="store_true", help="also compute the validation loss")
+    p.add_argument("--data", metavar="DIR", help="dataset dir (manifest.json) for --val; default: the "
+                   "checkpoint config's dataset")
+    p.add_argument("--config", help="preset or file for an HF export's --val batches (default gpt2-124m)")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+
+    rank, world, dist_device = _init_distributed()
+    device, autocast_ctx = pick_device(dist_device or args.device)
+    try:
+        model, info = load_target(Path(args.target), device)
+        if info["kind"] == "checkpoint" and not args.config:
+            cfg = apply_overrides(from_dict(info["meta"]["config"]), args.set)
+        else:
+            cfg = load_config(args.config or "gpt2-124m", args.set)
+        result = evaluate_model(model, cfg, device, autocast_ctx, hellaswag=not args.no_hellaswag,
+                                hellaswag_path=args.hellaswag, limit=args.limit, val=args.val,
+                                manifest_dir=Path(args.data) if args.data else None, rank=rank, world=world)
+    except (OSError, ValueError, RuntimeError, ConfigError, ImportError) as e:
+        # HellaSwagError / ConfigError are ValueErrors, ShardError / CheckpointError RuntimeErrors
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if world > 1:
+            dist.destroy_process_group()
+    trained_on = info.get("meta", {}).get("manifest_id")
+    if "manifest_id" in result and trained_on and result["manifest_id"] != trained_on:
+        log.warning("val loss computed on dataset %s, but the model was trained on %s: not comparable "
+                    "with the run's val/loss", result["manifest_id"], trained_on)
+    result = {"target": info["path"], "kind": info["kind"], "step": info.get("step"), **result}
+    if rank == 0:
+        print(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

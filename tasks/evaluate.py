@@ -1,0 +1,83 @@
+"""The evaluate stage: validation loss + HellaSwag on a run's newest checkpoint (or a given checkpoint /
+Hugging Face export dir), written to `<ckpt>/eval.json`.
+
+Idempotent: when eval.json exists and was computed with the same settings it is returned as is, so a
+re-run flow (or a retry) never evaluates the same weights twice.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from prefect import get_run_logger, task
+
+from gptcore import evaluate as ev
+from gptcore.config import RunConfig, from_dict
+from gptcore.shards import atomic_write_bytes
+
+EVAL_FILE = "eval.json"
+
+
+def resolve_target(target: str | Path) -> Path:
+    """A run dir means its newest checkpoint; a checkpoint or HF export dir is used as is."""
+    from gptcore.checkpoint import latest_checkpoint
+
+    path = Path(target)
+    if (path / "checkpoints").is_dir():
+        ckpt = latest_checkpoint(path)
+        if ckpt is None:
+            raise FileNotFoundError(f"run directory {path} has no complete checkpoint to evaluate")
+        return ckpt
+    return path
+
+
+def settings(cfg: RunConfig, val: bool) -> dict:
+    """What the numbers depend on besides the weights; a change means evaluate again."""
+    return {"val": val, "val_tokens": cfg.eval.val_tokens if val else None,
+            "micro_batch": cfg.train.micro_batch, "seq_len": cfg.train.seq_len,
+            "hellaswag": cfg.eval.hellaswag, "hellaswag_limit": cfg.eval.hellaswag_limit}
+
+
+def evaluate_dir(target: str | Path, cfg_dict: dict | None = None, val: bool = True,
+                 device: str = "auto", log=None) -> dict:
+    """Evaluate (or return the stored evaluation of) the checkpoint behind `target`. Plain function:
+    the Prefect task below wraps it, and tests / other tools can call it directly."""
+    from gptcore.checkpoint import META_FILE, read_meta
+
+    ckpt = resolve_target(target)
+    if not cfg_dict and (ckpt / META_FILE).is_file():
+        cfg_dict = read_meta(ckpt).get("config")  # the config the checkpoint was trained with
+    cfg = from_dict(cfg_dict or {})
+    want = settings(cfg, val)
+    out = ckpt / EVAL_FILE
+    if out.is_file():
+        try:
+            done = json.loads(out.read_text())
+        except ValueError:
+            done = {}
+        # a HellaSwag skipped for lack of the dataset is retried: it may be reachable now
+        if done.get("settings") == want and "skipped" not in (done.get("hellaswag") or {}):
+            if log:
+                log.info("%s already evaluated (%s); skipping", ckpt, out)
+            return done
+    t0 = time.time()
+    dev, autocast_ctx = ev.pick_device(device)
+    model, info = ev.load_target(ckpt, dev)
+    result = ev.evaluate_model(model, cfg, dev, autocast_ctx, hellaswag=cfg.eval.hellaswag,
+                               hellaswag_path=None, limit=cfg.eval.hellaswag_limit, val=val)
+    result = {"target": str(ckpt), "kind": info["kind"], "step": info.get("step"), **result,
+              "settings": want, "seconds": round(time.time() - t0, 2)}
+    atomic_write_bytes(out, [json.dumps(result, indent=1).encode()])
+    if log:
+        log.info("evaluated %s: %s", ckpt, {k: result[k] for k in ("val_loss", "hellaswag") if k in result})
+    return result
+
+
+@task(name="evaluate", task_run_name="evaluate-{target}")
+def evaluate_checkpoint(target: str, cfg_dict: dict | None = None, val: bool = True,
+                        device: str = "auto") -> dict:
+    """Validation loss + HellaSwag of the newest checkpoint of a run dir (or of a checkpoint / HF export
+    dir), stored in <ckpt>/eval.json; skipped when that file already holds the same evaluation."""
+    return evaluate_dir(target, cfg_dict, val, device, log=get_run_logger())

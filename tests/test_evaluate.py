@@ -1,0 +1,207 @@
+"""Validation loss, the standalone `python -m gptcore.evaluate` command (plain and under torchrun), and
+the evaluate stage's idempotent eval.json."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from gptcore import checkpoint, hellaswag
+from gptcore.config import load_config
+from gptcore.evaluate import validation_loss
+from gptcore.model import GPT
+from gptcore.shards import Manifest, ShardError, ShardInfo, write_shard
+from tasks.evaluate import evaluate_dir
+
+FIXTURE = Path(__file__).parent / "fixtures" / "hellaswag_mini.jsonl"
+REPO = Path(__file__).resolve().parent.parent
+# micro: B=4, T=32 -> 128 tokens per batch; 5 batches of validation
+OVERRIDES = ["data.dataset_name=evaltest", "eval.val_tokens=640", f"eval.hellaswag_path={FIXTURE}",
+             "eval.hellaswag=true"]
+
+
+@pytest.fixture(autouse=True)
+def _env(tmp_path, monkeypatch):
+    torch.set_num_threads(2)
+    monkeypatch.setenv("GPTPIPE_HOME", str(tmp_path / "home"))
+
+
+def make_dataset(directory: Path, val_sizes=(400, 500), train_tokens=1000, seed=0) -> np.ndarray:
+    """A dataset dir with val shards of the given sizes; returns the val tokens concatenated."""
+    rng = np.random.default_rng(seed)
+    shards, val = [], []
+    for i, n in enumerate(val_sizes):
+        t = rng.integers(0, 50257, n)
+        name = f"t_val_{i:06d}.bin"
+        shards.append(ShardInfo(name, "val", n, write_shard(directory / name, t)))
+        val.append(t)
+    t = rng.integers(0, 50257, train_tokens)
+    name = f"t_train_{len(val_sizes):06d}.bin"
+    shards.append(ShardInfo(name, "train", train_tokens, write_shard(directory / name, t)))
+    Manifest(shard_tokens=max(val_sizes), shards=shards).save(directory)
+    return np.concatenate(val)
+
+
+def micro_model(seed=0) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(load_config("micro").model).eval()
+
+
+# --- validation loss -----------------------------------------------------------------------------
+
+def test_validation_loss_is_the_mean_over_fixed_batches(tmp_path):
+    val = make_dataset(tmp_path)  # 900 val tokens over 2 shards: batches cross the shard boundary
+    cfg = load_config("micro", OVERRIDES)
+    model = micro_model()
+    # independent computation: one forward over all 5 batches at once, mean over every token
+    n = 5 * 128
+    x = torch.from_numpy(val[:n].astype(np.int64)).view(-1, 32)
+    y = torch.from_numpy(val[1:n + 1].astype(np.int64)).view(-1, 32)
+    with torch.no_grad():
+        _, expected = model(x, y)
+    got = validation_loss(model, cfg, tmp_path, "cpu")
+    assert got == pytest.approx(expected.item(), rel=1e-5)
+    assert validation_loss(model, cfg, tmp_path, "cpu") == got  # the same batches every time
+    cfg.eval.val_tokens = 128  # fewer tokens: only the first batch
+    with torch.no_grad():
+        _, first = model(x[:4], y[:4])
+    assert validation_loss(model, cfg, tmp_path, "cpu") == pytest.approx(first.item(), rel=1e-5)
+
+
+def test_validation_loss_split_across_ranks_sums_to_the_whole(tmp_path):
+    make_dataset(tmp_path)
+    cfg = load_config("micro", OVERRIDES)
+    model = micro_model()
+    whole = validation_loss(model, cfg, tmp_path, "cpu")
+    # without a process group each rank returns the mean of its own batches (0,2,4 and 1,3)
+    r0 = validation_loss(model, cfg, tmp_path, "cpu", rank=0, world=2)
+    r1 = validation_loss(model, cfg, tmp_path, "cpu", rank=1, world=2)
+    assert (3 * r0 + 2 * r1) / 5 == pytest.approx(whole, rel=1e-6)
+    assert model.training is False
+
+
+def test_validation_loss_short_split(tmp_path, caplog):
+    make_dataset(tmp_path, val_sizes=(300,))  # 2 full batches of 128 (+1 target token)
+    cfg = load_config("micro", OVERRIDES)
+    with caplog.at_level(logging.WARNING, logger="gptcore.evaluate"):
+        validation_loss(micro_model(), cfg, tmp_path, "cpu")
+    assert "only 2 full batches" in caplog.text
+    tiny = tmp_path / "tiny"
+    make_dataset(tiny, val_sizes=(100,))
+    with pytest.raises(ShardError, match="fewer than one batch"):
+        validation_loss(micro_model(), cfg, tiny, "cpu")
+
+
+def test_validation_loss_restores_training_mode(tmp_path):
+    make_dataset(tmp_path)
+    model = micro_model().train()
+    validation_loss(model, load_config("micro", OVERRIDES), tmp_path, "cpu")
+    assert model.training
+
+
+# --- standalone command and the evaluate stage ----------------------------------------------------
+
+def make_run(home: Path, steps=(5, 10)) -> tuple[Path, GPT]:
+    """A run dir with checkpoints (the newest holds seed-1 weights) and its dataset."""
+    cfg = load_config("micro", OVERRIDES)
+    make_dataset(home / "shards" / "evaltest")
+    run_dir = home / "runs" / "micro"
+    for i, step in enumerate(steps):
+        model = micro_model(i)
+        checkpoint.save_checkpoint(run_dir, step, model, {}, {"config": cfg.to_dict(), "run_name": "micro"})
+    return run_dir, model
+
+
+def run_cli(args, env_extra=None, torchrun=False, timeout=120):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env_extra or {})}
+    cmd = [sys.executable, "-m", "gptcore.evaluate", *args]
+    if torchrun:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+               "--master_addr=127.0.0.1", f"--master_port={port}", "-m", "gptcore.evaluate", *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def in_process(model: GPT, home: Path) -> dict:
+    cfg = load_config("micro", OVERRIDES)
+    examples = hellaswag.load_examples(FIXTURE)
+    return {"val_loss": validation_loss(model, cfg, home / "shards" / "evaltest", "cpu"),
+            "hellaswag": hellaswag.evaluate(model, examples, "cpu")}
+
+
+@pytest.mark.slow
+def test_cli_on_run_dir_plain_and_torchrun(tmp_path):
+    home = tmp_path / "home"
+    run_dir, newest = make_run(home)
+    expected = in_process(newest, home)
+    res = run_cli([str(run_dir), "--val", "--device", "cpu"])
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["kind"] == "checkpoint" and out["step"] == 10  # the newest checkpoint
+    assert out["hellaswag"] == expected["hellaswag"]
+    assert out["val_loss"] == pytest.approx(expected["val_loss"], rel=1e-5)
+    # two ranks (gloo): the same numbers, printed once
+    res2 = run_cli([str(run_dir), "--val"], torchrun=True)
+    assert res2.returncode == 0, res2.stderr
+    out2 = json.loads(res2.stdout)
+    assert out2["hellaswag"] == expected["hellaswag"]
+    assert out2["val_loss"] == pytest.approx(expected["val_loss"], rel=1e-5)
+
+
+def test_cli_errors_are_clear(tmp_path):
+    res = run_cli([str(tmp_path)])
+    assert res.returncode == 2 and "neither a checkpoint" in res.stderr
+    home = tmp_path / "home"
+    run_dir, _ = make_run(home, steps=(5,))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(FIXTURE.read_text()[:-40])  # truncated mid-line
+    res = run_cli([str(run_dir), "--hellaswag", str(bad)])
+    assert res.returncode == 2 and f"{bad} line 7" in res.stderr
+
+
+def test_evaluate_stage_writes_eval_json_once(tmp_path):
+    home = tmp_path / "home"
+    run_dir, newest = make_run(home)
+    expected = in_process(newest, home)
+    result = evaluate_dir(str(run_dir), device="cpu")
+    out = run_dir / "checkpoints" / "step_00000010" / "eval.json"
+    assert json.loads(out.read_text()) == result
+    assert result["hellaswag"] == expected["hellaswag"] and result["step"] == 10
+    assert result["val_loss"] == pytest.approx(expected["val_loss"], rel=1e-5)
+    assert [p.name for p in out.parent.iterdir() if p.name.startswith(".")] == []  # no temp file left
+    # a second call returns the stored result without evaluating (the weights are not even needed)
+    weights = out.parent / checkpoint.MODEL_FILE
+    weights.rename(weights.with_suffix(".moved"))
+    assert evaluate_dir(str(run_dir), device="cpu") == result
+    weights.with_suffix(".moved").rename(weights)
+    # different settings -> evaluated again
+    cfg = load_config("micro", OVERRIDES + ["eval.hellaswag_limit=3"])
+    again = evaluate_dir(str(out.parent), cfg.to_dict(), device="cpu")
+    assert again["hellaswag"]["n"] == 3 and json.loads(out.read_text())["hellaswag"]["n"] == 3
+
+
+def test_evaluate_stage_reports_unreachable_hellaswag(tmp_path, monkeypatch):
+    home = tmp_path / "home"
+    run_dir, _ = make_run(home, steps=(5,))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv(hellaswag.URL_ENV, f"http://127.0.0.1:{port}/x.jsonl")
+    cfg = load_config("micro", [o for o in OVERRIDES if "hellaswag_path" not in o])
+    result = evaluate_dir(str(run_dir), cfg.to_dict(), device="cpu")
+    assert "cannot download" in result["hellaswag"]["skipped"] and "val_loss" in result
+    # once the dataset is available, the stage evaluates again instead of returning the skip
+    cfg.eval.hellaswag_path = str(FIXTURE)
+    cfg.eval.hellaswag_limit = 0
+    assert evaluate_dir(str(run_dir), cfg.to_dict(), device="cpu")["hellaswag"]["n"] == 7
