@@ -1,0 +1,246 @@
+"""Register a checkpoint as a version of the preset's one registered model (MLflow 3 style).
+
+    register_checkpoint("var/runs/tiny-cpu/checkpoints/step_00000300")
+    -> {"name": "tiny-cpu", "version": "3", "aliases": ["best", "latest"], "created": True, ...}
+
+What a registration does:
+- logs a LoggedModel (MLflow 3: models live outside run artifacts, `models:/<model_id>`) linked to the
+  training run's MLflow run (the one tasks.tracking ships metrics into): the pyfunc text generator of
+  tasks/mlflow_model.py with the checkpoint's weights, plus the Hugging Face export under `hf/`;
+- creates a version of the registered model `<preset>` (e.g. `gpt2-124m`: one stable model, never one
+  per run) from it, tagged with step, tokens_seen, val_loss, hellaswag, manifest id, config hash, code
+  version, flow run id and the weights' sha256, all set in the creating call;
+- moves the aliases: `best` only when the version's val loss beats the current holder's. "latest" is
+  MLflow's own `models:/<name>/latest` (newest version; MLflow reserves `latest` as an alias name, so
+  `resolve_model_uri` maps `@latest` to it).
+
+Idempotent: a checkpoint already registered (same `checkpoint_sha256` tag) returns the existing
+version, and the alias step runs again, so a retry after a partial failure converges.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+from importlib import metadata
+from pathlib import Path
+
+from gptcore.shards import file_sha256
+from tasks import tracking
+
+log = logging.getLogger("gptpipe.register")
+
+BEST = "best"
+MODEL_FILE = Path(__file__).with_name("mlflow_model.py")
+GPTCORE_DIR = Path(__file__).resolve().parent.parent / "gptcore"
+
+
+class RegistryError(RuntimeError):
+    """A checkpoint that cannot be registered; the message names the problem and the fix."""
+
+
+def resolve_model_uri(uri: str) -> str:
+    """`models:/name@latest` -> `models:/name/latest` (MLflow reserves the alias name `latest`)."""
+    if uri.startswith("models:/") and uri.lower().endswith("@latest"):
+        return uri[: -len("@latest")] + "/latest"
+    return uri
+
+
+def _requirements() -> list[str]:
+    # Pinned to what produced the model; local version labels (+cpu, +cu124) are not on PyPI.
+    out = []
+    for pkg in ("torch", "tiktoken", "safetensors", "numpy"):
+        try:
+            out.append(f"{pkg}=={metadata.version(pkg).split('+')[0]}")
+        except metadata.PackageNotFoundError:
+            out.append(pkg)
+    return out
+
+
+def _scores(ckpt_dir: Path, meta: dict) -> tuple[float | None, dict]:
+    """Val loss and HellaSwag of a checkpoint: the training-time numbers in meta.json, completed by the
+    evaluate stage's <ckpt>/eval.json (a full HellaSwag run usually happens there, after training)."""
+    val, hs = meta.get("val_loss"), meta.get("hellaswag") or {}
+    ev_path = ckpt_dir / "eval.json"
+    if ev_path.is_file():
+        try:
+            ev = json.loads(ev_path.read_text())
+        except ValueError:
+            ev = {}
+        val = val if val is not None else ev.get("val_loss")
+        if isinstance(ev.get("hellaswag"), dict) and ev["hellaswag"].get("acc") is not None:
+            hs = ev["hellaswag"]
+    return val, hs
+
+
+def _version_tags(ckpt_dir: Path, meta: dict, sha: str, flow_run_id: str | None) -> dict[str, str]:
+    val, hs = _scores(ckpt_dir, meta)
+    tags = {
+        "step": meta["step"], "tokens_seen": meta.get("tokens_seen"), "val_loss": val,
+        "hellaswag_acc": hs.get("acc"), "hellaswag_acc_norm": hs.get("acc_norm"), "hellaswag_n": hs.get("n"),
+        "manifest_id": meta.get("manifest_id"), "config_hash": meta.get("identity_hash"),
+        "run_name": meta.get("run_name"), "code_version": tracking.code_version(),
+        "flow_run_id": flow_run_id, "checkpoint_sha256": sha, "checkpoint": meta.get("checkpoint_dir"),
+    }
+    return {k: str(v) for k, v in tags.items() if v is not None}
+
+
+def _read_checkpoint(ckpt_dir: Path) -> tuple[dict, str]:
+    from gptcore.checkpoint import read_meta
+
+    if not (ckpt_dir / "meta.json").is_file() or not (ckpt_dir / "model.safetensors").is_file():
+        raise RegistryError(f"{ckpt_dir} is not a checkpoint (needs meta.json and model.safetensors); pass a "
+                            "directory like <home>/runs/<run>/checkpoints/step_00001000")
+    meta = read_meta(ckpt_dir)
+    sha = file_sha256(ckpt_dir / "model.safetensors")
+    if meta.get("model_sha256") and meta["model_sha256"] != sha:
+        raise RegistryError(f"{ckpt_dir}/model.safetensors has sha256 {sha} but meta.json records "
+                            f"{meta['model_sha256']}: the checkpoint is corrupt; register another one")
+    meta["checkpoint_dir"] = str(ckpt_dir.resolve())
+    return meta, sha
+
+
+def _existing_version(mlc, name: str, sha: str):
+    found = mlc.search_model_versions(f"name = '{name}' and tags.checkpoint_sha256 = '{sha}'")
+    return min(found, key=lambda mv: int(mv.version)) if found else None
+
+
+def _log_model(mlc, uri: str, ckpt_dir: Path, meta: dict, name: str, tags: dict, hf: bool) -> str:
+    """Log the LoggedModel (pyfunc + HF export) under the training run; returns its model_id."""
+    import mlflow
+    from mlflow.entities import LoggedModelOutput
+
+    from gptcore.checkpoint import load_model
+    from tasks.mlflow_model import SIGNATURE
+
+    run_id = tracking.find_or_create_run(mlc, meta["run_name"], meta["identity_hash"])
+    exp_id = mlc.get_run(run_id).info.experiment_id
+    mlflow.set_tracking_uri(uri)  # the fluent log_model below resolves the store from it
+    mlflow.set_registry_uri(uri)
+    params = tracking.flatten({"model": meta.get("model_config") or meta["config"]["model"]})
+    lm = mlflow.initialize_logged_model(name=name, source_run_id=run_id, experiment_id=exp_id,
+                                        tags=tags, params=params, model_type="gpt2-text-generation")
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            # the inference weights: the checkpoint without its trainer state
+            ck = Path(tmp) / "checkpoint"
+            ck.mkdir()
+            for f in ("model.safetensors", "meta.json"):
+                shutil.copy2(ckpt_dir / f, ck / f)
+            mlflow.pyfunc.log_model(
+                name=name, python_model=str(MODEL_FILE), artifacts={"checkpoint": str(ck)},
+                code_paths=[str(GPTCORE_DIR)], signature=SIGNATURE, pip_requirements=_requirements(),
+                model_id=lm.model_id, step=int(meta["step"]))
+            # the run lists the model among its outputs, at the checkpoint's step
+            mlc.log_outputs(run_id, [LoggedModelOutput(lm.model_id, step=int(meta["step"]))])
+            if hf:
+                from gptcore.hf import export_hf
+
+                model, _ = load_model(ckpt_dir, device="cpu", verify=False)  # sha256 checked above
+                export_hf(model, Path(tmp) / "hf")
+                mlc.log_model_artifacts(lm.model_id, str(Path(tmp) / "hf"), artifact_path="hf")
+        mlc.finalize_logged_model(lm.model_id, "READY")
+    except BaseException:
+        mlc.finalize_logged_model(lm.model_id, "FAILED")
+        raise
+    return lm.model_id
+
+
+def _move_best(mlc, name: str, mv) -> bool:
+    """Point `best` at mv if its val loss beats the current holder's (or there is no holder)."""
+    from mlflow.exceptions import MlflowException
+
+    if "val_loss" not in mv.tags:
+        return False
+    try:
+        holder = mlc.get_model_version_by_alias(name, BEST)
+    except MlflowException:
+        holder = None
+    if holder is not None and holder.version == mv.version:
+        return True
+    if holder is not None and "val_loss" in holder.tags and \
+            float(holder.tags["val_loss"]) <= float(mv.tags["val_loss"]):
+        return False
+    mlc.set_registered_model_alias(name, BEST, mv.version)
+    return True
+
+
+def register_checkpoint(ckpt_dir: str | Path, model_name: str | None = None, tracking_uri: str | None = None,
+                        flow_run_id: str | None = None, hf: bool = True) -> dict:
+    """Register one checkpoint (idempotent); returns the version's name, number, aliases and tags."""
+    from mlflow.exceptions import MlflowException
+
+    ckpt_dir = Path(ckpt_dir)
+    meta, sha = _read_checkpoint(ckpt_dir)
+    name = model_name or meta["config"]["preset"]
+    uri = tracking_uri or tracking.tracking_uri()
+    mlc = tracking.client(uri)
+    try:
+        mlc.get_registered_model(name)
+    except MlflowException:
+        try:
+            mlc.create_registered_model(name, description=f"GPT-2 ({name}) checkpoints of the gptpipe "
+                                        "pretraining pipeline; alias `best` = lowest val loss")
+        except MlflowException:  # created concurrently
+            mlc.get_registered_model(name)
+    tags = _version_tags(ckpt_dir, meta, sha, flow_run_id)
+    mv, created = _existing_version(mlc, name, sha), False
+    if mv is not None:
+        # already registered: only fill in what was not known then (e.g. HellaSwag from a later eval)
+        for k, v in tags.items():
+            if k not in mv.tags:
+                mlc.set_model_version_tag(name, mv.version, k, v)
+        mv = mlc.get_model_version(name, mv.version)
+    else:
+        model_id = _log_model(mlc, uri, ckpt_dir, meta, name, tags, hf)
+        run_id = mlc.get_logged_model(model_id).source_run_id
+        # the sha256 tag (the idempotency key) arrives with the version in one call
+        mv = mlc.create_model_version(name, source=f"models:/{model_id}", run_id=run_id, tags=tags,
+                                      model_id=model_id)
+        created = True
+        log.info("registered %s as %s version %s", ckpt_dir, name, mv.version)
+    _move_best(mlc, name, mv)
+    mv = mlc.get_model_version(name, mv.version)
+    newest = max(int(v.version) for v in mlc.search_model_versions(f"name = '{name}'"))
+    aliases = sorted(mv.aliases) + (["latest"] if int(mv.version) == newest else [])
+    return {"name": name, "version": mv.version, "aliases": aliases, "created": created,
+            "model_uri": f"models:/{name}/{mv.version}", "run_id": mv.run_id,
+            "model_id": mv.model_id or mv.source.removeprefix("models:/"),  # the LoggedModel
+            "tags": dict(mv.tags), "tracking_uri": uri}
+
+
+try:  # the Prefect task the flow uses; the plain function above needs no Prefect server
+    from prefect import task
+
+    register_task = task(name="register", retries=3, retry_delay_seconds=[10, 30, 60],
+                         log_prints=True)(register_checkpoint)
+except ImportError:  # pragma: no cover - prefect is a dependency; keep the module importable anyway
+    register_task = None
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="Register a checkpoint in the MLflow model registry.")
+    p.add_argument("checkpoint", help="a checkpoint dir, e.g. var/runs/tiny-cpu/checkpoints/step_00000300")
+    p.add_argument("--name", default=None, help="registered model name (default: the config preset)")
+    p.add_argument("--tracking-uri", default=None, help="default: $MLFLOW_TRACKING_URI or the embedded store")
+    p.add_argument("--flow-run-id", default=os.environ.get("PREFECT__FLOW_RUN_ID"))
+    p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face export artifact")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        out = register_checkpoint(args.checkpoint, args.name, args.tracking_uri, args.flow_run_id,
+                                  hf=not args.no_hf)
+    except RegistryError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps({k: v for k, v in out.items() if k != "tags"}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
