@@ -18,6 +18,7 @@ CLI: python -m gptcore.sharding <preset|file.toml> [data.key=value ...]
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import math
@@ -90,13 +91,24 @@ def _short(n: int) -> str:
     return str(n)
 
 
+def pinned(cfg: RunConfig) -> RunConfig:
+    """A copy of cfg with data.dataset_dir set to the absolute output directory, for handing to worker
+    processes: their environment (GPTPIPE_HOME, cwd) may differ from the caller's."""
+    cfg = copy.deepcopy(cfg)
+    cfg.data.dataset_dir = str(dataset_dir(cfg))
+    return cfg
+
+
 def dataset_dir(cfg: RunConfig) -> Path:
+    """data.dataset_dir if set, else <home>/shards/<dataset_name>."""
+    if getattr(cfg.data, "dataset_dir", ""):
+        return Path(cfg.data.dataset_dir).expanduser().resolve()
     return pipeline_home() / "shards" / dataset_name(cfg)
 
 
-def is_complete(cfg: RunConfig) -> bool:
-    """True when the dataset dir holds a manifest for this config whose shards all check out (sizes and
-    headers; cheap). Does not contact the source."""
+def is_complete(cfg: RunConfig, full: bool = False) -> bool:
+    """True when the dataset dir holds a manifest for this config whose shards all check out: sizes and
+    headers (cheap), and with `full` also every sha256. Does not contact the source."""
     try:
         m = Manifest.load(dataset_dir(cfg))
     except ShardError:
@@ -104,7 +116,7 @@ def is_complete(cfg: RunConfig) -> bool:
     s = m.source
     same = (m.shard_tokens == cfg.data.shard_tokens and s.get("source") == cfg.data.source
             and s.get("text_column") == cfg.data.text_column and s.get("max_docs") == cfg.data.max_docs)
-    return same and not m.verify(dataset_dir(cfg))
+    return same and not m.verify(dataset_dir(cfg), full=full)
 
 
 # --- planning -------------------------------------------------------------------------------------
@@ -384,10 +396,12 @@ def _tokenize_job(args):
     return piece.index, piece_record(cfg, piece)["tokens"]
 
 
-def run(cfg: RunConfig, workers: int | None = None) -> Manifest:
-    """fetch -> plan -> tokenize pieces on a process pool -> build shards. Skips when complete."""
+def run(cfg: RunConfig, workers: int | None = None, full_verify: bool = False) -> Manifest:
+    """fetch -> plan -> tokenize pieces on a process pool -> build shards. Skips when complete
+    (full_verify: re-hash every shard to decide, which also repairs silently corrupted ones)."""
+    cfg = pinned(cfg)
     source_dir = sources.fetch(cfg)
-    if is_complete(cfg):
+    if is_complete(cfg, full=full_verify):
         print(f"dataset {dataset_dir(cfg)} is complete and verified; nothing to do", file=sys.stderr)
         return Manifest.load(dataset_dir(cfg))
     pieces = plan_pieces(cfg, source_dir)

@@ -40,7 +40,7 @@ def build_shards_task(cfg: dict, pieces: list[sharding.Piece]) -> str:
 @flow(name="tokenize", task_runner=ProcessPoolTaskRunner(), log_prints=True)
 def tokenize_flow(cfg: dict) -> str:
     logger = get_run_logger()
-    c = as_config(cfg)
+    c = sharding.pinned(as_config(cfg))  # workers may run with another GPTPIPE_HOME / cwd
     out = sharding.dataset_dir(c)
     if sharding.is_complete(c):
         logger.info("dataset %s is complete and verified; skipping", out)
