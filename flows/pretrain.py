@@ -1,0 +1,300 @@
+"""The `pretrain` flow: download -> tokenize-and-shard -> train -> evaluate -> register -> sample.
+
+    pretrain(preset="tiny-cpu", overrides={"train.max_steps": 100})
+    prefect deployment run pretrain/tiny --param overrides='{"train.max_steps": 100}'
+
+The config is validated before any work starts (unknown preset, bad override, missing local source: the
+flow run fails at once with the reason). Each stage is skipped when its verified artifacts exist on disk
+(or in the registry), so a re-run of a finished flow does nothing heavy, and a re-run of a killed one
+continues where it stopped:
+
+    download + tokenize   the dataset's manifest is complete and its shards check out
+    train                 DONE + a checkpoint for this run identity (else the trainer resumes from its
+                          newest checkpoint)
+    evaluate              <checkpoint>/eval.json holds an evaluation with the same settings
+    register              a registry version carries the checkpoint's sha256
+    sample                <checkpoint>/sample.json holds text from that model version
+
+Tasks exchange paths and config dicts, never arrays. For the UI the flow publishes artifacts: the shard
+table, the eval table, links to the MLflow run and model version, the sample text, and a summary table
+(`pretrain-summary`, read back by `python -m flows.demo`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import warnings
+from pathlib import Path
+
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.cache_policies import NO_CACHE
+
+from gptcore.config import ConfigError, RunConfig, load_config
+from tasks.train import resolve_nproc, run_dir_of, run_state, train_task
+
+# pydantic notes that the parameter name `register` shadows a BaseModel method; harmless for validation
+warnings.filterwarnings("ignore", message='Field name "register"')
+
+SUMMARY_KEY = "pretrain-summary"
+SAMPLE_FILE = "sample.json"
+
+
+# --- config, checked before any work -------------------------------------------------------------------
+
+def check_config(preset: str, overrides: dict | None, nproc: int) -> RunConfig:
+    """The validated config, or ConfigError naming the problem (the flow run fails right away)."""
+    if overrides is not None and not isinstance(overrides, dict):
+        raise ConfigError(f"overrides must be a mapping like {{\"train.max_steps\": 100}}, got {overrides!r}")
+    cfg = load_config(preset, overrides, world_size=nproc)
+    if cfg.data.source not in ("builtin", "hf"):
+        from gptcore import sources
+
+        try:  # the one place that knows what a usable local source is; only lists files
+            sources._local_files(cfg.data.source)
+        except sources.SourceError as e:
+            raise ConfigError(str(e)) from None
+    return cfg
+
+
+def _key(*parts: str) -> str:
+    """Prefect artifact keys: lowercase letters, digits and dashes."""
+    return re.sub(r"[^a-z0-9-]+", "-", "-".join(parts).lower()).strip("-")
+
+
+# --- stage helpers -----------------------------------------------------------------------------------
+
+def dataset_stage(cfg: RunConfig, log) -> tuple[str, str]:
+    """(dataset dir, "ran"|"skipped")."""
+    from gptcore import sharding
+    from tasks.download import download_task
+    from tasks.tokenize import tokenize_dataset
+
+    if sharding.is_complete(cfg):
+        log.info("skip download+tokenize: dataset %s is complete and verified", sharding.dataset_dir(cfg))
+        return str(sharding.dataset_dir(cfg)), "skipped"
+    download_task(cfg.to_dict())
+    return tokenize_dataset(cfg.to_dict()), "ran"
+
+
+def shard_rows(dataset_dir: str) -> list[dict]:
+    from gptcore.shards import Manifest
+
+    m = Manifest.load(Path(dataset_dir))
+    return [{"shard": s.name, "split": s.split, "tokens": s.tokens, "sha256": s.sha256[:12]} for s in m.shards]
+
+
+def eval_done(ckpt: str, cfg: RunConfig) -> dict | None:
+    from tasks.evaluate import EVAL_FILE, settings
+
+    path = Path(ckpt) / EVAL_FILE
+    try:
+        done = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return done if done.get("settings") == settings(cfg, True) else None
+
+
+def registered_version(ckpt: str, name: str) -> dict | None:
+    """The registry version already holding this checkpoint's weights (by sha256), or None."""
+    from gptcore.shards import file_sha256
+    from tasks import tracking
+
+    sha = file_sha256(Path(ckpt) / "model.safetensors")
+    mlc = tracking.client()
+    found = mlc.search_model_versions(f"name = '{name}' and tags.checkpoint_sha256 = '{sha}'")
+    if not found:
+        return None
+    mv = min(found, key=lambda v: int(v.version))
+    return {"name": name, "version": mv.version, "model_uri": f"models:/{name}/{mv.version}",
+            "run_id": mv.run_id, "model_id": mv.model_id, "tracking_uri": tracking.tracking_uri(),
+            "created": False}
+
+
+@task(name="sample", cache_policy=NO_CACHE)
+def sample_task(ckpt: str, model_uri: str | None, prompt: str, max_new_tokens: int) -> dict:
+    """Generate text from the registered model version (or straight from the checkpoint when nothing was
+    registered); stored in <checkpoint>/sample.json."""
+    from gptcore.shards import atomic_write_bytes
+
+    if model_uri:
+        from tasks.generate import load
+
+        text = load(model_uri).predict([prompt], params={"max_new_tokens": max_new_tokens, "seed": 0})[0]
+    else:
+        from tasks.mlflow_model import GPTTextGenerator
+
+        gen = GPTTextGenerator()
+        from gptcore.checkpoint import load_model
+
+        gen.model, gen.meta = load_model(Path(ckpt))
+        text = gen.generate(prompt, max_new_tokens, temperature=1.0, top_k=50, seed=0)
+    out = {"model_uri": model_uri, "checkpoint": ckpt, "prompt": prompt, "max_new_tokens": max_new_tokens,
+           "text": text}
+    atomic_write_bytes(Path(ckpt) / SAMPLE_FILE, [json.dumps(out, indent=1).encode()])
+    return out
+
+
+def sample_done(ckpt: str, model_uri: str | None, prompt: str, max_new_tokens: int) -> dict | None:
+    try:
+        s = json.loads((Path(ckpt) / SAMPLE_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    same = (s.get("model_uri"), s.get("prompt"), s.get("max_new_tokens")) == (model_uri, prompt, max_new_tokens)
+    return s if same else None
+
+
+def mlflow_links(reg: dict | None, run_name: str) -> str:
+    """Markdown links to the MLflow run and model version (when MLflow is a server with a UI)."""
+    from tasks import tracking
+
+    uri = tracking.tracking_uri()
+    if not uri.startswith("http"):
+        return f"MLflow store: `{uri}` (no UI server); run `mlflow ui --backend-store-uri {uri}` to browse."
+    lines = []
+    try:
+        mlc = tracking.client(uri)
+        exp = mlc.get_experiment_by_name(tracking.EXPERIMENT)
+        run_id = reg["run_id"] if reg else None
+        if exp is not None and run_id is None:
+            runs = mlc.search_runs([exp.experiment_id], f"tags.`{tracking.TAG_RUN_NAME}` = '{run_name}'",
+                                   max_results=1)
+            run_id = runs[0].info.run_id if runs else None
+        if exp is not None and run_id:
+            lines.append(f"- MLflow run: [{run_name}]({uri}/#/experiments/{exp.experiment_id}/runs/{run_id})")
+    except Exception as e:  # noqa: BLE001 -- links are a convenience; never fail the flow for them
+        lines.append(f"- MLflow run: unavailable ({type(e).__name__}: {e})")
+    if reg:
+        lines.append(f"- Model version: [{reg['name']} v{reg['version']}]({uri}/#/models/{reg['name']}/versions/"
+                     f"{reg['version']}) (`{reg['model_uri']}`)")
+    return "\n".join(lines) or "no MLflow run yet"
+
+
+# --- the flow -----------------------------------------------------------------------------------------
+
+@flow(name="pretrain", log_prints=True)
+def pretrain(preset: str = "tiny-cpu", overrides: dict | None = None, nproc: int = 0, register: bool = True,
+             model_name: str = "", evaluate: bool = True, tracking: bool = True,
+             wait_seconds: float = 600.0) -> dict:
+    """Prepare data, train (or continue) the run, evaluate its newest checkpoint and register it.
+
+    preset: gpt2-124m | tiny-cpu | micro | a .toml/.json config file on the worker
+    overrides: {"section.key": value}, e.g. {"train.max_minutes": 60} for a time-boxed nightly run
+    nproc: trainer processes (0 = one per GPU, 1 on CPU)
+    register / model_name: register the checkpoint in MLflow (name default: the preset)
+    evaluate: validation loss + HellaSwag on the newest checkpoint
+    tracking: ship training metrics to MLflow while training
+    wait_seconds: how long to wait for another flow run training the same run before failing
+    """
+    log = get_run_logger()
+    nproc = resolve_nproc(nproc)
+    cfg = check_config(preset, overrides, nproc)
+    run_name, ident = cfg.run_name, cfg.identity_hash()
+    log.info("run %s (identity %s), preset %s, %d process(es)", run_name, ident, preset, nproc)
+    stages: list[dict] = []
+
+    def stage(name: str, status: str, detail: str = "") -> None:
+        stages.append({"stage": name, "status": status, "detail": detail})
+        log.info("stage %s: %s %s", name, status, detail)
+
+    # 1-2. data
+    dataset_dir, status = dataset_stage(cfg, log)
+    rows = shard_rows(dataset_dir)
+    tokens = {"train": sum(r["tokens"] for r in rows if r["split"] == "train"),
+              "val": sum(r["tokens"] for r in rows if r["split"] == "val")}
+    stage("data", status, f"{dataset_dir}: {len(rows)} shards, {tokens['train']:,} train tokens")
+    create_table_artifact(rows, key=_key(run_name, "shards"),
+                          description=f"Shards of {dataset_dir} ({tokens['train']:,} train / {tokens['val']:,} "
+                                      "val tokens)")
+
+    # 3. train
+    run_dir = run_dir_of(run_name)
+    state = run_state(run_dir, ident)
+    if state["done"]:
+        stage("train", "skipped", f"{run_dir} is DONE at step {state['step']}")
+    else:
+        state = train_task(preset, overrides, run_name, ident, nproc, wait_seconds=wait_seconds, tracking=tracking)
+        stage("train", "ran", f"steps {state.get('resumed_from') or 0} -> {state['step']}"
+                              f"{'' if state['done'] else ' (time budget reached; continues next run)'}")
+    ckpt = state["checkpoint"]
+
+    # 4. evaluate
+    result = None
+    if evaluate:
+        from tasks.evaluate import evaluate_checkpoint
+
+        result = eval_done(ckpt, cfg)
+        if result is not None:
+            stage("evaluate", "skipped", f"{ckpt}/eval.json exists")
+        else:
+            result = evaluate_checkpoint(ckpt, cfg.to_dict())
+            stage("evaluate", "ran", f"val loss {result.get('val_loss')}")
+        hs = result.get("hellaswag") or {}
+        eval_rows = [{"metric": "val_loss", "value": result.get("val_loss")},
+                     {"metric": "val_tokens", "value": result.get("val_tokens")}]
+        eval_rows += ([{"metric": f"hellaswag_{k}", "value": hs[k]} for k in ("acc", "acc_norm", "n") if k in hs]
+                      or [{"metric": "hellaswag", "value": f"skipped: {hs.get('skipped', 'disabled')}"}])
+        create_table_artifact(eval_rows, key=_key(run_name, "eval"),
+                              description=f"Evaluation of {ckpt} (step {result.get('step')})")
+
+    # 5. register
+    reg = None
+    name = model_name or cfg.preset
+    if register:
+        from tasks.register import register_task
+
+        reg = registered_version(ckpt, name)
+        if reg is not None:
+            stage("register", "skipped", f"{reg['model_uri']} holds this checkpoint")
+        else:
+            from prefect.runtime import flow_run
+
+            reg = register_task(ckpt, name, flow_run_id=flow_run.get_id())
+            stage("register", "ran", f"{reg['model_uri']}")
+    create_markdown_artifact("\n".join([f"### MLflow ({run_name})", mlflow_links(reg, run_name)]),
+                             key=_key(run_name, "mlflow"), description="MLflow run and model version")
+
+    # 6. a text sample from what was registered
+    model_uri = reg["model_uri"] if reg else None
+    prompt, n_new = cfg.eval.sample_prompt, cfg.eval.sample_tokens
+    sample = sample_done(ckpt, model_uri, prompt, n_new)
+    if sample is not None:
+        stage("sample", "skipped", f"{ckpt}/{SAMPLE_FILE} exists")
+    else:
+        sample = sample_task(ckpt, model_uri, prompt, n_new)
+        stage("sample", "ran", "")
+    create_markdown_artifact(f"### Sample from {model_uri or ckpt}\n\n```\n{sample['text']}\n```",
+                             key=_key(run_name, "sample"), description="Generated text")
+
+    create_table_artifact(stages, key=_key(run_name, "stages"), description="What this flow run did or skipped")
+    hs = (result or {}).get("hellaswag") or {}
+    summary = {
+        "run_name": run_name, "run_dir": str(run_dir), "dataset_dir": dataset_dir,
+        "train_tokens": tokens["train"], "val_tokens_in_dataset": tokens["val"],
+        "step": state["step"], "done": state["done"], "checkpoint": ckpt,
+        "tokens_seen": _tokens_seen(ckpt),
+        "val_loss": (result or {}).get("val_loss"),
+        "hellaswag": ({k: hs[k] for k in ("acc", "acc_norm", "n") if k in hs}
+                      or ("skipped: " + hs.get("skipped", "evaluation disabled"))),
+        "model_version": reg["model_uri"] if reg else None,
+        "mlflow_uri": reg["tracking_uri"] if reg else None,
+        "sample": sample["text"],
+        "stages": {s["stage"]: s["status"] for s in stages},
+    }
+    create_table_artifact([{"key": k, "value": json.dumps(v)} for k, v in summary.items()], key=SUMMARY_KEY,
+                          description=f"Summary of run {run_name}")
+    return summary
+
+
+def _tokens_seen(ckpt: str) -> int | None:
+    from gptcore.checkpoint import read_meta
+
+    return read_meta(Path(ckpt)).get("tokens_seen")
+
+
+if __name__ == "__main__":  # python -m flows.pretrain tiny-cpu '{"train.max_steps": 50}'
+    import sys
+
+    print(json.dumps(pretrain(sys.argv[1] if len(sys.argv) > 1 else "tiny-cpu",
+                              json.loads(sys.argv[2]) if len(sys.argv) > 2 else None), indent=1))

@@ -1,0 +1,245 @@
+"""The train stage: run `torchrun -m gptcore.train` as a child process of the flow run.
+
+    train_task(preset="tiny-cpu", overrides={"train.max_steps": 50}, nproc=0)
+    -> {"run_dir", "checkpoint", "step", "done", "returncode", "seconds"}
+
+What the launcher guarantees:
+- torchrun runs in its own process group (start_new_session) with a parent-death signal: if the flow
+  run's process dies, even by SIGKILL, torchrun gets SIGTERM and the trainer checkpoints and exits.
+  A failed or cancelled task (any exception here, including Prefect's termination on cancel) sends
+  SIGTERM to the whole group, then SIGKILL after a grace period. No orphaned trainers.
+- Its stdout/stderr lines go into the Prefect run logs; a non-zero exit raises with the log's tail.
+- One trainer per run directory: a Prefect global concurrency limit `train-<run_name>` (limit 1) makes a
+  second flow run wait (then fail with a clear message), and an fcntl lock on `<run_dir>/train.lock`,
+  inherited by torchrun, is the ground truth (held as long as any trainer process of the run lives,
+  even when the Prefect server is unreachable or a lease expired).
+- While training, tasks.tracking.Shipper ships metrics.jsonl to MLflow from a background thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import fcntl
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from gptcore.config import pipeline_home
+
+LOCK_FILE = "train.lock"
+GRACE_SECONDS = 120.0  # SIGTERM -> SIGKILL: time to write a final checkpoint
+LEASE_SECONDS = 60  # Prefect's minimum; a killed holder's slot is reclaimed this long after its death
+
+# Runs the command with PR_SET_PDEATHSIG=SIGTERM: the kernel signals it when the launching thread dies.
+# (A tiny exec wrapper instead of preexec_fn, which is unsafe in a threaded process.)
+_PDEATHSIG_EXEC = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)\n"  # 1 = PR_SET_PDEATHSIG
+    "if os.getppid() != int(sys.argv[1]): sys.exit('launcher died before the trainer started')\n"
+    "os.execv(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+class TrainError(RuntimeError):
+    """Training could not run or failed; the message says why and what to do."""
+
+
+def resolve_nproc(nproc: int = 0) -> int:
+    """Processes per node: `nproc` if given, else one per visible GPU, else 1 (CPU)."""
+    if nproc > 0:
+        return nproc
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 1
+
+
+def run_dir_of(run_name: str) -> Path:
+    return pipeline_home() / "runs" / run_name
+
+
+def run_state(run_dir: Path, identity_hash: str | None = None) -> dict:
+    """What is on disk: newest checkpoint and its step, and whether the run is DONE (for this identity,
+    when given: a DONE left by a different trajectory does not count)."""
+    from gptcore.checkpoint import latest_checkpoint, read_meta
+
+    ckpt = latest_checkpoint(run_dir)
+    step = read_meta(ckpt).get("step") if ckpt else None
+    done = (run_dir / "DONE").exists() and ckpt is not None
+    if done and identity_hash:
+        try:
+            done = json.loads((run_dir / "run.json").read_text()).get("identity_hash") == identity_hash
+        except (OSError, ValueError):
+            done = False
+    return {"run_dir": str(run_dir), "checkpoint": str(ckpt) if ckpt else None, "step": step, "done": done}
+
+
+def override_args(overrides: dict | None) -> list[str]:
+    """{"train.max_steps": 50, "model": {"n_layer": 2}} -> ["train.max_steps=50", "model.n_layer=2"]."""
+    out = []
+    for k, v in (overrides or {}).items():
+        if isinstance(v, dict):
+            out += override_args({f"{k}.{kk}": vv for kk, vv in v.items()})
+        else:
+            out.append(f"{k}={str(v).lower() if isinstance(v, bool) else v}")
+    return out
+
+
+def torchrun_cmd(preset: str, overrides: dict | None, nproc: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            "-m", "gptcore.train", preset, *override_args(overrides)]
+
+
+# --- one trainer per run directory -----------------------------------------------------------------
+
+class RunLock:
+    """An exclusive fcntl lock on <run_dir>/train.lock, polled for up to `timeout` seconds. The file
+    records the holder (pid, host, flow run) so the error message can name it."""
+
+    def __init__(self, run_dir: Path, timeout: float, holder: dict):
+        self.path = Path(run_dir) / LOCK_FILE
+        self.timeout = timeout
+        self.holder = holder
+        self.fd: int | None = None
+
+    def __enter__(self) -> RunLock:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        end = time.monotonic() + self.timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= end:
+                    who = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown"
+                    os.close(fd)
+                    raise TrainError(
+                        f"another trainer holds {self.path} (holder: {who}); two trainers must never write "
+                        f"one run directory. Wait for it to finish or cancel its flow run; use another "
+                        f"train.run_name to train a separate run.") from None
+                time.sleep(1.0)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(self.holder).encode(), 0)
+        self.fd = fd
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # torchrun holds its inherited copy until it exits
+            self.fd = None
+
+
+def prefect_slot(run_name: str, timeout: float):
+    """A Prefect global concurrency limit named after the run (limit 1, created on first use): a second
+    flow run of the same training run waits here, visible in the UI, then fails with a clear message."""
+    from prefect.client.orchestration import get_client
+    from prefect.concurrency.sync import concurrency
+
+    name = f"train-{run_name}"
+    with get_client(sync_client=True) as c:
+        c.upsert_global_concurrency_limit_by_name(name, 1)
+    return name, concurrency(name, occupy=1, timeout_seconds=timeout, lease_duration=LEASE_SECONDS,
+                             strict=True, raise_on_lease_renewal_failure=False)
+
+
+# --- the child process -------------------------------------------------------------------------------
+
+def end_group(proc: subprocess.Popen, grace: float, log) -> None:
+    """SIGTERM torchrun's process group (the trainer checkpoints and exits), SIGKILL after `grace`."""
+    if proc.poll() is None:
+        log.warning("stopping the trainer (SIGTERM to process group %d; SIGKILL after %.0fs)", proc.pid, grace)
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            log.error("trainer did not exit within %.0fs of SIGTERM; sending SIGKILL", grace)
+        except ProcessLookupError:
+            pass
+    try:  # whatever is left of the group (workers that outlived torchrun)
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+
+
+def launch(cmd: list[str], run_dir: Path, lock_fd: int, log, grace: float = GRACE_SECONDS,
+           env: dict | None = None) -> tuple[int, list[str]]:
+    """Run the trainer, streaming its output to `log`; returns (exit code, last lines)."""
+    tail: collections.deque[str] = collections.deque(maxlen=60)
+    full = [sys.executable, "-c", _PDEATHSIG_EXEC, str(os.getpid()), *cmd]
+    env = dict(env or os.environ, PYTHONUNBUFFERED="1")
+    log.info("launching: %s", " ".join(cmd))
+    proc = subprocess.Popen(full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            env=env, start_new_session=True, pass_fds=(lock_fd,), text=True, bufsize=1,
+                            errors="replace")
+    (run_dir / "trainer.pid").write_text(str(proc.pid))
+    try:
+        for line in proc.stdout:
+            line = line.rstrip()
+            if line:
+                tail.append(line)
+                log.info(line)
+        proc.wait()
+    finally:  # also on cancellation / termination signals / a failing logger: never leave the group
+        end_group(proc, grace, log)
+        (run_dir / "trainer.pid").unlink(missing_ok=True)
+    return proc.returncode, list(tail)
+
+
+@task(name="train", cache_policy=NO_CACHE, task_run_name="train-{run_name}")
+def train_task(preset: str, overrides: dict | None, run_name: str, identity_hash: str, nproc: int = 0,
+               wait_seconds: float = 600.0, tracking: bool = True, grace_seconds: float = GRACE_SECONDS) -> dict:
+    """Train (or continue) run `run_name` to max_steps or its time budget; returns the run's state."""
+    from prefect.runtime import flow_run
+
+    log = get_run_logger()
+    nproc = resolve_nproc(nproc)
+    run_dir = run_dir_of(run_name)
+    holder = {"pid": os.getpid(), "host": os.uname().nodename, "flow_run_id": flow_run.get_id(),
+              "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    slot, guard = prefect_slot(run_name, wait_seconds)
+    t0 = time.time()
+    try:
+        guard.__enter__()
+    except TimeoutError:
+        raise TrainError(f"another flow run is training run {run_name!r}: the concurrency limit {slot!r} "
+                         f"stayed taken for {wait_seconds:.0f}s. Let it finish (or cancel it), then run again; "
+                         f"a holder that was killed frees its slot within ~{LEASE_SECONDS}s.") from None
+    try:
+        if time.time() - t0 > 1:
+            log.info("waited %.0fs for concurrency slot %s", time.time() - t0, slot)
+        with RunLock(run_dir, wait_seconds, holder) as lock:
+            state = run_state(run_dir, identity_hash)
+            if state["done"]:  # finished while we waited for the slot
+                log.info("run %s is already complete at step %s", run_name, state["step"])
+                return {**state, "returncode": 0, "seconds": 0.0, "resumed_from": state["step"]}
+            resumed_from = state["step"]
+            log.info("run %s: %s on %d process(es)", run_name,
+                     f"resuming from step {resumed_from}" if resumed_from is not None else "starting", nproc)
+            shipper = None
+            if tracking:
+                from tasks.tracking import Shipper
+
+                shipper = Shipper(run_dir, flow_run_id=holder["flow_run_id"]).start()
+            start = time.time()
+            try:
+                rc, tail = launch(torchrun_cmd(preset, overrides, nproc), run_dir, lock.fd, log, grace_seconds)
+            finally:
+                if shipper is not None and not shipper.stop():
+                    log.warning("MLflow shipping incomplete (%s); metrics stay in %s/metrics.jsonl and are "
+                                "sent on the next run", shipper.last_error, run_dir)
+    finally:
+        guard.__exit__(None, None, None)
+    if rc != 0:
+        raise TrainError(f"torchrun exited with code {rc} for run {run_name!r}; last lines:\n" + "\n".join(tail))
+    state = run_state(run_dir, identity_hash)
+    if state["checkpoint"] is None:
+        raise TrainError(f"the trainer exited 0 but {run_dir} has no checkpoint; last lines:\n" + "\n".join(tail))
+    return {**state, "returncode": rc, "seconds": round(time.time() - start, 1), "resumed_from": resumed_from}
