@@ -1,0 +1,124 @@
+"""Process-group setup and hardware selection: one place decides device, backend, dtype and compile.
+
+CUDA -> nccl, bf16 autocast (fp16 + GradScaler on GPUs without bf16), TF32 matmuls, compile on.
+CPU  -> gloo, fp32 (bf16 autocast if asked), compile only if asked.
+Runs the same under `torchrun` (RANK/WORLD_SIZE/LOCAL_RANK in the environment) and as a plain process.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import nullcontext
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from gptcore.config import TrainConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Env:
+    rank: int
+    local_rank: int
+    world: int
+    device: torch.device
+    dtype: torch.dtype  # autocast dtype (float32 = no autocast)
+    compile: bool
+
+    @property
+    def master(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def ddp(self) -> bool:
+        return self.world > 1
+
+    def autocast(self):
+        if self.dtype == torch.float32:
+            return nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.dtype)
+
+
+def world_size() -> int:
+    """The world size torchrun announces (1 for a plain process); known before any process group."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def select_device(pref: str, local_rank: int = 0) -> torch.device:
+    if pref == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("train.device=cuda but no CUDA device is visible; use train.device=auto or cpu")
+    if pref == "cuda" or (pref == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def select_dtype(pref: str, device: torch.device) -> torch.dtype:
+    if pref != "auto":
+        return DTYPES[pref]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+def select_compile(pref: str, device: torch.device) -> bool:
+    return pref == "true" or (pref == "auto" and device.type == "cuda")
+
+
+def select(tc: TrainConfig) -> Env:
+    """This process's rank and hardware settings (from torchrun's environment; no communication)."""
+    rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
+    world = world_size()
+    device = select_device(tc.device, local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = True  # TF32 tensor cores for the fp32 parts
+        torch.backends.cudnn.allow_tf32 = True
+        torch.set_float32_matmul_precision("high")
+    return Env(rank, local_rank, world, device, select_dtype(tc.dtype, device),
+               select_compile(tc.compile, device))
+
+
+def init_process_group(env: Env) -> None:
+    """Join the process group (nccl on GPUs, gloo on CPU) when launched with more than one rank."""
+    if env.world > 1 and not dist.is_initialized():
+        backend = "nccl" if env.device.type == "cuda" else "gloo"
+        # long timeout: rank 0 alone may spend minutes on a checkpoint, a sample or a download
+        dist.init_process_group(backend=backend, timeout=timedelta(minutes=30),
+                                device_id=env.device if env.device.type == "cuda" else None)
+
+
+def teardown() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum over ranks in place (gloo has no AVG, so callers divide)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def all_gather_object(obj) -> list:
+    if dist.is_available() and dist.is_initialized():
+        out = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj)
+        return out
+    return [obj]
+
+
+def broadcast_object(obj, src: int = 0):
+    if dist.is_available() and dist.is_initialized():
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+    return obj
