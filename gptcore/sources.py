@@ -175,7 +175,9 @@ def _fetch_hub(cfg: RunConfig, source_dir: Path) -> list[SourceFile]:
     token = os.environ.get("HF_TOKEN") or None
     api = HfApi(endpoint=endpoint, token=token)
     try:
-        remote = _hub_data_files(api, d.hf_repo, d.hf_config, d.hf_revision)
+        card = hf_hub_download(d.hf_repo, "README.md", repo_type="dataset", revision=d.hf_revision,
+                               local_dir=Path(source_dir) / "card", endpoint=endpoint, token=token)
+        remote = _hub_data_files(api, Path(card), d.hf_repo, d.hf_config, d.hf_revision)
     except SourceError:
         raise
     except Exception as e:  # network / auth / missing repo: say which and what to do
@@ -205,12 +207,12 @@ class _Remote:
     lfs_sha256: str
 
 
-def _hub_data_files(api, repo: str, config: str, revision: str) -> list[_Remote]:
+def _hub_data_files(api, card_path: Path, repo: str, config: str, revision: str) -> list[_Remote]:
     """The parquet files of one dataset config, in path order. The config -> files mapping comes from
     the dataset card's `configs:` (e.g. sample-10BT -> sample/10BT/*), as `datasets` does it."""
     from huggingface_hub import DatasetCard
 
-    card = DatasetCard.load(repo, repo_type="dataset", token=api.token, endpoint=api.endpoint)
+    card = DatasetCard.load(card_path)
     patterns = []
     for c in (card.data.to_dict().get("configs") or []):
         if c.get("config_name") == config:
@@ -238,7 +240,9 @@ def _hub_data_files(api, repo: str, config: str, revision: str) -> list[_Remote]
 
 def _download_one(hf_hub_download, d, endpoint, token, source_dir: Path, entry: _Remote) -> SourceFile:
     # hf_hub_download writes <file>.incomplete and renames when the transfer is complete (and resumes a
-    # partial one); we then check size and sha256 before the file is listed as verified.
+    # partial one); we then check size and sha256 before the file is listed as verified. A complete but
+    # unverified/damaged copy is removed first, or hf_hub_download would trust its own metadata and keep it.
+    (Path(source_dir) / "files" / entry.path).unlink(missing_ok=True)
     local = hf_hub_download(d.hf_repo, entry.path, repo_type="dataset", revision=d.hf_revision,
                             local_dir=Path(source_dir) / "files", endpoint=endpoint, token=token)
     local = Path(local)
