@@ -8,8 +8,8 @@ A run lives in <home>/runs/<run_name>/ (or train.run_dir). Starting the same com
 it from its latest checkpoint; a finished run (DONE) does nothing and prints RUN_DONE.
 
 Exit codes: 0 = max_steps reached (RUN_DONE printed) or stopped cleanly with a checkpoint (time budget
-train.max_minutes, SIGTERM, SIGINT); 2 = bad input (config, dataset, run identity, checkpoint): nothing
-was written; anything else = a crash.
+train.max_minutes, SIGTERM/SIGINT to the trainer processes, or a <run_dir>/STOP file); 2 = bad input
+(config, dataset, run identity, checkpoint): nothing was written; anything else = a crash.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from gptcore.model import GPT, peak_flops_guess
 from gptcore.shards import Manifest, ShardError, atomic_write_bytes
 
 EXIT_OK, EXIT_BAD_INPUT = 0, 2
+STOP_FILE = "STOP"  # create <run_dir>/STOP to stop a run gracefully (checkpoint, exit 0, torchrun too)
 PEAK_ENV = "GPTPIPE_PEAK_FLOPS"  # peak FLOP/s per device for MFU (default: a table for known GPUs)
 
 
@@ -206,6 +207,7 @@ def train(cfg: RunConfig, prep: dict, t_start: float) -> int:
                 "run_name": cfg.run_name, "identity_hash": cfg.identity_hash(), "manifest_id": manifest.id,
                 "preset": cfg.preset, "dataset_dir": str(data_dir), "created": time.time()})
         write_json(run_dir / "config.json", cfg.to_dict())
+        (run_dir / STOP_FILE).unlink(missing_ok=True)  # a stop request was for the previous invocation
         logger = JsonlLogger(run_dir / "metrics.jsonl")
         how = f"resuming from {prep['ckpt'].name}" if prep["ckpt"] else "starting"
         print(f"run {cfg.run_name} ({run_dir}): {how} at step {step}/{tc.max_steps}; world={env.world} "
@@ -262,7 +264,9 @@ def train(cfg: RunConfig, prep: dict, t_start: float) -> int:
             # one all-reduce: the loss for logging, and the stop vote (a signal on any rank, or rank 0's
             # clock), so every rank stops after the same step
             out_of_time = tc.max_minutes > 0 and (time.time() - t_start) > tc.max_minutes * 60
-            stop_vote = 1.0 if (_STOP["signal"] is not None or (env.master and out_of_time)) else 0.0
+            stop_file = env.master and (run_dir / STOP_FILE).exists()
+            stop_vote = 1.0 if (_STOP["signal"] is not None or (env.master and out_of_time) or stop_file) \
+                else 0.0
             packed = torch.stack([loss_sum.float(), torch.tensor(stop_vote, device=env.device)])
             distributed.all_reduce_sum(packed)
             if env.device.type == "cuda":
@@ -286,7 +290,7 @@ def train(cfg: RunConfig, prep: dict, t_start: float) -> int:
                 save("end" if last else "stop" if stop else "interval")
             if stop and not last:
                 why = f"signal {_STOP['signal']}" if _STOP["signal"] is not None else \
-                    f"time budget train.max_minutes={tc.max_minutes}"
+                    f"{STOP_FILE} file" if stop_file else f"time budget train.max_minutes={tc.max_minutes}"
                 if env.master:
                     print(f"stopped at step {step}/{tc.max_steps} ({why}); run the same command to "
                           "continue", flush=True)
