@@ -11,15 +11,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 from contextlib import nullcontext
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
-from gptcore.config import ConfigError, RunConfig, apply_overrides, from_dict, load_config
+from gptcore import distributed
+from gptcore.config import ConfigError, RunConfig, TrainConfig, apply_overrides, from_dict, load_config
 from gptcore.data import val_batches
 from gptcore.shards import Manifest
 
@@ -48,8 +47,8 @@ def validation_loss(model: torch.nn.Module, cfg: RunConfig, manifest_dir: Path, 
         total[0] += loss.double()
         total[1] += 1
     inner.train(was_training)
-    if world > 1 and dist.is_available() and dist.is_initialized():
-        dist.all_reduce(total)
+    if world > 1:  # world=1 inside a DDP job (rank 0 evaluating alone) must not wait for the others
+        distributed.all_reduce_sum(total)
     wanted = max(1, cfg.eval.val_tokens // (B * T))
     if total[1] < wanted:
         log.warning("eval.val_tokens=%d but the val split holds only %d full batches (%d tokens); "
@@ -61,14 +60,12 @@ def validation_loss(model: torch.nn.Module, cfg: RunConfig, manifest_dir: Path, 
 # --- standalone evaluation ----------------------------------------------------------------------
 
 def pick_device(name: str = "auto") -> tuple[torch.device, object]:
-    """(device, autocast context): bf16 autocast on a GPU that supports it, else fp16; none on a CPU."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
-    if device.type != "cuda":
-        return device, nullcontext()
-    dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return device, torch.autocast(device_type="cuda", dtype=dtype)
+    """(device, autocast context) for a single-process evaluation, by the trainer's hardware rules
+    (gptcore.distributed): bf16 autocast on a GPU that supports it, fp16 on older ones, none on a CPU."""
+    device = distributed.select_device(name)
+    dtype = distributed.select_dtype("auto", device)
+    ctx = nullcontext() if dtype == torch.float32 else torch.autocast(device_type=device.type, dtype=dtype)
+    return device, ctx
 
 
 def load_target(path: Path, device="cpu") -> tuple[torch.nn.Module, dict]:
@@ -122,19 +119,6 @@ def evaluate_model(model: torch.nn.Module, cfg: RunConfig, device, autocast_ctx=
     return out
 
 
-def _init_distributed() -> tuple[int, int, str]:
-    """(rank, world, device name) under torchrun; (0, 1, '') otherwise."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
-        return 0, 1, ""
-    use_cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if use_cuda else "gloo")
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    if use_cuda:
-        torch.cuda.set_device(local)
-    return dist.get_rank(), world, f"cuda:{local}" if use_cuda else "cpu"
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m gptcore.evaluate",
@@ -154,8 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
-    rank, world, dist_device = _init_distributed()
-    device, autocast_ctx = pick_device(dist_device or args.device)
+    env = distributed.select(TrainConfig(device=args.device))
+    distributed.init_process_group(env)  # only under torchrun with more than one rank
+    rank, world, device, autocast_ctx = env.rank, env.world, env.device, env.autocast()
     try:
         model, info = load_target(Path(args.target), device)
         if info["kind"] == "checkpoint" and not args.config:
@@ -170,8 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:
-        if world > 1:
-            dist.destroy_process_group()
+        distributed.teardown()
     trained_on = info.get("meta", {}).get("manifest_id")
     if "manifest_id" in result and trained_on and result["manifest_id"] != trained_on:
         log.warning("val loss computed on dataset %s, but the model was trained on %s: not comparable "

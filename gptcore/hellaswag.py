@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch.nn import functional as F
 
+from gptcore import distributed
 from gptcore.config import RunConfig, pipeline_home
 from gptcore.model import unwrap
 from gptcore.shards import atomic_write_bytes
@@ -251,7 +251,7 @@ def evaluate(model: torch.nn.Module, examples: list[Example], device, autocast_c
     correct = (sums.argmin(1) == labels).sum() if mine else torch.tensor(0)
     correct_norm = ((sums / counts).argmin(1) == labels).sum() if mine else torch.tensor(0)
     totals = torch.tensor([int(correct), int(correct_norm), len(mine)], dtype=torch.long, device=device)
-    if world > 1 and dist.is_available() and dist.is_initialized():
-        dist.all_reduce(totals)
+    if world > 1:
+        distributed.all_reduce_sum(totals)
     c, cn, n = (int(v) for v in totals.cpu())
     return {"acc": c / n if n else 0.0, "acc_norm": cn / n if n else 0.0, "n": n}
