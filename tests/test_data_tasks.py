@@ -1,0 +1,99 @@
+"""The Prefect stages against a real `prefect server` on 127.0.0.1: the tokenize flow maps one
+`tokenize-piece` task per piece on a process pool, produces the same bytes as the plain CLI, and a
+second run skips."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+OV = ["data.shard_tokens=20000", "data.max_docs=8", "data.piece_bytes=150000", "data.num_workers=2"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def prefect_api(tmp_path_factory):
+    home = tmp_path_factory.mktemp("prefect")
+    port = _free_port()
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{home}/prefect.db"}
+    env.pop("PREFECT_API_URL", None)
+    log = open(home / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
+                             "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT)
+    api = f"http://127.0.0.1:{port}/api"
+    try:
+        for _ in range(240):
+            try:
+                urllib.request.urlopen(f"{api}/health", timeout=1)
+                break
+            except OSError:
+                if proc.poll() is not None:
+                    raise RuntimeError((home / "server.log").read_text()[-2000:]) from None
+                time.sleep(0.5)
+        else:
+            raise RuntimeError("prefect server did not start in 120 s")
+        yield api, home
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def _run(code: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=180)
+
+
+def test_tokenize_flow_maps_pieces_and_matches_cli(prefect_api, tmp_path):
+    api, phome = prefect_api
+    env = {**os.environ, "PREFECT_API_URL": api, "PREFECT_HOME": str(phome), "OMP_NUM_THREADS": "1",
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "GPTPIPE_HOME": str(tmp_path / "flow")}
+    code = ("import sys; from gptcore.config import load_config; from tasks.tokenize import tokenize_dataset;"
+            "from tasks.download import download_task; from prefect import flow\n"
+            "@flow\ndef pipe(ov):\n    cfg = load_config('micro', ov)\n    download_task(cfg)\n"
+            "    return tokenize_dataset(cfg)\n"
+            f"print('DATASET', pipe({OV!r}))")
+    r = _run(code, env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = Path(r.stdout.split("DATASET ")[1].strip())
+    assert out == tmp_path / "flow" / "shards" / "shakespeare-8docs-20K"
+
+    ref_env = {**env, "GPTPIPE_HOME": str(tmp_path / "cli")}
+    ref = subprocess.run([sys.executable, "-m", "gptcore.sharding", "micro", *OV], cwd=ROOT, env=ref_env,
+                         capture_output=True, text=True, timeout=120)
+    assert ref.returncode == 0, ref.stderr
+    ref_dir = tmp_path / "cli" / "shards" / out.name
+    names = sorted(p.name for p in ref_dir.glob("*.bin"))
+    assert names and names == sorted(p.name for p in out.glob("*.bin"))
+    assert all((out / n).read_bytes() == (ref_dir / n).read_bytes() for n in names)
+    assert (out / "manifest.json").read_bytes() == (ref_dir / "manifest.json").read_bytes()
+
+    req = urllib.request.Request(f"{api}/task_runs/filter", data=b"{}", method="POST",
+                                 headers={"Content-Type": "application/json"})
+    runs = json.loads(urllib.request.urlopen(req, timeout=10).read())
+    pieces = [t for t in runs if t["name"].startswith("tokenize-piece")]
+    assert len(pieces) == 4 and all(t["state_type"] == "COMPLETED" for t in pieces)
+
+    # second run: complete and verified -> returns at once, no new task runs
+    t0 = time.perf_counter()
+    r2 = _run(code, env)
+    assert r2.returncode == 0, r2.stderr[-3000:]
+    runs2 = json.loads(urllib.request.urlopen(req, timeout=10).read())
+    assert len([t for t in runs2 if t["name"].startswith("tokenize-piece")]) == 4
+    assert time.perf_counter() - t0 < 60
