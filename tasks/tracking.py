@@ -247,13 +247,15 @@ class Shipper:
     that swallows (and logs) tracking-server errors, backing off while the server is down."""
 
     def __init__(self, run_dir: str | Path, tracking_uri: str | None = None, experiment: str = EXPERIMENT,
-                 flow_run_id: str | None = None, interval: float = 5.0, plot_interval: float = 60.0):
+                 flow_run_id: str | None = None, interval: float = 5.0, plot_interval: float = 60.0,
+                 max_backoff: float = 30.0):
         self.run_dir = Path(run_dir)
         self.uri = tracking_uri or globals()["tracking_uri"]()
         self.experiment = experiment
         self.flow_run_id = flow_run_id
         self.interval = interval
         self.plot_interval = plot_interval
+        self.max_backoff = max_backoff  # longest pause between attempts while the server is down
         self.shipped = 0  # records acknowledged by this Shipper
         self.last_error: str | None = None
         self._client = None
@@ -263,6 +265,7 @@ class Shipper:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._final_ok = False
 
     # cursor: {"tracking_uri", "run_id", "offset"}; another server means starting over at offset 0
     def _load_cursor(self) -> dict:
@@ -388,8 +391,9 @@ class Shipper:
             if self._try_ship(final=False):
                 backoff = self.interval
             else:
-                backoff = min(backoff * 2, 60.0)
+                backoff = min(backoff * 2, max(self.max_backoff, self.interval))
             self._stop.wait(backoff)
+        self._final_ok = self._try_ship(final=True)
 
     def _try_ship(self, final: bool) -> bool:
         try:
@@ -406,11 +410,19 @@ class Shipper:
             return False
 
     def stop(self, timeout: float = 60.0) -> bool:
-        """Stop the thread and make a final attempt to ship everything. True if fully shipped."""
+        """Make a final attempt to ship everything and stop; True if all was shipped. Waits at most
+        `timeout` seconds: MLflow's HTTP client retries a dead server for minutes, and the caller (the
+        train task) must not hang on it. What is left stays in the file for the next shipper."""
+        if self._thread is None:
+            return self._try_ship(final=True)
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-        return self._try_ship(final=True)
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning("MLflow shipping did not finish within %.0fs (%s); the rest stays in %s and is "
+                        "sent by the next shipper", timeout, self.last_error or "server slow",
+                        self.run_dir / METRICS)
+            return False
+        return self._final_ok
 
     def pending_bytes(self) -> int:
         path = self.run_dir / METRICS

@@ -168,7 +168,7 @@ def test_shipping_survives_server_restart(mlflow_server, tmp_path):  # noqa: F81
             last, step = now, step + 1
             time.sleep(0.02)
 
-    shipper = tracking.Shipper(rd, mlflow_server.uri, interval=0.2, plot_interval=3600)
+    shipper = tracking.Shipper(rd, mlflow_server.uri, interval=0.2, plot_interval=3600, max_backoff=1.0)
     writer = threading.Thread(target=trainer)
     writer.start()
     shipper.start()
@@ -235,3 +235,20 @@ def test_embedded_sqlite_store(tmp_path, monkeypatch):
     assert history(mlc, out["run_id"], "val/loss") == expected(recs, "val/loss")
     art_root = tmp_path / "home" / "mlflow" / "artifacts"
     assert list(art_root.rglob("config.json")) and list(art_root.rglob("step_00000010.txt"))
+
+
+def test_stop_is_bounded_while_the_server_is_down(tmp_path, monkeypatch):
+    """MLflow's client retries a dead server with backoff; the train task calling stop() must not hang."""
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")  # sleeps 1 s, then 2 s
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_BACKOFF_JITTER", "0")
+    rd = make_run_dir(tmp_path, "bounded")
+    append(rd, records(range(1, 5)))
+    shipper = tracking.Shipper(rd, f"http://127.0.0.1:{free_port()}", interval=0.1).start()
+    time.sleep(0.5)  # the thread is now inside MLflow's retry loop
+    t = time.monotonic()
+    assert shipper.stop(timeout=1.0) is False
+    assert time.monotonic() - t < 3.0
+    assert not (rd / tracking.CURSOR).exists()
+    shipper._thread.join(60)  # let the retries run out so no thread outlives the test
+    assert not shipper._thread.is_alive()
