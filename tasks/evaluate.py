@@ -40,6 +40,18 @@ def settings(cfg: RunConfig, val: bool) -> dict:
             "hellaswag": cfg.eval.hellaswag, "hellaswag_limit": cfg.eval.hellaswag_limit}
 
 
+def stored_evaluation(ckpt: str | Path, cfg: RunConfig, val: bool = True) -> dict | None:
+    """The evaluation already in <ckpt>/eval.json if it was made with these settings and is complete
+    (a HellaSwag skipped for lack of the dataset is retried: it may be reachable now); else None."""
+    try:
+        done = json.loads((Path(ckpt) / EVAL_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if done.get("settings") != settings(cfg, val) or "skipped" in (done.get("hellaswag") or {}):
+        return None
+    return done
+
+
 def evaluate_dir(target: str | Path, cfg_dict: dict | None = None, val: bool = True,
                  device: str = "auto", log=None) -> dict:
     """Evaluate (or return the stored evaluation of) the checkpoint behind `target`. Plain function:
@@ -50,26 +62,19 @@ def evaluate_dir(target: str | Path, cfg_dict: dict | None = None, val: bool = T
     if not cfg_dict and (ckpt / META_FILE).is_file():
         cfg_dict = read_meta(ckpt).get("config")  # the config the checkpoint was trained with
     cfg = from_dict(cfg_dict or {})
-    want = settings(cfg, val)
-    out = ckpt / EVAL_FILE
-    if out.is_file():
-        try:
-            done = json.loads(out.read_text())
-        except ValueError:
-            done = {}
-        # a HellaSwag skipped for lack of the dataset is retried: it may be reachable now
-        if done.get("settings") == want and "skipped" not in (done.get("hellaswag") or {}):
-            if log:
-                log.info("%s already evaluated (%s); skipping", ckpt, out)
-            return done
+    done = stored_evaluation(ckpt, cfg, val)
+    if done is not None:
+        if log:
+            log.info("%s already evaluated (%s); skipping", ckpt, ckpt / EVAL_FILE)
+        return done
     t0 = time.time()
     dev, autocast_ctx = ev.pick_device(device)
     model, info = ev.load_target(ckpt, dev)
     result = ev.evaluate_model(model, cfg, dev, autocast_ctx, hellaswag=cfg.eval.hellaswag,
                                hellaswag_path=None, limit=cfg.eval.hellaswag_limit, val=val)
     result = {"target": str(ckpt), "kind": info["kind"], "step": info.get("step"), **result,
-              "settings": want, "seconds": round(time.time() - t0, 2)}
-    atomic_write_bytes(out, [json.dumps(result, indent=1).encode()])
+              "settings": settings(cfg, val), "seconds": round(time.time() - t0, 2)}
+    atomic_write_bytes(ckpt / EVAL_FILE, [json.dumps(result, indent=1).encode()])
     if log:
         log.info("evaluated %s: %s", ckpt, {k: result[k] for k in ("val_loss", "hellaswag") if k in result})
     return result
