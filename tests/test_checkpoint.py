@@ -1,0 +1,156 @@
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+
+from gptcore import checkpoint as C
+from gptcore.config import model_preset
+from gptcore.metrics import JsonlLogger, read_metrics
+from gptcore.model import GPT
+from tests.test_train_utils import free_port
+
+
+def trained_model(seed=0):
+    torch.manual_seed(seed)
+    m = GPT(model_preset("micro"))
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    x = torch.randint(0, 50257, (2, 16))
+    m(x, x)[1].backward()
+    opt.step()
+    return m, opt
+
+
+def save(run, step, m, opt, val=None, keep=2):
+    state = {"optimizer": opt.state_dict(), "loader": {"position": step * 8}, "step": step,
+             "rng": [{"torch": torch.get_rng_state()}], "scaler": {}}
+    return C.save_checkpoint(run, step, m, state, {"val_loss": val, "run_name": "t"}, keep_last=keep)
+
+
+def same_weights(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_roundtrip_tied_weight_stored_once(tmp_path):
+    m, opt = trained_model()
+    ck = save(tmp_path, 7, m, opt)
+    assert ck.name == "step_00000007" and sorted(p.name for p in ck.iterdir()) == \
+        ["meta.json", "model.safetensors", "trainer.pt"]
+    stored = load_file(ck / "model.safetensors")
+    assert "transformer.wte.weight" in stored and "lm_head.weight" not in stored
+    loaded, meta = C.load_model(ck)
+    assert same_weights(m, loaded)
+    assert loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()  # still tied
+    assert meta["step"] == 7 and meta["model_config"]["n_layer"] == 2 and len(meta["model_sha256"]) == 64
+
+
+def test_wrapped_models_save_clean_keys(tmp_path):
+    m, opt = trained_model()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        wrapped = torch.nn.parallel.DistributedDataParallel(torch.compile(m))  # module._orig_mod.*
+        assert any(k.startswith("module._orig_mod.") for k in wrapped.state_dict())
+        ck = save(tmp_path, 1, wrapped, opt)
+    finally:
+        dist.destroy_process_group()
+    keys = load_file(ck / "model.safetensors").keys()
+    assert not [k for k in keys if k.startswith(("module.", "_orig_mod."))]
+    assert same_weights(m, C.load_model(ck)[0])
+
+
+def test_trainer_state_loads_with_weights_only(tmp_path):
+    m, opt = trained_model()
+    rng = torch.get_rng_state()
+    ck = save(tmp_path, 3, m, opt)
+    state = torch.load(ck / "trainer.pt", weights_only=True)  # no pickled code needed
+    opt2 = torch.optim.AdamW(GPT(model_preset("micro")).parameters(), lr=1e-3)
+    opt2.load_state_dict(state["optimizer"])
+    exp = opt.state_dict()["state"][0]["exp_avg"]
+    assert torch.equal(opt2.state_dict()["state"][0]["exp_avg"], exp)
+    assert state["loader"] == {"position": 24} and torch.equal(state["rng"][0]["torch"], rng)
+
+
+def test_retention_keeps_last_k_and_best(tmp_path):
+    m, opt = trained_model()
+    for step, val in [(10, 3.0), (20, 2.0), (30, 2.5), (40, None), (50, 2.9)]:
+        save(tmp_path, step, m, opt, val=val, keep=2)
+    names = [p.name for p in C.list_checkpoints(tmp_path)]
+    assert names == ["step_00000020", "step_00000040", "step_00000050"]
+    assert C.best_checkpoint(tmp_path).name == "step_00000020"
+    assert C.latest_checkpoint(tmp_path).name == "step_00000050"
+    assert C.read_meta(C.best_checkpoint(tmp_path))["val_loss"] == 2.0
+
+
+def test_best_falls_back_to_latest_and_empty_run(tmp_path):
+    assert C.latest_checkpoint(tmp_path) is None and C.best_checkpoint(tmp_path) is None
+    m, opt = trained_model()
+    save(tmp_path, 1, m, opt)
+    save(tmp_path, 2, m, opt)
+    assert C.best_checkpoint(tmp_path).name == "step_00000002"
+
+
+def test_failed_write_leaves_previous_checkpoints_untouched(tmp_path, monkeypatch):
+    m, opt = trained_model()
+    save(tmp_path, 5, m, opt)
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(C.torch, "save", boom)
+    with pytest.raises(OSError, match="disk full"):
+        save(tmp_path, 10, m, opt)
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_00000005"]  # no temp left
+
+
+def test_saving_the_same_step_again_replaces_it(tmp_path):
+    m, opt = trained_model()
+    save(tmp_path, 5, m, opt, val=4.0)
+    m2, opt2 = trained_model(seed=1)
+    save(tmp_path, 5, m2, opt2, val=3.0)
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_00000005"]
+    loaded, meta = C.load_model(C.latest_checkpoint(tmp_path))
+    assert meta["val_loss"] == 3.0 and same_weights(m2, loaded)
+
+
+def test_partial_directory_is_not_a_checkpoint(tmp_path):
+    (tmp_path / "checkpoints" / ".tmp-step_00000009-123").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step_00000009").mkdir()  # no meta.json: never completed
+    assert C.list_checkpoints(tmp_path) == []
+
+
+def test_load_errors_are_clear(tmp_path):
+    m, opt = trained_model()
+    ck = save(tmp_path, 1, m, opt)
+    big = GPT(model_preset("tiny-cpu"))
+    with pytest.raises(C.CheckpointError, match="another model shape"):
+        C.load_weights(big, ck / "model.safetensors")
+    with pytest.raises(C.CheckpointError, match="not a checkpoint"):
+        C.load_model(tmp_path)
+    data = bytearray((ck / "model.safetensors").read_bytes())
+    data[-1] ^= 0xFF
+    (ck / "model.safetensors").write_bytes(bytes(data))
+    with pytest.raises(C.CheckpointError, match="corrupt"):
+        C.load_model(ck)
+    (ck / "trainer.pt").unlink()
+    with pytest.raises(C.CheckpointError, match="cannot resume"):
+        C.load_trainer_state(ck)
+
+
+def test_jsonl_logger_appends_and_survives_a_torn_line(tmp_path):
+    p = tmp_path / "metrics.jsonl"
+    log = JsonlLogger(p)
+    log.log(1, {"train/loss": torch.tensor(2.5), "train/lr": 1e-3})
+    log.log(1, {"text": "hi"}, kind="sample")
+    log.close()
+    with open(p, "a") as f:
+        f.write('{"step": 2, "ti')  # SIGKILL mid-line
+    log = JsonlLogger(p)
+    log.log(3, {"val/loss": float("nan")}, kind="eval")
+    log.close()
+    rows = read_metrics(p)
+    assert [(r["step"], r["kind"]) for r in rows] == [(1, "train"), (1, "sample"), (3, "eval")]
+    assert rows[0]["train/loss"] == 2.5 and rows[2]["val/loss"] is None
+    for line in p.read_text().splitlines()[:2]:
+        assert set(json.loads(line)) >= {"step", "time", "kind"}
