@@ -1,0 +1,155 @@
+"""The trainer as one plain process: schedule, bad input, finished runs, SIGTERM, time budget."""
+
+import json
+import math
+import shutil
+import signal
+
+import pytest
+
+from gptcore import checkpoint as C
+from gptcore.config import load_config
+from gptcore.metrics import read_metrics
+from gptcore.train import lr_at, main
+from tests.test_train_utils import kill_tree, losses, make_dataset, python_cmd, start, wait_for_step
+
+
+def args(ds, run, *extra):
+    return ["micro", f"data.dataset_dir={ds}", f"train.run_dir={run}", "train.micro_batch=2",
+            "train.seq_len=32", "train.total_batch_tokens=128", "train.max_steps=6",
+            "train.checkpoint_interval=4",
+            "eval.eval_interval=0", "eval.sample_interval=0", "eval.val_tokens=128", *extra]
+
+
+def snapshot(d):
+    return {str(p.relative_to(d)): (p.stat().st_size, p.stat().st_mtime_ns) for p in d.rglob("*")}
+
+
+@pytest.fixture(scope="module")
+def ds(tmp_path_factory):
+    return make_dataset(tmp_path_factory.mktemp("ds"))
+
+
+@pytest.fixture(scope="module")
+def finished(ds, tmp_path_factory):
+    """A run trained to the end in this process (2 optimizer steps' worth of micro-batches each)."""
+    run = tmp_path_factory.mktemp("runs") / "done"
+    assert main(args(ds, run)) == 0
+    return run
+
+
+def test_lr_warmup_then_cosine_to_min():
+    cfg = load_config("micro", ["train.max_steps=100", "optim.warmup_steps=10"])
+    o = cfg.optim
+    assert lr_at(0, cfg) == pytest.approx(o.max_lr / 10)
+    assert lr_at(9, cfg) == pytest.approx(o.max_lr)
+    assert lr_at(55, cfg) == pytest.approx((o.max_lr + o.min_lr) / 2)
+    assert lr_at(100, cfg) == pytest.approx(o.min_lr) and lr_at(500, cfg) == o.min_lr
+    assert all(lr_at(i, cfg) >= lr_at(i + 1, cfg) for i in range(10, 100))
+
+
+def test_finished_run_layout_and_metrics(finished, capsys):
+    assert (finished / "DONE").is_file()
+    run = json.loads((finished / "run.json").read_text())
+    cfg = json.loads((finished / "config.json").read_text())
+    assert run["identity_hash"] == load_config("micro", args("x", "y")[1:]).identity_hash()
+    assert cfg["train"]["max_steps"] == 6
+    rows = read_metrics(finished / "metrics.jsonl")
+    train = [r for r in rows if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6]
+    keys = {"train/loss", "train/lr", "train/grad_norm", "train/step_time", "train/tokens_per_s", "train/mfu",
+            "train/tokens_seen"}
+    assert keys <= set(train[0]) and train[-1]["train/tokens_seen"] == 6 * 128
+    assert all(math.isfinite(r["train/loss"]) for r in train)
+    assert train[-1]["train/loss"] < train[0]["train/loss"]  # it learns
+    evals = [r for r in rows if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [6] and math.isfinite(evals[0]["val/loss"])
+    samples = [r for r in rows if r["kind"] == "sample"]
+    assert samples and isinstance(samples[0]["text"], str) and samples[0]["text"].startswith("Hello")
+    ckpts = [p.name for p in C.list_checkpoints(finished)]
+    assert ckpts == ["step_00000004", "step_00000006"]
+    meta = C.read_meta(finished / "checkpoints" / "step_00000006")
+    assert meta["val_loss"] == evals[0]["val/loss"] and meta["tokens_seen"] == 6 * 128
+    assert meta["identity_hash"] == run["identity_hash"] and meta["manifest_id"] == run["manifest_id"]
+    state = C.load_trainer_state(finished / "checkpoints" / "step_00000006")
+    assert state["loader"]["position"] == 6 * 128 // 32 and state["step"] == 6
+
+
+def test_finished_run_started_again_does_nothing(finished, ds, capsys):
+    before = snapshot(finished)
+    assert main(args(ds, finished)) == 0
+    assert "RUN_DONE" in capsys.readouterr().out
+    assert snapshot(finished) == before
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.total_batch_tokens=100", "not divisible"),
+    ("model.n_head=3", "n_embd"),
+    ("train.nonsense=1", "unknown config key"),
+])
+def test_bad_config_exits_2_before_any_write(ds, tmp_path, capsys, override, message):
+    assert main(args(ds, tmp_path / "run", override)) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_missing_or_foreign_shards_exit_2(tmp_path, capsys):
+    d = make_dataset(tmp_path / "ds")
+    (d / "test_train_000002.bin").unlink()
+    assert main(args(d, tmp_path / "run")) == 2
+    assert "test_train_000002.bin" in capsys.readouterr().err
+    d = make_dataset(tmp_path / "ds2", tokenizer="o200k_base")
+    assert main(args(d, tmp_path / "run")) == 2
+    assert "tokenizer=o200k_base" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_other_config_or_dataset_for_an_existing_run_is_refused(finished, ds, tmp_path, capsys):
+    before = snapshot(finished)
+    assert main(args(ds, finished, "optim.max_lr=0.01")) == 2
+    assert "another configuration" in capsys.readouterr().err
+    other = make_dataset(tmp_path / "other", seed=1)
+    assert main(args(other, finished)) == 2
+    assert "dataset" in capsys.readouterr().err
+    assert snapshot(finished) == before
+
+
+def test_checkpoint_of_another_model_shape_is_refused(finished, ds, tmp_path, capsys):
+    run = tmp_path / "copied"
+    shutil.copytree(finished / "checkpoints", run / "checkpoints")  # checkpoints without run identity
+    before = snapshot(run)
+    assert main(args(ds, run, "model.n_layer=3")) == 2
+    assert "another model shape" in capsys.readouterr().err
+    assert snapshot(run) == before  # no run.json, config.json, metrics written
+
+
+def test_time_budget_stops_with_a_checkpoint(ds, tmp_path, capsys):
+    run = tmp_path / "budget"
+    assert main(args(ds, run, "train.max_minutes=0.000001")) == 0
+    out = capsys.readouterr().out
+    assert "time budget" in out and "RUN_DONE" not in out
+    assert not (run / "DONE").exists()
+    assert [p.name for p in C.list_checkpoints(run)] == ["step_00000001"]
+    assert C.read_meta(C.latest_checkpoint(run))["reason"] == "stop"
+
+
+def test_sigterm_checkpoints_exits_0_and_the_run_continues(ds, tmp_path):
+    run = tmp_path / "term"
+    a = args(ds, run, "train.max_steps=400", "train.checkpoint_interval=1000")
+    proc = start(python_cmd(a), tmp_path, tmp_path / "log1")
+    step = wait_for_step(proc, run / "metrics.jsonl", 3)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0
+    log = (tmp_path / "log1").read_text()
+    assert "stopped at step" in log and "signal 15" in log
+    ck = C.latest_checkpoint(run)
+    stopped = C.read_meta(ck)["step"]
+    assert stopped >= step and C.read_meta(ck)["reason"] == "stop" and not (run / "DONE").exists()
+    # the same command continues from there (short: lower the end with a time budget instead)
+    proc = start(python_cmd(a + ["train.max_minutes=0.000001"]), tmp_path, tmp_path / "log2")
+    assert proc.wait(timeout=60) == 0
+    assert f"resuming from step_{stopped:08d}" in (tmp_path / "log2").read_text()
+    rows = read_metrics(run / "metrics.jsonl", "train")
+    assert [r["step"] for r in rows] == list(range(1, stopped + 2))  # appended, not truncated
+    assert set(losses(run / "metrics.jsonl")) == set(range(1, stopped + 2))
+    kill_tree(proc)
