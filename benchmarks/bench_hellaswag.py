@@ -19,6 +19,7 @@ from torch.nn import functional as F
 
 from gptcore import hellaswag
 from gptcore.config import model_preset
+from gptcore.evaluate import pick_device
 from gptcore.model import GPT
 from gptcore.tokenizer import encode
 
@@ -26,7 +27,7 @@ FIXTURE = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "hella
 
 
 @torch.no_grad()
-def reference_scores(model: GPT, records: list[tuple[str, list[str], int]], device="cpu"):
+def reference_scores(model: torch.nn.Module, records: list[tuple[str, list[str], int]], device="cpu"):
     """Straightforward definition: for each ending, one forward over ctx + " " + ending, cross-entropy
     of the ending tokens given everything before them. Returns lists of (summed, mean) losses."""
     model.eval()
@@ -48,7 +49,7 @@ def reference_scores(model: GPT, records: list[tuple[str, list[str], int]], devi
     return sums, means
 
 
-def reference_accuracy(model: GPT, records, device="cpu") -> dict:
+def reference_accuracy(model: torch.nn.Module, records, device="cpu") -> dict:
     sums, means = reference_scores(model, records, device)
     labels = [r[2] for r in records]
     acc = sum(min(range(4), key=s.__getitem__) == y for s, y in zip(sums, labels, strict=True))
@@ -63,27 +64,38 @@ def main() -> None:
     ap.add_argument("--file", default=str(FIXTURE), help="a HellaSwag jsonl (default: the test fixture)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"])
+    ap.add_argument("--compile", action="store_true", help="torch.compile the model (both paths use it)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    model = GPT(model_preset(args.preset)).eval()
+    device, autocast_ctx = pick_device(args.device)
+    model = GPT(model_preset(args.preset)).to(device).eval()
+    if args.compile:
+        model = torch.compile(model)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     records = hellaswag.read_records(Path(args.file), args.examples)
     records = (records * (args.examples // len(records) + 1))[:args.examples]
     examples = [hellaswag.make_example(*r) for r in records]
 
-    hellaswag.evaluate(model, examples[:4], "cpu")  # warm-up (allocator, kernels)
+    # warm-up (allocator, kernels, compilation of every bucket shape)
+    hellaswag.evaluate(model, examples, device, autocast_ctx)
     # interleaved repeats, best of each: the machine is shared, so single timings are noisy
     t_batched = t_ref = float("inf")
     for _ in range(args.repeats):
         t0 = time.perf_counter()
-        batched = hellaswag.evaluate(model, examples, "cpu")
+        batched = hellaswag.evaluate(model, examples, device, autocast_ctx)
+        sync()
         t_batched = min(t_batched, time.perf_counter() - t0)
         t0 = time.perf_counter()
-        ref = reference_accuracy(model, records)
+        with autocast_ctx:
+            ref = reference_accuracy(model, records, device)
+        sync()
         t_ref = min(t_ref, time.perf_counter() - t0)
 
-    result = {"preset": args.preset, "examples": len(examples),
+    result = {"preset": args.preset, "device": str(device), "compile": args.compile,
+              "examples": len(examples),
               "batched_examples_per_s": round(len(examples) / t_batched, 2),
               "reference_examples_per_s": round(len(examples) / t_ref, 2),
               "speedup": round(t_ref / t_batched, 2),
