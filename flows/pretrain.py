@@ -32,7 +32,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from gptcore.config import ConfigError, RunConfig, load_config
-from tasks.train import resolve_nproc, run_dir_of, run_state, train_task
+from tasks.train import resolve_nproc, run_state, train_task
 
 # pydantic notes that the parameter name `register` shadows a BaseModel method; harmless for validation
 warnings.filterwarnings("ignore", message='Field name "register"')
@@ -209,12 +209,15 @@ def pretrain(preset: str = "tiny-cpu", overrides: dict | None = None, nproc: int
                                       "val tokens)")
 
     # 3. train
-    run_dir = run_dir_of(run_name)
+    from gptcore.train import run_dir_for
+
+    run_dir = run_dir_for(cfg)
     state = run_state(run_dir, ident)
     if state["done"]:
         stage("train", "skipped", f"{run_dir} is DONE at step {state['step']}")
     else:
-        state = train_task(preset, overrides, run_name, ident, nproc, wait_seconds=wait_seconds, tracking=tracking)
+        state = train_task(preset, overrides, run_name, str(run_dir), ident, nproc, wait_seconds=wait_seconds,
+                           tracking=tracking)
         stage("train", "ran", f"steps {state.get('resumed_from') or 0} -> {state['step']}"
                               f"{'' if state['done'] else ' (time budget reached; continues next run)'}")
     ckpt = state["checkpoint"]

@@ -31,8 +31,6 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from gptcore.config import pipeline_home
-
 LOCK_FILE = "train.lock"
 GRACE_SECONDS = 120.0  # SIGTERM -> SIGKILL: time to write a final checkpoint
 LEASE_SECONDS = 60  # Prefect's minimum; a killed holder's slot is reclaimed this long after its death
@@ -58,10 +56,6 @@ def resolve_nproc(nproc: int = 0) -> int:
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 1
-
-
-def run_dir_of(run_name: str) -> Path:
-    return pipeline_home() / "runs" / run_name
 
 
 def run_state(run_dir: Path, identity_hash: str | None = None) -> dict:
@@ -154,7 +148,8 @@ def prefect_slot(run_name: str, timeout: float):
 def end_group(proc: subprocess.Popen, grace: float, log) -> None:
     """SIGTERM torchrun's process group (the trainer checkpoints and exits), SIGKILL after `grace`."""
     if proc.poll() is None:
-        log.warning("stopping the trainer (SIGTERM to process group %d; SIGKILL after %.0fs)", proc.pid, grace)
+        log.warning("stopping the trainer (SIGTERM to process group %d; SIGKILL after %.0fs)",
+                    proc.pid, grace)
         try:
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(grace)
@@ -194,14 +189,16 @@ def launch(cmd: list[str], run_dir: Path, lock_fd: int, log, grace: float = GRAC
 
 
 @task(name="train", cache_policy=NO_CACHE, task_run_name="train-{run_name}")
-def train_task(preset: str, overrides: dict | None, run_name: str, identity_hash: str, nproc: int = 0,
-               wait_seconds: float = 600.0, tracking: bool = True, grace_seconds: float = GRACE_SECONDS) -> dict:
-    """Train (or continue) run `run_name` to max_steps or its time budget; returns the run's state."""
+def train_task(preset: str, overrides: dict | None, run_name: str, run_dir: str, identity_hash: str,
+               nproc: int = 0, wait_seconds: float = 600.0, tracking: bool = True,
+               grace_seconds: float = GRACE_SECONDS) -> dict:
+    """Train (or continue) run `run_name` (in `run_dir`, gptcore.train.run_dir_for(cfg)) to max_steps or
+    its time budget; returns the run's state."""
     from prefect.runtime import flow_run
 
     log = get_run_logger()
     nproc = resolve_nproc(nproc)
-    run_dir = run_dir_of(run_name)
+    run_dir = Path(run_dir)
     holder = {"pid": os.getpid(), "host": os.uname().nodename, "flow_run_id": flow_run.get_id(),
               "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     slot, guard = prefect_slot(run_name, wait_seconds)
@@ -210,8 +207,8 @@ def train_task(preset: str, overrides: dict | None, run_name: str, identity_hash
         guard.__enter__()
     except TimeoutError:
         raise TrainError(f"another flow run is training run {run_name!r}: the concurrency limit {slot!r} "
-                         f"stayed taken for {wait_seconds:.0f}s. Let it finish (or cancel it), then run again; "
-                         f"a holder that was killed frees its slot within ~{LEASE_SECONDS}s.") from None
+                         f"stayed taken for {wait_seconds:.0f}s. Let it finish (or cancel it), then run "
+                         f"again; a holder that was killed frees its slot within ~{LEASE_SECONDS}s.") from None
     try:
         if time.time() - t0 > 1:
             log.info("waited %.0fs for concurrency slot %s", time.time() - t0, slot)
@@ -230,16 +227,18 @@ def train_task(preset: str, overrides: dict | None, run_name: str, identity_hash
                 shipper = Shipper(run_dir, flow_run_id=holder["flow_run_id"]).start()
             start = time.time()
             try:
-                rc, tail = launch(torchrun_cmd(preset, overrides, nproc), run_dir, lock.fd, log, grace_seconds)
+                cmd = torchrun_cmd(preset, overrides, nproc)
+                rc, tail = launch(cmd, run_dir, lock.fd, log, grace_seconds)
             finally:
                 if shipper is not None and not shipper.stop():
                     log.warning("MLflow shipping incomplete (%s); metrics stay in %s/metrics.jsonl and are "
                                 "sent on the next run", shipper.last_error, run_dir)
     finally:
         guard.__exit__(None, None, None)
+    last = "\n".join(tail)
     if rc != 0:
-        raise TrainError(f"torchrun exited with code {rc} for run {run_name!r}; last lines:\n" + "\n".join(tail))
+        raise TrainError(f"torchrun exited with code {rc} for run {run_name!r}; last lines:\n{last}")
     state = run_state(run_dir, identity_hash)
     if state["checkpoint"] is None:
-        raise TrainError(f"the trainer exited 0 but {run_dir} has no checkpoint; last lines:\n" + "\n".join(tail))
+        raise TrainError(f"the trainer exited 0 but {run_dir} has no checkpoint; last lines:\n{last}")
     return {**state, "returncode": rc, "seconds": round(time.time() - start, 1), "resumed_from": resumed_from}
