@@ -71,29 +71,27 @@ class MlflowServer:
         self.stop()
         raise RuntimeError(f"mlflow server did not become healthy in {timeout}s; see {self.log_path}")
 
-    def stop(self, timeout: float = 5.0) -> None:
+    def stop(self, timeout: float = 5.0, kill: bool = False) -> None:
+        """SIGTERM the server's process group (SIGKILL after `timeout`), or SIGKILL at once with kill=True
+        (a crash). Only our own group: its id stays reserved while any member lives."""
         if self.proc is None:
             return
         pgid = self.proc.pid  # == process group id (start_new_session)
-        for sig in (signal.SIGTERM, signal.SIGKILL):
+        for sig in ((signal.SIGKILL,) if kill else (signal.SIGTERM, signal.SIGKILL)):
             try:
                 os.killpg(pgid, sig)
+                self.proc.wait(timeout)
+                break
             except ProcessLookupError:
                 break
-            try:
-                self.proc.wait(timeout)
-                # the group may outlive its leader for a moment; make sure the port is free
-                end = time.monotonic() + timeout
-                while self.healthy() and time.monotonic() < end:
-                    time.sleep(0.1)
-                if not self.healthy():
-                    break
             except subprocess.TimeoutExpired:
                 continue
-        try:
-            os.killpg(pgid, signal.SIGKILL)  # leftovers of the group, if any
-        except ProcessLookupError:
-            pass
+        end = time.monotonic() + timeout
+        while self.healthy():  # a worker outliving the leader is still in the group
+            if time.monotonic() > end:
+                os.killpg(pgid, signal.SIGKILL)
+                end = time.monotonic() + timeout
+            time.sleep(0.1)
         self.proc = None
 
     def __enter__(self) -> MlflowServer:
