@@ -85,9 +85,7 @@ def load_target(path: Path, device="cpu") -> tuple[torch.nn.Module, dict]:
     if (path / "config.json").is_file():
         from gptcore.hf import load_hf_dir  # the Hugging Face export/import module
 
-        loaded = load_hf_dir(path)
-        model = loaded[0] if isinstance(loaded, tuple) else loaded
-        return model.to(device).eval(), {"kind": "hf", "path": str(path)}
+        return load_hf_dir(path).to(device).eval(), {"kind": "hf", "path": str(path)}
     raise FileNotFoundError(f"{path} is neither a checkpoint (no meta.json), a run directory (no "
                             "checkpoints/) nor a Hugging Face export (no config.json)")
 

@@ -17,6 +17,7 @@ import torch
 
 from gptcore import checkpoint, hellaswag
 from gptcore.config import load_config
+from gptcore.evaluate import main as evaluate_main
 from gptcore.evaluate import validation_loss
 from gptcore.model import GPT
 from gptcore.shards import Manifest, ShardError, ShardInfo, write_shard
@@ -121,15 +122,21 @@ def make_run(home: Path, steps=(5, 10)) -> tuple[Path, GPT]:
     return run_dir, model
 
 
-def run_cli(args, env_extra=None, torchrun=False, timeout=120):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env_extra or {})}
-    cmd = [sys.executable, "-m", "gptcore.evaluate", *args]
-    if torchrun:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-               "--master_addr=127.0.0.1", f"--master_port={port}", "-m", "gptcore.evaluate", *args]
+def run_cli(args, capsys) -> tuple[int, str, str]:
+    """`python -m gptcore.evaluate ARGS` in this process: (exit code, stdout, stderr)."""
+    capsys.readouterr()
+    code = evaluate_main(args)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def run_torchrun(args, timeout=180) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={port}", "-m", "gptcore.evaluate", *args]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -141,33 +148,53 @@ def in_process(model: GPT, home: Path) -> dict:
 
 
 @pytest.mark.slow
-def test_cli_on_run_dir_plain_and_torchrun(tmp_path):
+def test_cli_on_run_dir_plain_and_torchrun(tmp_path, capsys):
     home = tmp_path / "home"
     run_dir, newest = make_run(home)
     expected = in_process(newest, home)
-    res = run_cli([str(run_dir), "--val", "--device", "cpu"])
-    assert res.returncode == 0, res.stderr
-    out = json.loads(res.stdout)
+    code, stdout, stderr = run_cli([str(run_dir), "--val", "--device", "cpu"], capsys)
+    assert code == 0, stderr
+    out = json.loads(stdout)
     assert out["kind"] == "checkpoint" and out["step"] == 10  # the newest checkpoint
     assert out["hellaswag"] == expected["hellaswag"]
     assert out["val_loss"] == pytest.approx(expected["val_loss"], rel=1e-5)
     # two ranks (gloo): the same numbers, printed once
-    res2 = run_cli([str(run_dir), "--val"], torchrun=True)
+    res2 = run_torchrun([str(run_dir), "--val"])
     assert res2.returncode == 0, res2.stderr
     out2 = json.loads(res2.stdout)
     assert out2["hellaswag"] == expected["hellaswag"]
     assert out2["val_loss"] == pytest.approx(expected["val_loss"], rel=1e-5)
 
 
-def test_cli_errors_are_clear(tmp_path):
-    res = run_cli([str(tmp_path)])
-    assert res.returncode == 2 and "neither a checkpoint" in res.stderr
+def test_hf_export_dir_cli_and_stage(tmp_path, capsys):
+    from gptcore.hf import export_hf
+
+    model = micro_model(3)
+    hf_dir = export_hf(model, tmp_path / "hf")
+    expected = hellaswag.evaluate(model, hellaswag.load_examples(FIXTURE), "cpu")
+    code, stdout, stderr = run_cli([str(hf_dir), "--hellaswag", str(FIXTURE), "--device", "cpu"], capsys)
+    assert code == 0, stderr
+    out = json.loads(stdout)
+    assert out["kind"] == "hf" and out["hellaswag"] == expected
+    cfg = load_config("micro", OVERRIDES)
+    result = evaluate_dir(str(hf_dir), cfg.to_dict(), val=False, device="cpu")
+    assert result["hellaswag"] == expected and (hf_dir / "eval.json").is_file()
+
+
+def test_cli_errors_are_clear(tmp_path, capsys):
+    code, _, err = run_cli([str(tmp_path)], capsys)
+    assert code == 2 and "neither a checkpoint" in err
     home = tmp_path / "home"
     run_dir, _ = make_run(home, steps=(5,))
     bad = tmp_path / "bad.jsonl"
     bad.write_text(FIXTURE.read_text()[:-40])  # truncated mid-line
-    res = run_cli([str(run_dir), "--hellaswag", str(bad)])
-    assert res.returncode == 2 and f"{bad} line 7" in res.stderr
+    code, out, err = run_cli([str(run_dir), "--hellaswag", str(bad)], capsys)
+    assert code == 2 and f"{bad} line 7" in err and out == ""
+    # --val on a checkpoint whose dataset is gone: the shard error, not a traceback
+    import shutil
+    shutil.rmtree(home / "shards")
+    code, _, err = run_cli([str(run_dir), "--val", "--no-hellaswag"], capsys)
+    assert code == 2 and "tokenize" in err
 
 
 def test_evaluate_stage_writes_eval_json_once(tmp_path):
