@@ -86,11 +86,31 @@ def wait_for_step(proc: subprocess.Popen, metrics: Path, step: int, timeout: flo
     raise AssertionError(f"no step {step} within {timeout}s")
 
 
+def descendants(pid: int) -> list[int]:
+    """Child processes, recursively (torchrun starts its workers in new sessions, so a process-group
+    signal does not reach them)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
 def kill_tree(proc: subprocess.Popen, sig=signal.SIGKILL) -> None:
-    try:
-        os.killpg(proc.pid, sig)
-    except ProcessLookupError:
-        pass
+    """Signal the launcher and all its descendants at once (SIGKILL: a machine-crash stand-in)."""
+    for pid in [proc.pid, *descendants(proc.pid)]:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
     proc.wait(timeout=60)
 
 
