@@ -65,6 +65,8 @@ class GPTTextGenerator(mlflow.pyfunc.PythonModel):
                                   top_k=top_k or None, seed=seed)
         return decode(head + out[0].tolist())
 
+    # No type hints on purpose: MLflow would infer a signature from them that replaces SIGNATURE and
+    # drops its params schema (so it warns once at import; harmless).
     def predict(self, context, model_input, params=None):
         p = {**DEFAULT_PARAMS, **(params or {})}
         return [self.generate(prompt, int(p["max_new_tokens"]), float(p["temperature"]), int(p["top_k"]),
