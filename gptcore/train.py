@@ -239,26 +239,7 @@ def train(cfg: RunConfig, prep: dict, t_start: float) -> int:
             lr = lr_at(step, cfg)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            loss_sum = torch.zeros((), device=env.device)
-            for micro in range(accum):
-                x, y = loader.next_batch()
-                # gradients are all-reduced only on the last micro-step
-                sync = model.no_sync() if env.ddp and micro < accum - 1 else nullcontext()
-                with sync:
-                    with env.autocast():
-                        _, loss = model(x, y)
-                    loss = loss / accum  # the mean over the whole step's micro-batches
-                    loss_sum += loss.detach()
-                    (scaler.scale(loss) if scaler is not None else loss).backward()
-            if scaler is not None:
-                scaler.unscale_(optimizer)
-            norm = torch.nn.utils.clip_grad_norm_(raw.parameters(), tc_clip(cfg))
-            if scaler is not None:
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            loss_sum, norm = train_step(model, optimizer, loader, accum, env, scaler, cfg.optim.grad_clip)
             step += 1
             tokens_seen += tc.total_batch_tokens
             # one all-reduce: the loss for logging, and the stop vote (a signal on any rank, or rank 0's
@@ -303,8 +284,33 @@ def train(cfg: RunConfig, prep: dict, t_start: float) -> int:
         logger.close()
 
 
-def tc_clip(cfg: RunConfig) -> float:
-    return cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")  # inf: measure, don't clip
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loader: ShardLoader, accum: int,
+               env: distributed.Env, scaler=None, grad_clip: float = 1.0) -> tuple[torch.Tensor, ...]:
+    """One optimizer step over `accum` micro-batches; returns (this rank's mean loss, grad norm).
+    The learning rate is set by the caller. (benchmarks/bench_train.py times exactly this function.)"""
+    loss_sum = torch.zeros((), device=env.device)
+    for micro in range(accum):
+        x, y = loader.next_batch()
+        # under DDP, gradients are all-reduced only on the last micro-step
+        sync = model.no_sync() if env.ddp and micro < accum - 1 else nullcontext()
+        with sync:
+            with env.autocast():
+                _, loss = model(x, y)
+            loss = loss / accum  # the mean over the whole step's micro-batches
+            loss_sum += loss.detach()
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    # inf: measure the norm without clipping
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss_sum, norm
 
 
 class Evals:
