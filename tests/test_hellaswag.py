@@ -184,19 +184,32 @@ def test_batched_scores_equal_per_ending_reference():
     assert hellaswag.evaluate(model, examples, "cpu") == reference_accuracy(model, records)
 
 
-def test_forward_shapes_are_fixed_per_bucket():
-    """A compiled model recompiles per input shape: the scorer must use a few fixed shapes."""
+def test_compiled_model_compiles_once_per_bucket_not_per_example():
+    """torch.compile specialises on input shapes: the scorer must feed a few fixed shapes (one per length
+    bucket), so 35 examples of many lengths compile 3 graphs, and scoring again compiles none."""
     model = micro_model()
-    shapes = []
-    model.register_forward_pre_hook(lambda m, args: shapes.append(tuple(args[0].shape)))
+    graphs = []
+
+    def counting_backend(gm, example_inputs):  # dynamo's hook: called once per compiled graph
+        graphs.append([tuple(t.shape) for t in example_inputs if t.dtype == torch.long])
+        return gm.forward  # run the captured graph eagerly (no inductor build: fast, same numbers)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=counting_backend, dynamic=False)
     base = hellaswag.load_examples(FIXTURE)
     # lengths spread over every bucket of the micro model (32, 48, 64), including rows longer than the
     # block, which keep their last 64 tokens
     examples = [hellaswag.make_example(" word" * n + ex.ctx, ex.endings, ex.label)
                 for n in (0, 8, 20, 30, 60) for ex in base]
-    sums, counts = hellaswag.score(model, examples, "cpu", batch_tokens=3 * 4 * 48)
-    assert set(shapes) == {(4 * max(1, 3 * 48 // b), b) for b in (32, 48, 64)}
-    assert torch.isfinite(sums).all() and (counts > 0).all()
+    bt = 3 * 4 * 48  # 4, 3 and 2 examples per forward for lengths 32, 48, 64
+    sums, counts = hellaswag.score(compiled, examples, "cpu", batch_tokens=bt)
+    assert sorted(graphs) == [[(8, 64)], [(12, 48)], [(16, 32)]]
+    hellaswag.score(compiled, examples[::-1], "cpu", batch_tokens=bt)
+    assert len(graphs) == 3
+    eager_sums, eager_counts = hellaswag.score(model, examples, "cpu", batch_tokens=bt)
+    torch.testing.assert_close(sums, eager_sums)
+    assert torch.equal(counts, eager_counts) and (counts > 0).all()
+    torch._dynamo.reset()
 
 
 def train_to_prefer(model: GPT, examples, choice: list[int], steps: int = 40) -> None:
