@@ -230,7 +230,7 @@ def score(model: torch.nn.Module, examples: list[Example], device, autocast_ctx=
             with autocast_ctx or nullcontext():
                 logits, _ = inner(x)
             mask = y >= 0
-            # only the scored positions' logits are upcast and normalised (a few % of the batch)
+            # only the ending positions' logits are upcast and normalised, not the context or padding
             logp = F.log_softmax(logits[mask].float(), dim=-1)
             nll = -logp.gather(1, y[mask].unsqueeze(1)).squeeze(1).double()
             row_sum = torch.zeros(x.size(0), dtype=torch.float64, device=nll.device)
