@@ -13,13 +13,14 @@ byte-identical for 1 or N workers. Each piece file and each shard is written ato
 with its sha256, so a run killed at any point (even SIGKILL) redoes only what is missing or broken.
 The manifest is written last: its presence means the dataset is complete.
 
-CLI: python -m gptcore.sharding <preset|file.toml> [data.key=value ...]
+CLI: python -m gptcore.sharding <preset|file.toml> [data.key=value ...] [--full-verify]
 """
 
 from __future__ import annotations
 
 import copy
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -31,13 +32,20 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from gptcore import sources
 from gptcore.config import RunConfig, pipeline_home
-from gptcore.shards import (MANIFEST, Manifest, ShardError, ShardInfo, atomic_write_bytes, file_sha256,
-                            read_shard, write_shard_chunks)
+from gptcore.shards import (
+    MANIFEST,
+    Manifest,
+    ShardError,
+    ShardInfo,
+    atomic_write_bytes,
+    file_sha256,
+    read_shard,
+    write_shard_chunks,
+)
 from gptcore.tokenizer import EOT, RANK_FILE_SHA256, get_encoding
 
 PIECES = ".pieces"  # work area inside the dataset dir; removed once the manifest is written
@@ -147,7 +155,7 @@ def plan_pieces(cfg: RunConfig, source_dir: Path) -> list[Piece]:
                     start, rows, nbytes = g + 1, 0, 0
         elif f.kind == "jsonl":
             cuts = sources.jsonl_boundaries(path, d.piece_bytes)
-            for a, b in zip(cuts, cuts[1:]):
+            for a, b in itertools.pairwise(cuts):
                 ranges.append((a, b, sources.count_lines(path, a, b) if docs_left > 0 else -1, b - a))
         else:
             ranges.append((0, f.size, 1, f.size))
@@ -261,8 +269,9 @@ def _layout(cfg: RunConfig, records: list[dict]) -> tuple[np.ndarray, list[tuple
     total, S, name = int(starts[-1]), cfg.data.shard_tokens, dataset_name(cfg)
     n = math.ceil(total / S)
     if n < 2:
-        raise DataError(f"the source has only {total:,} tokens: one shard of data.shard_tokens={S:,} would be "
-                        f"the val split with nothing left to train on; use data.shard_tokens <= {total // 2:,}")
+        raise DataError(f"the source has only {total:,} tokens: one shard of data.shard_tokens={S:,} would "
+                        "be the val split with nothing left to train on; use data.shard_tokens <= "
+                        f"{total // 2:,}")
     shards = []
     for k in range(n):
         split = "val" if k == 0 else "train"
@@ -320,8 +329,9 @@ def build_shards(cfg: RunConfig, pieces: list[Piece]) -> Manifest:
     records = [piece_record(cfg, p, need_data=False) for p in pieces]
     if any(r is None for r in records):
         i = records.index(None)
-        raise DataError(f"piece {i} ({pieces[i].name} [{pieces[i].start}:{pieces[i].stop}]) is not tokenized; "
-                        "run tokenize_piece on pieces_to_tokenize(cfg, pieces) before build_shards")
+        raise DataError(f"piece {i} ({pieces[i].name} [{pieces[i].start}:{pieces[i].stop}]) is not "
+                        "tokenized; run tokenize_piece on pieces_to_tokenize(cfg, pieces) before "
+                        "build_shards")
     starts, layout = _layout(cfg, records)
     known = _known_shards(cfg, spec)
     arrays: dict[int, np.ndarray] = {}  # piece token files opened lazily (memmaps), checked once
@@ -347,11 +357,13 @@ def build_shards(cfg: RunConfig, pieces: list[Piece]) -> Manifest:
             chunks = [piece_tokens(i)[max(a, starts[i]) - starts[i]: min(b, starts[i + 1]) - starts[i]]
                       for i in idx]
             n_eot = sum(int(np.count_nonzero(c == EOT)) for c in chunks)
-            srange = {"tokens": [a, b], "docs": [eot_seen + int(chunks[0][0] == EOT) - 1, eot_seen + n_eot - 1],
+            first_doc = eot_seen + int(chunks[0][0] == EOT) - 1  # a shard may start mid-document
+            srange = {"tokens": [a, b], "docs": [first_doc, eot_seen + n_eot - 1],
                       "pieces": [idx[0], idx[-1]], "files": sorted({pieces[i].name for i in idx})[:2]}
             info = ShardInfo(fname, split, b - a, write_shard_chunks(out / fname, chunks, b - a), srange)
             progress[k] = info
-            doc = {"spec": spec, "shard_tokens": S, "shards": {str(j): asdict(v) for j, v in progress.items()}}
+            doc = {"spec": spec, "shard_tokens": S,
+                   "shards": {str(j): asdict(v) for j, v in progress.items()}}
             atomic_write_bytes(out / PROGRESS, [json.dumps(doc).encode()])
             for i in [i for i in arrays if starts[i + 1] <= b]:
                 del arrays[i]  # done with this piece's memmap
@@ -418,8 +430,11 @@ def run(cfg: RunConfig, workers: int | None = None, full_verify: bool = False) -
             import multiprocessing as mp
 
             from gptcore import sharding  # the job must pickle as gptcore.sharding.*, not __main__.*
-            ctx = mp.get_context("forkserver")  # no fork() of a process that already runs arrow threads
-            ctx.set_forkserver_preload(["numpy", "pyarrow.parquet", "tiktoken", "gptcore.tokenizer"])
+            # fork: workers inherit the imported modules and the GPT-2 encoding built here, so they start
+            # in milliseconds instead of re-importing and re-building it. The parent has only read parquet
+            # metadata so far (no arrow compute threads that fork could strand).
+            get_encoding()
+            ctx = mp.get_context("fork" if sys.platform == "linux" else "spawn")
             with ctx.Pool(workers) as pool:
                 for _, n in pool.imap_unordered(sharding._tokenize_job, [(cfg, p, threads) for p in todo]):
                     bar.update(n)
@@ -433,12 +448,14 @@ def run(cfg: RunConfig, workers: int | None = None, full_verify: bool = False) -
 
 def main(argv: list[str] | None = None) -> int:
     from gptcore.config import ConfigError, load_config
-    argv = sys.argv[1:] if argv is None else argv
+    argv = sys.argv[1:] if argv is None else list(argv)
+    full = "--full-verify" in argv
+    argv = [a for a in argv if a != "--full-verify"]
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0 if argv else 2
     try:
-        run(load_config(argv[0], argv[1:]))
+        run(load_config(argv[0], argv[1:]), full_verify=full)
     except (ConfigError, sources.SourceError, DataError, ShardError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

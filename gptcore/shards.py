@@ -78,7 +78,7 @@ def write_shard_chunks(path: Path, chunks, n_tokens: int) -> str:
             chunk = np.asarray(chunk)
             if chunk.dtype != TOKEN_DTYPE and chunk.size and (
                     chunk.min() < 0 or chunk.max() > np.iinfo(TOKEN_DTYPE).max):
-                raise ShardError(f"token ids must fit uint16 (0..65535); got range {chunk.min()}..{chunk.max()}")
+                raise ShardError(f"token ids must fit uint16 (0..65535); got {chunk.min()}..{chunk.max()}")
             data = memoryview(np.ascontiguousarray(chunk, dtype=TOKEN_DTYPE)).cast("B")
             h.update(data)
             written += chunk.size

@@ -101,8 +101,8 @@ def load_listing(source_dir: Path) -> tuple[dict, list[SourceFile]]:
 
 def _save_listing(source_dir: Path, cfg: RunConfig, files: list[SourceFile], complete: bool) -> None:
     d = cfg.data
-    doc = {"id": source_id(cfg), "source": d.source, "complete": complete, "max_docs": d.max_docs,
-           "hf": {"repo": d.hf_repo, "config": d.hf_config, "revision": d.hf_revision} if d.source == "hf" else None,
+    hub = {"repo": d.hf_repo, "config": d.hf_config, "revision": d.hf_revision} if d.source == "hf" else None
+    doc = {"id": source_id(cfg), "source": d.source, "complete": complete, "max_docs": d.max_docs, "hf": hub,
            "files": [asdict(f) for f in files]}
     path = Path(source_dir) / LISTING
     body = json.dumps(doc, indent=1).encode()
@@ -114,7 +114,8 @@ def _save_listing(source_dir: Path, cfg: RunConfig, files: list[SourceFile], com
 
 def _builtin_file() -> SourceFile:
     if not BUILTIN.is_file():
-        raise SourceError(f"the built-in corpus {BUILTIN} is missing; reinstall the package (pip install -e .)")
+        raise SourceError(f"the built-in corpus {BUILTIN} is missing; reinstall the package "
+                          "(pip install -e .)")
     if file_sha256(BUILTIN) != BUILTIN_SHA256:
         raise SourceError(f"the built-in corpus {BUILTIN} is corrupted (sha256 mismatch); reinstall the "
                           "package or rebuild it with gptcore/assets/corpus/build_corpus.py")
@@ -182,19 +183,19 @@ def _fetch_hub(cfg: RunConfig, source_dir: Path) -> list[SourceFile]:
         raise
     except Exception as e:  # network / auth / missing repo: say which and what to do
         raise SourceError(f"cannot list {d.hf_repo} ({d.hf_config}, revision {d.hf_revision}) on "
-                          f"{endpoint or 'huggingface.co'}: {e}. Check the network or HF_ENDPOINT, set HF_TOKEN "
-                          "for gated/private data, or use a local copy: data.source=/path/to/parquet") from e
+                          f"{endpoint or 'huggingface.co'}: {e}. Check the network or HF_ENDPOINT, set "
+                          "HF_TOKEN for gated/private data, or use a local copy: data.source=/path/to/parquet"
+                          ) from e
     files, rows = [], 0
     for entry in remote:
         if d.max_docs and rows >= d.max_docs:
             break
-        f = done.get(entry.path)
+        f = done.pop(entry.path, None)
         if f is None or f.sha256 != entry.lfs_sha256:
             f = _download_one(hf_hub_download, d, endpoint, token, source_dir, entry)
-            files.append(f)
-        else:
-            files.append(f)
-        _save_listing(source_dir, cfg, files, complete=False)  # a kill now resumes at the next file
+        files.append(f)
+        # record progress: a kill now resumes at the next file (earlier verified ones stay listed)
+        _save_listing(source_dir, cfg, [*files, *done.values()], complete=False)
         if d.max_docs:
             rows += pq.ParquetFile(f.resolve(source_dir)).metadata.num_rows
     return files
@@ -229,7 +230,8 @@ def _hub_data_files(api, card_path: Path, repo: str, config: str, revision: str)
         prefix = pat.split("*")[0].rsplit("/", 1)[0] if "/" in pat.split("*")[0] else None
         for e in api.list_repo_tree(repo, path_in_repo=prefix, recursive=True, repo_type="dataset",
                                     revision=revision):
-            if getattr(e, "size", None) is not None and e.path.endswith(".parquet") and fnmatch.fnmatch(e.path, pat):
+            is_file = getattr(e, "size", None) is not None
+            if is_file and e.path.endswith(".parquet") and fnmatch.fnmatch(e.path, pat):
                 sha = e.lfs.sha256 if e.lfs else ""
                 out[e.path] = _Remote(e.path, e.lfs.size if e.lfs else e.size, sha)
     if not out:
@@ -251,7 +253,8 @@ def _download_one(hf_hub_download, d, endpoint, token, source_dir: Path, entry: 
     if size != entry.size or (entry.lfs_sha256 and sha != entry.lfs_sha256):
         local.unlink(missing_ok=True)
         raise SourceError(f"downloaded {entry.path} does not match the hub (size {size} vs {entry.size}, "
-                          f"sha256 {sha[:12]} vs {entry.lfs_sha256[:12]}); deleted it: re-run to download again")
+                          f"sha256 {sha[:12]} vs {entry.lfs_sha256[:12]}); deleted it: re-run to download "
+                          "again")
     st = local.stat()
     return SourceFile(path=str(local.relative_to(source_dir)), kind="parquet", size=size, sha256=sha,
                       mtime_ns=st.st_mtime_ns, name=entry.path)
@@ -286,8 +289,8 @@ def read_texts(f: SourceFile, source_dir: Path, start: int, stop: int, text_colu
     try:
         if f.kind == "parquet":
             pf = parquet_text_column(path, text_column)
-            for rb in pf.iter_batches(batch_size=batch_docs, row_groups=range(start, stop), columns=[text_column],
-                                      use_threads=False):
+            for rb in pf.iter_batches(batch_size=batch_docs, row_groups=range(start, stop),
+                                      columns=[text_column], use_threads=False):
                 texts = [t or "" for t in rb.column(0).to_pylist()]
                 yield texts[: int(min(len(texts), left))]
                 left -= len(texts)
@@ -317,7 +320,8 @@ def _read_jsonl(path: Path, start: int, stop: int, text_column: str, left, batch
             try:
                 doc = json.loads(line)
             except ValueError as e:
-                raise SourceError(f"{path} at byte {at}: not valid JSON ({e}); fix or remove that line") from e
+                raise SourceError(f"{path} at byte {at}: not valid JSON ({e}); fix or remove that line"
+                                  ) from e
             if not isinstance(doc, dict) or text_column not in doc:
                 keys = list(doc) if isinstance(doc, dict) else type(doc).__name__
                 raise SourceError(f"{path} at byte {at}: no field {text_column!r} (has {keys}); set "

@@ -105,13 +105,20 @@ def _cli(cfg_overrides, home, **kw):
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
 
+KILL_OV = ["data.shard_tokens=20000", "data.piece_bytes=150000", "data.num_workers=1"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    # The whole corpus in tiny pieces/shards, so a run lasts long enough to be killed part-way.
+    ref_home = tmp_path_factory.mktemp("ref")
+    assert _cli(KILL_OV, ref_home).wait(timeout=120) == 0
+    return ref_home / "shards" / "shakespeare-20K"
+
+
 @pytest.mark.parametrize("phase", ["tokenize", "shards"])
-def test_sigkill_mid_run_then_resume_gives_identical_dataset(home, tmp_path, phase):
-    # The whole corpus in tiny pieces/shards so a run lasts long enough to be killed part-way.
-    ov = ["data.shard_tokens=20000", "data.piece_bytes=150000", "data.num_workers=1"]
-    ref_home = tmp_path / "ref"
-    assert _cli(ov, ref_home).wait(timeout=120) == 0
-    ref_dir = ref_home / "shards" / "shakespeare-20K"
+def test_sigkill_mid_run_then_resume_gives_identical_dataset(home, uninterrupted, phase):
+    ov, ref_dir = KILL_OV, uninterrupted
     out = home / "shards" / "shakespeare-20K"
     proc = _cli(ov, home)
     deadline = time.time() + 60
@@ -126,7 +133,9 @@ def test_sigkill_mid_run_then_resume_gives_identical_dataset(home, tmp_path, pha
     assert proc.returncode == -signal.SIGKILL, "run finished before it could be killed"
     assert not (out / "manifest.json").exists()
     kept = {p.name: p.stat().st_mtime_ns for p in out.glob("*.bin")}
+    pieces_done = {p: p.stat().st_mtime_ns for p in out.glob(".pieces/*.json")}
     assert _cli(ov, home).wait(timeout=120) == 0
+    assert pieces_done and all(p.stat().st_mtime_ns == t for p, t in pieces_done.items())  # not redone
     assert shard_bytes(out) == shard_bytes(ref_dir)
     assert (out / "manifest.json").read_bytes() == (ref_dir / "manifest.json").read_bytes()
     if phase == "shards":  # shards written (and recorded) before the kill were verified, not rewritten

