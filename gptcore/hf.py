@@ -77,7 +77,8 @@ def load_hf_state_dict(model: GPT, sd: dict[str, torch.Tensor]) -> GPT:
             ok = got == want
         if not ok:
             problems.append(f"{k}: checkpoint shape {got} vs model {want}")
-    if head is not None and WTE in ours and head.shape == ours[WTE].shape and not torch.equal(head, ours[WTE]):
+    wte = ours.get(WTE)
+    if head is not None and wte is not None and head.shape == wte.shape and not torch.equal(head, wte):
         problems.append("lm_head.weight differs from transformer.wte.weight; our GPT ties them, so an "
                         "untied checkpoint cannot be represented")
     if problems:

@@ -197,9 +197,14 @@ def clean_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def unwrap(model: nn.Module) -> GPT:
     """The plain GPT inside DDP and/or torch.compile wrappers."""
-    while hasattr(model, "module") or hasattr(model, "_orig_mod"):
-        model = getattr(model, "module", None) or model._orig_mod
-    return model
+    # no `a or b` here: truthiness of a compiled module calls len(), which raises
+    while True:
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        else:
+            return model
 
 
 def peak_flops_guess(device: torch.device) -> float:

@@ -1,0 +1,153 @@
+"""gptcore.model: GPT-2's exact size, causality, the loss at init, learning, sampling and its guards."""
+
+import math
+
+import pytest
+import torch
+
+from gptcore.config import ModelConfig, model_preset
+from gptcore.model import GPT, GPT2_VOCAB, clean_state_dict, unwrap
+
+
+def micro(**kw) -> GPT:
+    torch.manual_seed(0)
+    return GPT(ModelConfig(**{**vars(model_preset("micro")), **kw}))
+
+
+def ids(B, T, seed=0):
+    return torch.randint(0, GPT2_VOCAB, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def test_gpt2_preset_has_exactly_the_hf_parameter_count():
+    # on the meta device: shapes only, no 124M-parameter allocation or init
+    with torch.device("meta"):
+        real = GPT(ModelConfig(**{**vars(model_preset("gpt2")), "vocab_size": 50257}))
+        padded = GPT(model_preset("gpt2"))
+    assert real.num_params() == 124_439_808  # HF GPT-2 small, tied embeddings counted once
+    assert padded.config.vocab_size == 50304
+    assert padded.num_params() - real.num_params() == 47 * 768
+    assert padded.num_params(exclude_padding=True) == 124_439_808
+    assert real.lm_head.weight is real.transformer.wte.weight
+    # the bigger presets are OpenAI's shapes
+    shapes = {n: (c.n_layer, c.n_head, c.n_embd) for n in ("gpt2-medium", "gpt2-large", "gpt2-xl")
+              for c in [model_preset(n)]}
+    assert shapes == {"gpt2-medium": (24, 16, 1024), "gpt2-large": (36, 20, 1280), "gpt2-xl": (48, 25, 1600)}
+
+
+def test_flops_and_mfu():
+    with torch.device("meta"):
+        m = GPT(model_preset("gpt2"))
+    n = m.num_params(exclude_position=True)
+    assert m.flops_per_token(1024) == 6 * n + 12 * 12 * 12 * 64 * 1024
+    assert m.estimate_mfu(1e5, 1e15, 1024) == pytest.approx(m.flops_per_token(1024) * 1e5 / 1e15)
+
+
+def test_init_std_and_residual_scaling():
+    m = micro(n_embd=256, n_head=4, n_layer=8)
+    assert m.transformer.h[0].mlp.c_fc.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    resid = m.transformer.h[0].mlp.c_proj.weight.std().item()
+    assert resid == pytest.approx(0.02 / math.sqrt(2 * 8), rel=0.05)
+    assert not m.transformer.h[0].attn.c_attn.bias.any()
+
+
+def test_causality():
+    m = micro().eval()
+    x = ids(2, 48)
+    with torch.no_grad():
+        base, _ = m(x)
+        for t in (0, 1, 17, 47):
+            y = x.clone()
+            y[:, t] = (y[:, t] + 1) % GPT2_VOCAB
+            out, _ = m(y)
+            assert torch.allclose(out[:, :t], base[:, :t], atol=1e-6, rtol=0), t  # the past never sees t
+            assert not torch.allclose(out[:, t], base[:, t])  # ...and position t does
+
+
+def test_loss_at_init_is_uniform_over_the_real_vocab():
+    torch.manual_seed(0)
+    m = GPT(ModelConfig(block_size=128, n_layer=2, n_head=4, n_embd=128))  # gpt2-shaped, small, padded vocab
+    x = ids(4, 128, seed=1)
+    with torch.no_grad():
+        logits, loss = m(x, ids(4, 128, seed=2))
+    assert logits.shape == (4, 128, GPT2_VOCAB)  # padded ids are not in the logits
+    assert abs(loss.item() - math.log(GPT2_VOCAB)) < 0.1
+
+
+def test_targets_minus_one_are_ignored_and_reduction_none():
+    m = micro().eval()
+    x, y = ids(2, 16, 1), ids(2, 16, 2)
+    with torch.no_grad():
+        _, per_tok = m(x, y, reduction="none")
+        y2 = y.clone()
+        y2[:, 8:] = -1
+        _, half = m(x, y2)
+    assert per_tok.shape == (2, 16)
+    assert half.item() == pytest.approx(per_tok[:, :8].mean().item(), rel=1e-5)
+
+
+def test_overfits_one_batch():
+    m = micro()
+    x, y = ids(2, 16, 1), ids(2, 16, 2)
+    opt = m.configure_optimizer(weight_decay=0.0, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, device_type="cpu")
+    losses = []
+    for _ in range(40):
+        _, loss = m(x, y)
+        losses.append(loss.item())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    assert losses[0] > 10 and losses[-1] < 0.5, losses
+
+
+def test_optimizer_decays_only_matrices():
+    m = micro()
+    opt = m.configure_optimizer(weight_decay=0.1, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, device_type="cpu")
+    decay, no_decay = opt.param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() < 2 for p in no_decay["params"])
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(m.parameters()))
+
+
+def test_generation_is_seeded_and_leaves_the_global_rng_alone():
+    m = micro()
+    prompt = ids(2, 4)
+    state = torch.get_rng_state()
+    a = m.generate(prompt, 8, temperature=1.0, top_k=50, seed=7)
+    b = m.generate(prompt, 8, temperature=1.0, top_k=50, seed=7)
+    c = m.generate(prompt, 8, temperature=1.0, top_k=50, seed=8)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert a.shape == (2, 12) and torch.equal(a[:, :4], prompt)
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+    greedy = m.generate(prompt, 6, temperature=0.0)
+    assert torch.equal(m.generate(prompt, 6, temperature=1.0, top_k=1, seed=3), greedy)
+    assert m.training  # generate() restores the mode it found
+
+
+def test_generate_refuses_to_exceed_block_size():
+    m = micro()  # block_size 64
+    with pytest.raises(ValueError, match="exceeds block_size 64"):
+        m.generate(ids(1, 60), 5)
+    assert m.generate(ids(1, 60), 4, temperature=0.0).shape == (1, 64)  # exactly full is fine
+    with pytest.raises(ValueError, match="exceeds block_size"):
+        m(ids(1, 65))
+
+
+def test_padded_ids_are_never_sampled():
+    m = micro()
+    with torch.no_grad():  # make the padded rows of the head win by a mile if they were ever considered
+        m.lm_head.weight[GPT2_VOCAB:] = 100.0
+        m.transformer.ln_f.bias.fill_(1.0)
+        full = m.lm_head(torch.ones(1, 32))
+    assert full.argmax().item() >= GPT2_VOCAB  # the trap is armed
+    out = m.generate(ids(8, 2), 12, temperature=2.0, seed=1)
+    assert out.max().item() < GPT2_VOCAB
+    assert m.generate(ids(4, 2), 4, temperature=0.0).max().item() < GPT2_VOCAB
+
+
+def test_clean_state_dict_and_unwrap():
+    m = micro()
+    wrapped = {f"module._orig_mod.{k}": v for k, v in m.state_dict().items()}
+    assert clean_state_dict(wrapped).keys() == m.state_dict().keys()
+    assert unwrap(torch.compile(m)) is m  # compile is lazy: nothing is compiled here
+    assert unwrap(m) is m
