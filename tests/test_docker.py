@@ -166,6 +166,7 @@ def test_compose_stack(tmp_path):
     assert w["environment"]["PREFECT_API_URL"] == "http://prefect-server:4200/api"
     assert w["environment"]["MLFLOW_TRACKING_URI"] == "http://mlflow:5000"
     assert w["command"] == ["/app/docker/entrypoint-worker.sh"] and w["init"] is True
+    assert w["environment"]["PREFECT_WORKER_WEBSERVER_HOST"] == "127.0.0.1"
     assert w["stop_grace_period"] == "3m0s"  # time for the trainer's SIGTERM checkpoint
     assert w["build"]["target"] == "trainer" and svc["prefect-server"]["build"]["target"] == "services"
     assert {d: c["condition"] for d, c in w["depends_on"].items()} == {
