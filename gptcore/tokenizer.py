@@ -27,7 +27,11 @@ class TokenizerError(RuntimeError):
 
 
 def _load_ranks(path: Path) -> dict[bytes, int]:
-    data = path.read_bytes()
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise TokenizerError(f"cannot read the GPT-2 rank file {path} ({e.strerror}); reinstall the "
+                             "package (pip install -e .) to restore it") from None
     digest = hashlib.sha256(data).hexdigest()
     if digest != RANK_FILE_SHA256:
         raise TokenizerError(
