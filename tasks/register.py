@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import shutil
 import sys
@@ -75,6 +76,8 @@ def _scores(ckpt_dir: Path, meta: dict) -> tuple[float | None, dict]:
         val = val if val is not None else ev.get("val_loss")
         if isinstance(ev.get("hellaswag"), dict) and ev["hellaswag"].get("acc") is not None:
             hs = ev["hellaswag"]
+    if not isinstance(val, int | float) or not math.isfinite(val):
+        val = None  # a diverged (NaN) run must never become `best`
     return val, hs
 
 
@@ -216,9 +219,11 @@ def register_checkpoint(ckpt_dir: str | Path, model_name: str | None = None, tra
 
 try:  # the Prefect task the flow uses; the plain function above needs no Prefect server
     from prefect import task
+    from prefect.cache_policies import NO_CACHE
 
-    register_task = task(name="register", retries=3, retry_delay_seconds=[10, 30, 60],
-                         log_prints=True)(register_checkpoint)
+    # no Prefect caching: the registry itself is the idempotency record (sha256 tag)
+    register_task = task(name="register", task_run_name="register-{ckpt_dir}", retries=3,
+                         retry_delay_seconds=[10, 30, 60], cache_policy=NO_CACHE)(register_checkpoint)
 except ImportError:  # pragma: no cover - prefect is a dependency; keep the module importable anyway
     register_task = None
 

@@ -100,6 +100,11 @@ def test_register_versions_tags_aliases_idempotent(mlflow_server, ckpts, monkeyp
     # re-registering the old best does not take the alias back
     assert register.register_checkpoint(a, tracking_uri=uri, hf=HAVE_HF)["aliases"] == []
     assert mlc.get_model_version_by_alias("micro", "best").version == "3"
+    # a diverged run (val loss NaN) never becomes best
+    d = save_ckpt(c.parent.parent, 20, float("nan"), seed=4)
+    r4 = register.register_checkpoint(d, tracking_uri=uri, hf=False)
+    assert (r4["version"], r4["aliases"]) == ("4", ["latest"]) and "val_loss" not in r4["tags"]
+    assert mlc.get_model_version_by_alias("micro", "best").version == "3"
     assert [m.name for m in mlc.search_registered_models()] == ["micro"]  # never one model per run
 
 
@@ -117,9 +122,14 @@ def test_load_by_alias_generates_the_checkpoints_tokens(mlflow_server, ckpts):  
     loaded = pyfunc.unwrap_python_model().model
     for (k, v), (k2, v2) in zip(model.state_dict().items(), loaded.state_dict().items(), strict=True):
         assert k == k2 and torch.equal(v, v2), k
-    # the same via the command line, in a fresh process, through the `latest` spelling
+    # `@latest` (a reserved alias name in MLflow) means the newest version
+    mlc = MlflowClient(uri)
+    newest = max(mlc.search_model_versions("name = 'micro'"), key=lambda v: int(v.version))
+    latest = load("models:/micro@latest", uri).unwrap_python_model()
+    assert latest.meta["model_sha256"] == newest.tags["checkpoint_sha256"]
+    # the same generation via the command line, in a fresh process
     env = dict(os.environ, MLFLOW_TRACKING_URI=uri, OMP_NUM_THREADS="1")
-    p = subprocess.run([sys.executable, "-m", "tasks.generate", "models:/micro@latest", "--prompt", PROMPT,
+    p = subprocess.run([sys.executable, "-m", "tasks.generate", "models:/micro@best", "--prompt", PROMPT,
                         "--max-new-tokens", "12", "--seed", "7"], cwd=REPO, env=env, capture_output=True,
                        text=True, timeout=180)
     assert p.returncode == 0, p.stderr
