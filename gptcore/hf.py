@@ -168,6 +168,10 @@ def from_pretrained(name_or_dir: str | Path, revision: str = "main", vocab_size:
     and HF_TOKEN are honoured; once cached, loading works offline (the hub falls back to the cache)."""
     if Path(name_or_dir).is_dir():
         return load_hf_dir(name_or_dir, vocab_size, dropout)
+    looks_like_path = isinstance(name_or_dir, Path) or str(name_or_dir).startswith(("/", ".", "~"))
+    if looks_like_path or Path(name_or_dir).exists():
+        raise HFError(f"{name_or_dir} is not a directory; pass an existing Hugging Face checkpoint "
+                      "directory or a hub name such as 'gpt2'")
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError
 

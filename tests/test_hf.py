@@ -268,6 +268,10 @@ def test_from_pretrained_downloads_from_the_hub(tmp_path, monkeypatch, hf_model)
         with pytest.raises(HFError, match="(?s)could not download nobody/nothing.*Check the name"):
             from_pretrained("nobody/nothing", cache_dir=cache)
         assert len(hub.requests) > n
+        n = len(hub.requests)
+        with pytest.raises(HFError, match="is not a directory"):  # a mistyped path never asks the hub
+            from_pretrained(str(tmp_path / "no_such_dir"))
+        assert len(hub.requests) == n
     finally:
         hub.close()
     # hub unreachable: a cached model still loads (huggingface_hub falls back to its cache at once;
