@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from gptcore.config import ModelConfig
-from gptcore.model import GPT, clean_state_dict
+from gptcore.model import GPT, clean_state_dict, unwrap
 from gptcore.shards import file_sha256
 
 MODEL_FILE = "model.safetensors"
@@ -51,18 +51,6 @@ def step_dir(run_dir: Path, step: int) -> Path:
 
 
 # --- weights ------------------------------------------------------------------------------------
-
-def unwrap(model: torch.nn.Module) -> GPT:
-    """The plain GPT inside DDP (`.module`) and torch.compile (`._orig_mod`) wrappers.
-    (No truthiness tests: a compiled module raises on len(), so `a or b` on it fails.)"""
-    while True:
-        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            model = model.module
-        elif hasattr(model, "_orig_mod"):
-            model = model._orig_mod
-        else:
-            return model
-
 
 def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's clean state dict as contiguous CPU tensors, the tied head weight stored once."""
