@@ -208,13 +208,35 @@ def register_checkpoint(ckpt_dir: str | Path, model_name: str | None = None, tra
         created = True
         log.info("registered %s as %s version %s", ckpt_dir, name, mv.version)
     _move_best(mlc, name, mv)
-    mv = mlc.get_model_version(name, mv.version)
+    return _describe(mlc, name, mv.version, created, uri)
+
+
+def _describe(mlc, name: str, version, created: bool, uri: str) -> dict:
+    mv = mlc.get_model_version(name, str(version))
     newest = max(int(v.version) for v in mlc.search_model_versions(f"name = '{name}'"))
     aliases = sorted(mv.aliases) + (["latest"] if int(mv.version) == newest else [])
-    return {"name": name, "version": mv.version, "aliases": aliases, "created": created,
+    return {"name": name, "version": str(mv.version), "aliases": aliases, "created": created,
             "model_uri": f"models:/{name}/{mv.version}", "run_id": mv.run_id,
             "model_id": mv.model_id or mv.source.removeprefix("models:/"),  # the LoggedModel
             "tags": dict(mv.tags), "tracking_uri": uri}
+
+
+def registered_version(ckpt_dir: str | Path, model_name: str | None = None,
+                       tracking_uri: str | None = None) -> dict | None:
+    """The version already holding this checkpoint's weights (as register_checkpoint describes it, with
+    created=False), or None. Read-only: for a flow deciding whether to register."""
+    from mlflow.exceptions import MlflowException
+
+    ckpt_dir = Path(ckpt_dir)
+    meta, sha = _read_checkpoint(ckpt_dir)
+    name = model_name or meta["config"]["preset"]
+    uri = tracking_uri or tracking.tracking_uri()
+    mlc = tracking.client(uri)
+    try:
+        mv = _existing_version(mlc, name, sha)
+    except MlflowException:
+        return None
+    return None if mv is None else _describe(mlc, name, mv.version, False, uri)
 
 
 try:  # the Prefect task the flow uses; the plain function above needs no Prefect server

@@ -71,7 +71,7 @@ class MlflowServer:
         self.stop()
         raise RuntimeError(f"mlflow server did not become healthy in {timeout}s; see {self.log_path}")
 
-    def stop(self, timeout: float = 5.0, kill: bool = False) -> None:
+    def stop(self, timeout: float = 3.0, kill: bool = False) -> None:
         """SIGTERM the server's process group (SIGKILL after `timeout`), or SIGKILL at once with kill=True
         (a crash). Only our own group: its id stays reserved while any member lives."""
         if self.proc is None:

@@ -80,6 +80,8 @@ def test_register_versions_tags_aliases_idempotent(mlflow_server, ckpts, monkeyp
         hf = {f.path for f in mlc.list_logged_model_artifacts(lm.model_id, "hf")}
         assert {"hf/config.json", "hf/model.safetensors"} <= hf, hf
 
+    assert register.registered_version(a, tracking_uri=uri)["version"] == "1"
+    assert register.registered_version(b, tracking_uri=uri) is None
     # the same checkpoint again: the existing version, nothing new; a later eval.json fills in tags
     (a / "eval.json").write_text(json.dumps({"val_loss": 9.1, "hellaswag": {"acc": 0.3, "acc_norm": 0.31}}))
     again = register.register_checkpoint(a, tracking_uri=uri, flow_run_id="flow-2", hf=HAVE_HF)
