@@ -113,7 +113,8 @@ def _existing_version(mlc, name: str, sha: str):
     return min(found, key=lambda mv: int(mv.version)) if found else None
 
 
-def _log_model(mlc, uri: str, ckpt_dir: Path, meta: dict, name: str, tags: dict, hf: bool) -> str:
+def _log_model(mlc, uri: str, ckpt_dir: Path, meta: dict, name: str, tags: dict, hf: bool,
+               experiment: str) -> str:
     """Log the LoggedModel (pyfunc + HF export) under the training run; returns its model_id."""
     import mlflow
     from mlflow.entities import LoggedModelOutput
@@ -121,7 +122,7 @@ def _log_model(mlc, uri: str, ckpt_dir: Path, meta: dict, name: str, tags: dict,
     from gptcore.checkpoint import load_model
     from tasks.mlflow_model import SIGNATURE
 
-    run_id = tracking.find_or_create_run(mlc, meta["run_name"], meta["identity_hash"])
+    run_id = tracking.find_or_create_run(mlc, meta["run_name"], meta["identity_hash"], experiment)
     exp_id = mlc.get_run(run_id).info.experiment_id
     mlflow.set_tracking_uri(uri)  # the fluent log_model below resolves the store from it
     mlflow.set_registry_uri(uri)
@@ -174,7 +175,8 @@ def _move_best(mlc, name: str, mv) -> bool:
 
 
 def register_checkpoint(ckpt_dir: str | Path, model_name: str | None = None, tracking_uri: str | None = None,
-                        flow_run_id: str | None = None, hf: bool = True) -> dict:
+                        flow_run_id: str | None = None, hf: bool = True,
+                        experiment: str = tracking.EXPERIMENT) -> dict:
     """Register one checkpoint (idempotent); returns the version's name, number, aliases and tags."""
     from mlflow.exceptions import MlflowException
 
@@ -200,7 +202,7 @@ def register_checkpoint(ckpt_dir: str | Path, model_name: str | None = None, tra
                 mlc.set_model_version_tag(name, mv.version, k, v)
         mv = mlc.get_model_version(name, mv.version)
     else:
-        model_id = _log_model(mlc, uri, ckpt_dir, meta, name, tags, hf)
+        model_id = _log_model(mlc, uri, ckpt_dir, meta, name, tags, hf, experiment)
         run_id = mlc.get_logged_model(model_id).source_run_id
         # the sha256 tag (the idempotency key) arrives with the version in one call
         mv = mlc.create_model_version(name, source=f"models:/{model_id}", run_id=run_id, tags=tags,

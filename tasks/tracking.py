@@ -72,6 +72,9 @@ def tracking_uri() -> str:
     return f"sqlite:///{root / 'mlflow.db'}"
 
 
+_default_uri = tracking_uri  # for code where a parameter named tracking_uri shadows the function
+
+
 def _artifact_location(uri: str) -> str | None:
     """For the embedded SQLite store, keep artifacts beside the database (MLflow would otherwise use
     ./mlruns relative to wherever the process happens to run). A server decides for itself."""
@@ -250,7 +253,7 @@ class Shipper:
                  flow_run_id: str | None = None, interval: float = 5.0, plot_interval: float = 60.0,
                  max_backoff: float = 30.0):
         self.run_dir = Path(run_dir)
-        self.uri = tracking_uri or globals()["tracking_uri"]()
+        self.uri = tracking_uri or _default_uri()
         self.experiment = experiment
         self.flow_run_id = flow_run_id
         self.interval = interval
@@ -289,11 +292,23 @@ class Shipper:
         if ident is None:
             return False
         from mlflow.entities import Param, RunTag
+        from mlflow.exceptions import MlflowException
 
         mlc = self._client = self._client or client(self.uri)
-        run_id = cur.get("run_id") or find_or_create_run(mlc, ident["run_name"], ident["identity_hash"],
-                                                         self.experiment)
-        run = mlc.get_run(run_id)
+        run = None
+        if cur.get("run_id"):
+            try:
+                run = mlc.get_run(cur["run_id"])
+            except MlflowException as e:
+                if e.error_code != "RESOURCE_DOES_NOT_EXIST":
+                    raise
+                log.warning("MLflow run %s is gone from %s; shipping %s again from the start",
+                            cur["run_id"], self.uri, self.run_dir)
+                cur["offset"] = 0
+        if run is None:
+            run = mlc.get_run(find_or_create_run(mlc, ident["run_name"], ident["identity_hash"],
+                                                 self.experiment))
+        run_id = run.info.run_id
         # Params are immutable in MLflow: the first invocation's values stay; settings that may change
         # between invocations (time budget, device, cadence) are in each invocation's config artifact.
         params = flatten(ident["config"])

@@ -121,6 +121,14 @@ def test_ship_values_steps_params_artifacts_and_no_duplicates(mlflow_server, tmp
     for key in KEYS:
         assert history(mlc, run_id, key) == expected(recs, key), key
 
+    # A cursor naming a run the server does not know (e.g. its database was replaced): found again by
+    # the identity tags and re-shipped from the start, still without duplicates.
+    cursor["run_id"] = "f" * 32
+    (rd / tracking.CURSOR).write_text(json.dumps(cursor))
+    assert tracking.ship(rd, mlflow_server.uri)["run_id"] == run_id
+    for key in KEYS:
+        assert history(mlc, run_id, key) == expected(recs, key), key
+
     # The trainer finishes the line, resumes in a later invocation (new process, new flow run): same
     # MLflow run, steps continuing; params keep the first invocation's values.
     rest = records(range(31, 41))
