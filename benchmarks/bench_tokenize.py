@@ -1,0 +1,311 @@
+"""Tokenize-and-shard throughput and memory vs. the limit and a naive baseline (issue: Speed).
+
+    python -m benchmarks.bench_tokenize [--tokens 20e6] [--rounds 3] [--workers N] [--prefect]
+
+Corpus: the built-in corpus repeated to >= --tokens tokens, as one local parquet file.
+Methods, each in a fresh subprocess (so peak RSS is per method), interleaved over rounds (the machine is
+shared; medians are reported):
+  limit   tiktoken encode_ordinary_batch over all documents on all cores, nothing else (texts in memory)
+  naive   build-nanogpt fineweb.py style: multiprocessing.Pool(cores).imap(tokenize one doc), fill a
+          shard buffer, write shards (no hashing, no atomic rename, no resume)
+  stage   gptcore.sharding.run: plan pieces, tokenize them on a process pool, cut shards (sha256,
+          atomic + fsync writes, manifest), i.e. `python -m gptcore.sharding`
+  prefect (--prefect) the same through the Prefect `tokenize` flow (ProcessPoolTaskRunner) on a
+          throwaway local `prefect server`: its difference to `stage` is Prefect's overhead
+Overheads measured on their own: parquet read, EOT/uint16 assembly, sha256, shard writing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARD_TOKENS = 2_000_000  # 10 shards for 20M tokens: writing and hashing show up if they cost anything
+PIECE_BYTES = 2_000_000  # ~30 pieces for 20M tokens: 2 workers stay evenly loaded to the end
+
+
+def build_corpus(path: Path, min_tokens: float) -> tuple[int, int]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from gptcore.sources import BUILTIN
+    from gptcore.tokenizer import get_encoding
+
+    texts = pq.read_table(BUILTIN, columns=["text"]).column("text").to_pylist()
+    per = sum(len(t) for t in get_encoding().encode_ordinary_batch(texts)) + len(texts)
+    reps = int(np.ceil(min_tokens / per))
+    pq.write_table(pa.table({"text": texts * reps}), path, row_group_size=8, compression="zstd")
+    return reps * per, reps * len(texts)
+
+
+class TreeRSS:
+    """Peak total RSS of this process and all its descendants (pool workers, forkserver children),
+    sampled from /proc every 20 ms: RUSAGE_CHILDREN misses grandchildren and un-reaped workers."""
+
+    def __init__(self):
+        import threading
+        self.peak, self.stop = 0, False
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    @staticmethod
+    def _tree_rss() -> int:
+        procs = {}
+        for d in Path("/proc").iterdir():
+            if d.name.isdigit():
+                try:
+                    stat = (d / "stat").read_text().rsplit(")", 1)[1].split()
+                    procs[int(d.name)] = (int(stat[1]), int(stat[21]))  # ppid, rss pages
+                except (OSError, IndexError, ValueError):
+                    pass
+        tree, grew = {os.getpid()}, True
+        while grew:
+            new = {p for p, (pp, _) in procs.items() if pp in tree and p not in tree}
+            tree |= new
+            grew = bool(new)
+        return sum(procs[p][1] for p in tree if p in procs) * os.sysconf("SC_PAGE_SIZE")
+
+    def _loop(self):
+        while not self.stop:
+            self.peak = max(self.peak, self._tree_rss())
+            time.sleep(0.02)
+
+    def close(self) -> float:
+        self.stop = True
+        self.thread.join()
+        self_max = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return round(max(self.peak, self_max) / 2**20, 1)
+
+
+# --- the methods (run in a subprocess each) --------------------------------------------------------
+
+def m_limit(corpus: Path, out: Path, workers: int) -> int:
+    import pyarrow.parquet as pq
+
+    from gptcore.tokenizer import get_encoding
+    texts = pq.read_table(corpus, columns=["text"]).column("text").to_pylist()
+    enc = get_encoding()
+    enc.encode_ordinary("warm up")
+    t0 = time.perf_counter()
+    ids = enc.encode_ordinary_batch(texts, num_threads=os.cpu_count())
+    dt = time.perf_counter() - t0
+    return sum(len(x) for x in ids) + len(texts), dt
+
+
+def _naive_tokenize(text):
+    from gptcore.tokenizer import EOT, get_encoding
+    return np.array([EOT, *get_encoding().encode_ordinary(text)], dtype=np.uint16)
+
+
+def m_naive(corpus: Path, out: Path, workers: int):
+    import multiprocessing as mp
+
+    import pyarrow.parquet as pq
+
+    from gptcore.shards import shard_header
+    t0 = time.perf_counter()
+    texts = pq.read_table(corpus, columns=["text"]).column("text").to_pylist()
+    out.mkdir(parents=True, exist_ok=True)
+    buf, n, idx, total = np.empty(SHARD_TOKENS, dtype=np.uint16), 0, 0, 0
+    with mp.get_context("fork").Pool(workers) as pool:  # fineweb.py: Pool(nprocs), imap(chunksize=16)
+        for toks in pool.imap(_naive_tokenize, texts, chunksize=16):
+            total += len(toks)
+            while len(toks):
+                take = min(SHARD_TOKENS - n, len(toks))
+                buf[n: n + take], n, toks = toks[:take], n + take, toks[take:]
+                if n == SHARD_TOKENS:
+                    (out / f"naive_{idx:06d}.bin").write_bytes(shard_header(n) + buf.tobytes())
+                    idx, n = idx + 1, 0
+    if n:
+        (out / f"naive_{idx:06d}.bin").write_bytes(shard_header(n) + buf[:n].tobytes())
+    return total, time.perf_counter() - t0
+
+
+def _stage_cfg(corpus: Path, workers: int):
+    from gptcore.config import load_config
+    return load_config("micro", [f"data.source={corpus}", f"data.shard_tokens={SHARD_TOKENS}",
+                                 f"data.piece_bytes={PIECE_BYTES}", f"data.num_workers={workers}"])
+
+
+def m_stage(corpus: Path, out: Path, workers: int):
+    os.environ["GPTPIPE_HOME"] = str(out)
+    from gptcore import sharding
+    cfg = _stage_cfg(corpus, workers)
+    t0 = time.perf_counter()
+    m = sharding.run(cfg, workers=workers)
+    return m.total_tokens(), time.perf_counter() - t0
+
+
+def m_prefect(corpus: Path, out: Path, workers: int):
+    os.environ["GPTPIPE_HOME"] = str(out)
+    from gptcore import sharding
+    from tasks.tokenize import tokenize_dataset
+    cfg = _stage_cfg(corpus, workers)
+    t0 = time.perf_counter()
+    tokenize_dataset(cfg)
+    dt = time.perf_counter() - t0
+    from gptcore.shards import Manifest
+    return Manifest.load(sharding.dataset_dir(cfg)).total_tokens(), dt
+
+
+METHODS = {"limit": m_limit, "naive": m_naive, "stage": m_stage, "prefect": m_prefect}
+
+
+def one(method: str, corpus: Path, out: Path, workers: int) -> None:
+    sampler = TreeRSS()
+    cpu0 = _cpu_s()
+    tokens, dt = METHODS[method](corpus, out, workers)
+    cpu = _cpu_s() - cpu0  # also counts setup outside the timed region (e.g. loading texts): upper bound
+    print(json.dumps({"method": method, "tokens": tokens, "seconds": dt, "tok_s": tokens / dt,
+                      "rss_mb": sampler.close(), "tok_per_cpu_s": tokens / cpu}))
+
+
+def _cpu_s() -> float:
+    """CPU seconds of this process and its reaped children (pool workers): robust to a busy machine."""
+    me, ch = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + ch.ru_utime + ch.ru_stime
+
+
+def run_one(method, corpus, out, workers, env=None) -> dict:
+    r = subprocess.run([sys.executable, "-m", "benchmarks.bench_tokenize", "--one", method, "--corpus",
+                        str(corpus), "--out", str(out), "--workers", str(workers)], cwd=ROOT,
+                       capture_output=True, text=True, env=env or os.environ.copy())
+    if r.returncode:
+        raise SystemExit(f"{method} failed:\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+# --- overheads, measured alone --------------------------------------------------------------------
+
+def overheads(corpus: Path, tmp: Path, tokens: int) -> dict:
+    import pyarrow.parquet as pq
+
+    from gptcore.shards import write_shard_chunks
+    res = {}
+    t0 = time.perf_counter()
+    n = 0
+    for rb in pq.ParquetFile(corpus).iter_batches(batch_size=512, columns=["text"], use_threads=False):
+        n += sum(len(t) for t in rb.column(0).to_pylist())
+    res["parquet_read_s"] = time.perf_counter() - t0
+    toks = np.random.default_rng(0).integers(0, 50257, tokens, dtype=np.uint16)
+    t0 = time.perf_counter()
+    hashlib.sha256(memoryview(toks).cast("B")).hexdigest()
+    res["sha256_s (once over all tokens)"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for i in range(0, tokens, SHARD_TOKENS):
+        write_shard_chunks(tmp / f"w{i}.bin", [toks[i: i + SHARD_TOKENS]], len(toks[i: i + SHARD_TOKENS]))
+    res["write_shards_s (atomic+fsync+sha256)"] = time.perf_counter() - t0
+    arrays = [toks[i: i + 30000].astype(np.uint32) for i in range(0, tokens, 30000)]
+    t0 = time.perf_counter()
+    out = np.empty(tokens + len(arrays), dtype=np.uint32)
+    pos = 0
+    for a in arrays:
+        out[pos] = 50256
+        out[pos + 1: pos + 1 + a.size] = a
+        pos += 1 + a.size
+    out.astype(np.uint16)
+    res["eot_assembly_s"] = time.perf_counter() - t0
+    return {k: round(v, 3) for k, v in res.items()}
+
+
+def _prefect_server(home: Path):
+    import socket
+    import urllib.request
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{home}/prefect.db"}
+    proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
+                             "--port", str(port)], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    api = f"http://127.0.0.1:{port}/api"
+    for _ in range(240):
+        try:
+            urllib.request.urlopen(f"{api}/health", timeout=1)
+            return proc, {**env, "PREFECT_API_URL": api}
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    raise SystemExit("prefect server did not start")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=float, default=20e6)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--workers", type=int, default=os.cpu_count())
+    ap.add_argument("--prefect", action="store_true", help="also time the Prefect flow (starts a server)")
+    ap.add_argument("--one", help=argparse.SUPPRESS)
+    ap.add_argument("--corpus", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.one:
+        return one(a.one, Path(a.corpus), Path(a.out), a.workers)
+
+    with tempfile.TemporaryDirectory(prefix="bench_tok_") as tmp:
+        tmp = Path(tmp)
+        corpus = tmp / "corpus.parquet"
+        tokens, docs = build_corpus(corpus, a.tokens)
+        print(f"corpus: {docs} documents, {tokens / 1e6:.1f}M tokens, {corpus.stat().st_size / 1e6:.1f} MB "
+              f"parquet; {a.workers} workers on {os.cpu_count()} cores; shard_tokens={SHARD_TOKENS:,}, "
+              f"piece_bytes={PIECE_BYTES:,}", flush=True)
+        methods = ["limit", "naive", "stage"]
+        server = None
+        if a.prefect:
+            server, penv = _prefect_server(tmp / "prefect")
+            methods.append("prefect")
+        rows: dict[str, list[dict]] = {m: [] for m in methods}
+        try:
+            for r in range(a.rounds):
+                for m in methods:
+                    out = tmp / f"{m}{r}"
+                    rows[m].append(run_one(m, corpus, out, a.workers, penv if m == "prefect" else None))
+                    print(f"  round {r} {m:8s} {rows[m][-1]['tok_s'] / 1e6:6.2f}M tok/s "
+                          f"({rows[m][-1]['seconds']:.2f}s)", flush=True)
+                # same bytes from the naive baseline and the stage (a correctness cross-check)
+                nb = b"".join(p.read_bytes()[1024:] for p in sorted((tmp / f"naive{r}").glob("*.bin")))
+                stage_dir = tmp / f"stage{r}"
+                sb = b"".join(p.read_bytes()[1024:] for p in sorted(stage_dir.rglob("*_val_*.bin")) +
+                              sorted(stage_dir.rglob("*_train_*.bin")))
+                assert nb == sb, "naive baseline and stage produced different tokens"
+                for m in methods:
+                    if m != "limit":
+                        subprocess.run(["rm", "-rf", str(tmp / f"{m}{r}")])
+        finally:
+            if server:
+                server.terminate()
+                server.wait()
+        med = {m: statistics.median(x["tok_s"] for x in rows[m]) for m in methods}
+        ratio = {m: statistics.median(rows[m][i]["tok_s"] / rows["limit"][i]["tok_s"]
+                                      for i in range(a.rounds)) for m in methods}
+        print("\nmethod    median tok/s  vs limit (median of round ratios)  tok/CPU-s  "
+              "peak RSS (process tree)")
+        for m in methods:
+            cpu = statistics.median(x["tok_per_cpu_s"] for x in rows[m])
+            print(f"{m:8s}  {med[m] / 1e6:8.2f}M     {ratio[m]:5.2f}x                           "
+                  f"{cpu / 1e6:6.2f}M   {max(x['rss_mb'] for x in rows[m]):7.0f} MB")
+        naive_ratio = statistics.median(rows["stage"][i]["tok_s"] / rows["naive"][i]["tok_s"]
+                                        for i in range(a.rounds))
+        print(f"stage vs naive: {naive_ratio:.2f}x")
+        if a.prefect:
+            extra = statistics.median(rows["prefect"][i]["seconds"] - rows["stage"][i]["seconds"]
+                                      for i in range(a.rounds))
+            print(f"Prefect overhead (flow - stage wall time): {extra:.2f}s per run")
+        print("overheads measured alone:", json.dumps(overheads(corpus, tmp, int(tokens))))
+
+
+if __name__ == "__main__":
+    main()
