@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -186,6 +187,7 @@ def _fetch_hub(cfg: RunConfig, source_dir: Path) -> list[SourceFile]:
                           f"{endpoint or 'huggingface.co'}: {e}. Check the network or HF_ENDPOINT, set "
                           "HF_TOKEN for gated/private data, or use a local copy: data.source=/path/to/parquet"
                           ) from e
+    _check_disk(source_dir, sum(e.size for e in remote if e.path not in done), d.max_docs)
     files, rows = [], 0
     for entry in remote:
         if d.max_docs and rows >= d.max_docs:
@@ -199,6 +201,15 @@ def _fetch_hub(cfg: RunConfig, source_dir: Path) -> list[SourceFile]:
         if d.max_docs:
             rows += pq.ParquetFile(f.resolve(source_dir)).metadata.num_rows
     return files
+
+
+def _check_disk(source_dir: Path, need: int, max_docs: int) -> None:
+    probe = next(p for p in [Path(source_dir), *Path(source_dir).parents] if p.exists())
+    free = shutil.disk_usage(probe).free
+    if need > free and not max_docs:
+        raise SourceError(f"not enough free disk to download the dataset into {source_dir}: need "
+                          f"{need / 1e9:.1f} GB, {free / 1e9:.1f} GB free. Free space, point GPTPIPE_HOME at "
+                          "a larger disk, or download part of it with data.max_docs")
 
 
 @dataclass

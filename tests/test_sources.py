@@ -195,6 +195,14 @@ def test_hub_max_docs_stops_downloading_early_and_unknown_config(hub):
         sources.fetch(hf_cfg("data.hf_config=nope"))
 
 
+def test_hub_not_enough_disk(hub, monkeypatch):
+    real = sources.shutil.disk_usage
+    monkeypatch.setattr(sources.shutil, "disk_usage", lambda p: real(p)._replace(free=1000))
+    with pytest.raises(sources.SourceError, match="not enough free disk to download"):
+        sources.fetch(hf_cfg())
+    assert not list((sharding.pipeline_home() / "raw").rglob("*.parquet"))
+
+
 def test_hub_missing_repo_says_what_to_do(hub):
     with pytest.raises(sources.SourceError, match=r"(?s)cannot list nobody/nothing.*data.source=/path/to"):
         sources.fetch(hf_cfg("data.hf_repo=nobody/nothing"))
