@@ -144,6 +144,9 @@ def test_ensure_dataset_rejects_incomplete_download(home, http_server, monkeypat
         assert hellaswag.ensure_dataset(load_config("micro")) is None
     assert "7 lines, expected 10042" in caplog.text
     assert not (home / "hellaswag" / "hellaswag_val.jsonl").exists()
+    monkeypatch.setenv(hellaswag.URL_ENV, url + "/moved.jsonl")  # HTTP 404
+    path, reason = hellaswag.fetch(load_config("micro"))
+    assert path is None and "404" in reason
 
 
 def test_ensure_dataset_unreachable_returns_none_with_reason(home, monkeypatch, caplog):
