@@ -32,6 +32,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 LOCK_FILE = "train.lock"
+TRAIN_LOG = "train.log"  # the trainer's stdout/stderr, appended per invocation
 GRACE_SECONDS = 120.0  # SIGTERM -> SIGKILL: time to write a final checkpoint
 LEASE_SECONDS = 60  # Prefect's minimum; a killed holder's slot is reclaimed this long after its death
 
@@ -145,46 +146,105 @@ def prefect_slot(run_name: str, timeout: float):
 
 # --- the child process -------------------------------------------------------------------------------
 
+def _proc_table() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, start time) of every process, from /proc."""
+    out = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            out[int(d.name)] = (int(fields[1]), fields[19])
+    return out
+
+
+def descendants(pid: int) -> dict[int, str]:
+    """All processes below `pid` (pid -> start time). torchrun starts each trainer in its own session,
+    so signalling torchrun's process group alone would miss them."""
+    table, found, todo = _proc_table(), {}, [pid]
+    while todo:
+        parent = todo.pop()
+        for child, (ppid, started) in table.items():
+            if ppid == parent and child not in found:
+                found[child] = started
+                todo.append(child)
+    return found
+
+
+def _signal_tree(tree: dict[int, str], sig: int) -> int:
+    """Send `sig` to the processes of `tree` that are still the same processes; how many were alive."""
+    table, alive = _proc_table(), 0
+    for pid, started in tree.items():
+        if table.get(pid, (None, None))[1] == started:
+            alive += 1
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+    return alive
+
+
 def end_group(proc: subprocess.Popen, grace: float, log) -> None:
-    """SIGTERM torchrun's process group (the trainer checkpoints and exits), SIGKILL after `grace`."""
-    if proc.poll() is None:
-        log.warning("stopping the trainer (SIGTERM to process group %d; SIGKILL after %.0fs)",
-                    proc.pid, grace)
+    """SIGTERM torchrun's process group and its trainers (they checkpoint and exit); SIGKILL whatever is
+    left after `grace` seconds."""
+    tree = descendants(proc.pid)
+    if proc.poll() is None or _signal_tree(tree, 0):
+        log.warning("stopping the trainer (SIGTERM to torchrun %d and %d child process(es); SIGKILL after "
+                    "%.0fs)", proc.pid, len(tree), grace)
         try:
             os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(grace)
-        except subprocess.TimeoutExpired:
-            log.error("trainer did not exit within %.0fs of SIGTERM; sending SIGKILL", grace)
         except ProcessLookupError:
             pass
-    try:  # whatever is left of the group (workers that outlived torchrun)
+        _signal_tree(tree, signal.SIGTERM)
+        end = time.monotonic() + grace
+        while time.monotonic() < end and (proc.poll() is None or _signal_tree(tree, 0)):
+            time.sleep(0.2)
+        if proc.poll() is None or _signal_tree(tree, 0):
+            log.error("trainer did not exit within %.0fs of SIGTERM; sending SIGKILL", grace)
+    try:  # whatever is left of the group and the trees
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+    _signal_tree(tree, signal.SIGKILL)
     proc.wait()
 
 
 def launch(cmd: list[str], run_dir: Path, lock_fd: int, log, grace: float = GRACE_SECONDS,
            env: dict | None = None) -> tuple[int, list[str]]:
-    """Run the trainer, streaming its output to `log`; returns (exit code, last lines)."""
+    """Run the trainer, streaming its output to `log`; returns (exit code, last lines).
+
+    The trainer writes to <run_dir>/train.log (appended), which this thread tails: if the flow run's
+    process dies, the trainer's prints do not hit a broken pipe, so it can still checkpoint and exit."""
     tail: collections.deque[str] = collections.deque(maxlen=60)
     full = [sys.executable, "-c", _PDEATHSIG_EXEC, str(os.getpid()), *cmd]
     env = dict(env or os.environ, PYTHONUNBUFFERED="1")
     log.info("launching: %s", " ".join(cmd))
-    proc = subprocess.Popen(full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            env=env, start_new_session=True, pass_fds=(lock_fd,), text=True, bufsize=1,
-                            errors="replace")
-    (run_dir / "trainer.pid").write_text(str(proc.pid))
+    log_path = run_dir / TRAIN_LOG
+    with open(log_path, "ab") as out:
+        offset = out.tell()
+        proc = subprocess.Popen(full, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                start_new_session=True, pass_fds=(lock_fd,))
     try:
-        for line in proc.stdout:
-            line = line.rstrip()
-            if line:
-                tail.append(line)
-                log.info(line)
-        proc.wait()
+        with open(log_path, "rb") as f:
+            f.seek(offset)
+            buf = b""
+            while True:
+                exited = proc.poll() is not None  # read once more after exit: nothing is lost
+                chunk = f.read(1 << 16)
+                if chunk:
+                    *lines, buf = (buf + chunk).split(b"\n")
+                    for raw in lines:
+                        line = raw.decode(errors="replace").rstrip()
+                        if line:
+                            tail.append(line)
+                            log.info(line)
+                elif exited:
+                    break
+                else:
+                    time.sleep(0.2)
     finally:  # also on cancellation / termination signals / a failing logger: never leave the group
         end_group(proc, grace, log)
-        (run_dir / "trainer.pid").unlink(missing_ok=True)
     return proc.returncode, list(tail)
 
 

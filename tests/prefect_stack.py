@@ -1,0 +1,100 @@
+"""A real Prefect server (SQLite) + process work pool + worker + MLflow server on free 127.0.0.1 ports,
+with the deployments of deployments/prefect.yaml, for tests (one per session; flows/services.py does
+the work, as for the demo).
+
+    from tests.prefect_stack import prefect_stack, run_deployment_and_wait  # noqa: F401
+
+Inside the fixture, this process's Prefect client talks to the stack's server.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from flows.demo import deploy
+from flows.services import Stack
+
+
+@pytest.fixture(scope="session")
+def prefect_stack(tmp_path_factory):
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    home = tmp_path_factory.mktemp("gptpipe-home")
+    stack = Stack(home, prefect_port=0, mlflow_port=0, ui=False,
+                  extra_env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
+    try:
+        stack.up()
+        deploy(stack, force=True)
+        with temporary_settings({PREFECT_API_URL: stack.prefect_api_url}):
+            yield stack
+    finally:
+        stack.down()
+
+
+def run_deployment_and_wait(parameters: dict, deployment: str = "pretrain/tiny", timeout: float = 300.0):
+    """Create a flow run through the server and wait until it is final; returns the flow run."""
+    from prefect.deployments import run_deployment
+
+    fr = run_deployment(deployment, parameters=parameters, timeout=0)
+    return wait_final(fr.id, timeout)
+
+
+def wait_final(flow_run_id, timeout: float = 300.0):
+    from prefect.client.orchestration import get_client
+
+    end = time.monotonic() + timeout
+    with get_client(sync_client=True) as c:
+        while True:
+            fr = c.read_flow_run(flow_run_id)
+            if fr.state is not None and fr.state.is_final():
+                return fr
+            if time.monotonic() > end:
+                raise TimeoutError(f"flow run {flow_run_id} still {fr.state.name if fr.state else None} "
+                                   f"after {timeout}s")
+            time.sleep(1.0)
+
+
+def flow_logs(flow_run_id) -> list[str]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.client.schemas.sorting import LogSort
+
+    out = []
+    with get_client(sync_client=True) as c:
+        while True:
+            logs = c.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])), limit=200,
+                               offset=len(out), sort=LogSort.TIMESTAMP_ASC)
+            if not logs:
+                return [lg.message for lg in out]
+            out += logs
+
+
+def task_runs(flow_run_id) -> dict[str, str]:
+    """task name -> final state name, for the flow run's own tasks (not its subflows')."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as c:
+        trs = c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    return {tr.name: tr.state.name for tr in trs if tr.state is not None}
+
+
+def artifacts(flow_run_id) -> dict[str, object]:
+    """artifact key -> data (tables decoded) for one flow run."""
+    import json
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    with get_client(sync_client=True) as c:
+        arts = c.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(
+            any_=[flow_run_id])))
+    out = {}
+    for a in arts:
+        data = a.data
+        if a.type == "table" and isinstance(data, str):
+            data = json.loads(data)
+        out[a.key] = data
+    return out

@@ -1,0 +1,205 @@
+"""The pretrain flow through a real Prefect server and worker (process pool) and a real MLflow server:
+end to end, a no-op re-run, resume after the flow run's process is killed, concurrent runs of one
+training run, and early failure on bad parameters. Preset `micro` with a few steps keeps it short."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.prefect_stack import (  # noqa: F401
+    artifacts,
+    flow_logs,
+    prefect_stack,
+    run_deployment_and_wait,
+    task_runs,
+    wait_final,
+)
+
+pytestmark = pytest.mark.slow
+HELLASWAG = Path(__file__).parent / "fixtures" / "hellaswag_mini.jsonl"
+
+
+def micro(run_name: str, steps: int, **over) -> dict:
+    overrides = {"train.max_steps": steps, "train.run_name": run_name, "train.checkpoint_interval": 4,
+                 "eval.eval_interval": 4, "eval.sample_interval": 4, **over}
+    return {"preset": "micro", "overrides": overrides, "model_name": f"micro-{run_name}"}
+
+
+def started(names: dict[str, str], prefix: str) -> list[str]:
+    return [n for n in names if n.startswith(prefix)]
+
+
+def trainer_pids(run_name: str) -> list[int]:
+    """Trainer processes (not torchrun) of one run, from /proc."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                cmd = (d / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"gptcore.train" in cmd and f"train.run_name={run_name}".encode() in cmd and \
+                    b"torch.distributed.run" not in cmd and b"-c" not in cmd:
+                out.append(int(d.name))
+    return out
+
+
+def test_end_to_end_then_rerun_is_a_no_op(prefect_stack):
+    from mlflow import MlflowClient
+
+    from gptcore.shards import file_sha256
+
+    params = micro("e2e", 8, **{"eval.hellaswag": True, "eval.hellaswag_path": str(HELLASWAG)})
+    fr = run_deployment_and_wait(params)
+    assert fr.state.is_completed(), fr.state.message
+    arts = artifacts(fr.id)
+    summary = {r["key"]: json.loads(r["value"]) for r in arts["pretrain-summary"]}
+    assert summary["step"] == 8 and summary["done"] is True
+    assert summary["stages"] == {s: "ran" for s in ("data", "train", "evaluate", "register", "sample")} or \
+        summary["stages"]["data"] == "skipped"  # the micro dataset may come from an earlier test
+    assert 0 < summary["val_loss"] < 11.5
+    assert summary["hellaswag"]["n"] == 7 and 0 <= summary["hellaswag"]["acc_norm"] <= 1
+    assert summary["model_version"] == "models:/micro-e2e/1"
+    assert summary["sample"].startswith("Hello, I'm a language model,")
+    # the UI artifacts
+    shards = arts["e2e-shards"]
+    assert {r["split"] for r in shards} == {"train", "val"} and sum(r["tokens"] for r in shards) > 100_000
+    assert {r["metric"] for r in arts["e2e-eval"]} >= {"val_loss", "hellaswag_acc", "hellaswag_acc_norm"}
+    assert f"{prefect_stack.mlflow_uri}/#/models/micro-e2e/versions/1" in arts["e2e-mlflow"]
+    assert summary["sample"] in arts["e2e-sample"]
+    ran = task_runs(fr.id)
+    for prefix in ("download", "train-e2e", "evaluate", "register", "sample"):
+        assert [n for n in started(ran, prefix) if ran[n] == "Completed"], (prefix, ran)
+    # MLflow: the version holds this checkpoint, and the shipper sent the training curve
+    mlc = MlflowClient(prefect_stack.mlflow_uri)
+    mv = mlc.get_model_version("micro-e2e", "1")
+    ckpt = Path(summary["checkpoint"])
+    assert mv.tags["checkpoint_sha256"] == file_sha256(ckpt / "model.safetensors")
+    assert mv.tags["flow_run_id"] == str(fr.id)
+    losses = mlc.get_metric_history(mv.run_id, "train/loss")
+    assert sorted(m.step for m in losses) == list(range(1, 9))
+
+    # second run of the same deployment: every stage finds its artifacts, nothing is redone
+    run_dir = Path(summary["run_dir"])
+    before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file() and p.name != "train.lock"}
+    t0 = time.monotonic()
+    fr2 = run_deployment_and_wait(params)
+    assert fr2.state.is_completed(), fr2.state.message
+    s2 = {r["key"]: json.loads(r["value"]) for r in artifacts(fr2.id)["pretrain-summary"]}
+    assert s2["stages"] == {s: "skipped" for s in ("data", "train", "evaluate", "register", "sample")}
+    assert s2["model_version"] == "models:/micro-e2e/1" and s2["val_loss"] == summary["val_loss"]
+    assert not task_runs(fr2.id), "a finished flow re-run must not run any stage task"
+    assert fr2.total_run_time.total_seconds() < 30, fr2.total_run_time
+    after = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file() and p.name != "train.lock"}
+    assert after == before, "the re-run changed files in the run directory"
+    assert len(mlc.search_model_versions("name = 'micro-e2e'")) == 1
+    print(f"re-run took {time.monotonic() - t0:.1f}s wall, {fr2.total_run_time} in the flow")
+
+
+def test_killed_flow_run_resumes_from_its_checkpoint(prefect_stack):
+    from prefect.deployments import run_deployment
+
+    params = micro("killed", 2000, **{"eval.eval_interval": 1000, "eval.sample_interval": 1000})
+    params.update(register=False, evaluate=False)
+    fr = run_deployment("pretrain/tiny", parameters=params, timeout=0)
+    run_dir = prefect_stack.home / "runs" / "killed"
+    end = time.monotonic() + 240
+    while not (run_dir / "checkpoints" / "step_00000008").is_dir():
+        assert time.monotonic() < end, "no checkpoint appeared"
+        time.sleep(0.3)
+    # a crash of the worker machine: SIGKILL the worker's process group and the flow run's process
+    # (Prefect starts flow runs in their own session, so killing the worker alone would not stop it)
+    holder = json.loads((run_dir / "train.lock").read_text())
+    os.killpg(prefect_stack.worker.state()["pid"], signal.SIGKILL)
+    os.killpg(holder["pid"], signal.SIGKILL)
+    end = time.monotonic() + 60
+    while trainer_pids("killed"):
+        assert time.monotonic() < end, "the trainer outlived its flow run (orphan)"
+        time.sleep(0.5)
+    from gptcore.checkpoint import latest_checkpoint, read_meta
+
+    step = read_meta(latest_checkpoint(run_dir))["step"]
+    assert 8 <= step < 2000
+
+    prefect_stack.start_worker()
+    # same run identity (max_steps is part of it); a time budget bounds this invocation
+    params["overrides"]["train.max_minutes"] = 0.1
+    fr2 = run_deployment_and_wait(params, timeout=300)
+    assert fr2.state.is_completed(), fr2.state.message
+    logs = "\n".join(flow_logs(fr2.id))
+    assert f"resuming from step {step}" in logs, logs[-3000:]
+    assert f"resuming from step_{step:08d} at step {step}/2000" in logs
+    assert "starting at step 0" not in logs
+    assert f"step {step + 1:6d}/2000" in logs  # the first step trained is the one after the checkpoint
+    assert read_meta(latest_checkpoint(run_dir))["step"] > step
+
+
+def test_concurrent_runs_never_train_one_run_dir_twice(prefect_stack):
+    from prefect.deployments import run_deployment
+
+    params = micro("twin", 24)
+    params.update(register=False, evaluate=False)
+    a = run_deployment("pretrain/tiny", parameters=params, timeout=0)
+    b = run_deployment("pretrain/tiny", parameters=params, timeout=0)
+    most = 0
+    end = time.monotonic() + 300
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as c:
+        while not all(c.read_flow_run(x.id).state.is_final() for x in (a, b)):
+            most = max(most, len(trainer_pids("twin")))
+            assert time.monotonic() < end
+            time.sleep(0.2)
+    fa, fb = wait_final(a.id), wait_final(b.id)
+    assert fa.state.is_completed() and fb.state.is_completed(), (fa.state.message, fb.state.message)
+    assert most == 1  # a trainer ran, never two at once
+    run_dir = prefect_stack.home / "runs" / "twin"
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+             if '"kind": "train"' in line]
+    assert steps == list(range(1, 25)), "every step trained exactly once"
+    stages = [{r["key"]: json.loads(r["value"]) for r in artifacts(f.id)["pretrain-summary"]}["stages"]["train"]
+              for f in (fa, fb)]
+    logs = "\n".join(flow_logs(fa.id) + flow_logs(fb.id))
+    # the second one waited for the first (concurrency limit / lock) and then found the run complete
+    assert "already complete" in logs or "skipped" in stages, (stages, logs[-2000:])
+
+
+def test_bad_parameters_fail_the_flow_run_early(prefect_stack):
+    from prefect.deployments import run_deployment
+
+    bad = {"unknown preset 'nope'": {"preset": "nope"},
+           "does not exist": {"preset": "micro", "overrides": {"data.source": "/nonexistent/corpus"}},
+           "unknown config key 'train.max_stepz'": {"preset": "micro", "overrides": {"train.max_stepz": 3}}}
+    runs = {msg: run_deployment("pretrain/tiny", parameters=p, timeout=0) for msg, p in bad.items()}
+    for msg, fr in runs.items():
+        fr = wait_final(fr.id, timeout=180)
+        assert fr.state.is_failed(), (msg, fr.state)
+        assert msg in fr.state.message, fr.state.message
+        assert not task_runs(fr.id), "nothing may start before the config is valid"
+        assert fr.total_run_time.total_seconds() < 30
+
+
+def test_run_lock_is_exclusive_and_held_by_the_trainer(tmp_path):
+    """The ground truth without Prefect: a second lock fails with a clear message while any holder
+    (including a child process that inherited the descriptor, as torchrun does) lives."""
+    import subprocess
+
+    from tasks.train import RunLock, TrainError
+
+    with RunLock(tmp_path, 0.5, {"pid": 1}) as lock:
+        child = subprocess.Popen(["sleep", "30"], pass_fds=(lock.fd,))
+    try:
+        with pytest.raises(TrainError, match="another trainer holds .*train.lock"):
+            with RunLock(tmp_path, 0.5, {"pid": 2}):
+                pass
+    finally:
+        child.kill()
+        child.wait()
+    with RunLock(tmp_path, 0.5, {"pid": 3}):
+        pass
