@@ -58,12 +58,14 @@ def http_ok(url: str, timeout: float = 2.0) -> bool:
 
 
 def _start_time(pid: int) -> str | None:
-    """The kernel's start time of a process (field 22 of /proc/<pid>/stat), or None if it is gone."""
+    """The kernel's start time of a process (field 22 of /proc/<pid>/stat), or None if it is gone.
+    A zombie counts as gone: a killed child of ours keeps its /proc entry (and start time) until reaped."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return stat.rsplit(")", 1)[1].split()[19]
+    fields = stat.rsplit(")", 1)[1].split()
+    return None if fields[0] in ("Z", "X") else fields[19]
 
 
 @dataclass
@@ -87,6 +89,7 @@ class Service:
             return None
 
     def alive(self) -> bool:
+        self._reap()
         st = self.state()
         return bool(st) and _start_time(st["pid"]) == st["start_time"]
 

@@ -137,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, _on_signal)
     try:
         return train(cfg, prep, t_start)
+    except RunError as e:  # found only once the ranks talk (e.g. a run dir not shared between nodes)
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     finally:
         distributed.teardown()
 
@@ -193,6 +196,10 @@ def train(cfg: RunConfig, prep: dict, t_start: float) -> int:
         if scaler is not None and ts.get("scaler"):
             scaler.load_state_dict(ts["scaler"])
 
+    seen = distributed.all_gather_object(step)  # every rank must resume from the same checkpoint
+    if len(set(seen)) > 1:
+        raise RunError(f"ranks found different checkpoints in {run_dir} (steps {seen}); the run directory "
+                       "must be on a filesystem shared by all nodes (or set train.run_dir to one)")
     model: torch.nn.Module = raw
     if env.compile:
         model = torch.compile(model)
