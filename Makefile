@@ -28,8 +28,11 @@ stop: install
 test: install
 	$(PY) -m pytest -q
 
+# each prints its ratios against a baseline measured in the same run (docs/*.md "Speed")
 bench: install
-	$(PY) -m benchmarks.run_all
+	$(PY) -m benchmarks.bench_tokenize
+	$(PY) -m benchmarks.bench_train
+	$(PY) -m benchmarks.bench_hellaswag
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -129,7 +129,8 @@ def report(s: dict, stack: Stack, seconds: float) -> str:
         "",
         "=" * 78,
         f"run                {s.get('run_name')}  (step {s.get('step')}, {'DONE' if s.get('done') else 'not done'})",
-        f"dataset            {s.get('train_tokens', 0):,} train tokens, {s.get('val_tokens_in_dataset', 0):,} val tokens",
+        f"dataset            {s.get('train_tokens', 0):,} train tokens, "
+        f"{s.get('val_tokens_in_dataset', 0):,} val tokens",
         f"tokens trained     {s.get('tokens_seen') or 0:,}",
         f"final val loss     {val:.4f}" if isinstance(val, float) else f"final val loss     {val}",
         f"HellaSwag          {hs_text}",

@@ -2,7 +2,7 @@
 with the deployments of deployments/prefect.yaml, for tests (one per session; flows/services.py does
 the work, as for the demo).
 
-    from tests.prefect_stack import prefect_stack, run_deployment_and_wait  # noqa: F401
+    def test_x(prefect_stack): ...   # the fixture comes through tests/conftest.py
 
 Inside the fixture, this process's Prefect client talks to the stack's server.
 """

@@ -12,14 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.prefect_stack import (  # noqa: F401
-    artifacts,
-    flow_logs,
-    prefect_stack,
-    run_deployment_and_wait,
-    task_runs,
-    wait_final,
-)
+from tests.prefect_stack import artifacts, flow_logs, run_deployment_and_wait, task_runs, wait_final
 
 pytestmark = pytest.mark.slow
 HELLASWAG = Path(__file__).parent / "fixtures" / "hellaswag_mini.jsonl"
@@ -107,7 +100,7 @@ def test_killed_flow_run_resumes_from_its_checkpoint(prefect_stack):
 
     params = micro("killed", 2000, **{"eval.eval_interval": 1000, "eval.sample_interval": 1000})
     params.update(register=False, evaluate=False)
-    fr = run_deployment("pretrain/tiny", parameters=params, timeout=0)
+    run_deployment("pretrain/tiny", parameters=params, timeout=0)
     run_dir = prefect_stack.home / "runs" / "killed"
     end = time.monotonic() + 240
     while not (run_dir / "checkpoints" / "step_00000008").is_dir():

@@ -5,8 +5,6 @@ in transformers with no missing/unexpected keys and generate the same greedy tok
 
 import hashlib
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
@@ -25,6 +23,7 @@ from gptcore.hf import (
     model_config_from_hf,
 )
 from gptcore.model import GPT, GPT2_VOCAB
+from tests.local_http import serve
 
 SMALL = dict(n_layer=2, n_embd=64, n_head=4, n_positions=64, vocab_size=50257,
              resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -201,21 +200,8 @@ class ModelHub:
 
     def __init__(self, repos: dict[str, Path]):
         self.repos, self.requests = repos, []
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *a):
-                pass
-
-            def do_HEAD(self):
-                outer.handle(self, head=True)
-
-            def do_GET(self):
-                outer.handle(self, head=False)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = serve(self.handle)
         self.url = f"http://127.0.0.1:{self.server.server_port}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def handle(self, h, head):
         path = unquote(urlparse(h.path).path)

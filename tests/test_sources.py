@@ -5,8 +5,6 @@ headers and range requests). huggingface_hub itself makes the requests: nothing 
 import hashlib
 import json
 import re
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlparse
 
@@ -19,6 +17,7 @@ from gptcore import sharding, sources
 from gptcore.config import load_config
 from gptcore.shards import read_shard
 from gptcore.tokenizer import EOT, get_encoding
+from tests.local_http import serve
 
 REPO = "HuggingFaceFW/fineweb-edu"
 COMMIT = "a" * 40
@@ -43,21 +42,8 @@ class Hub:
 
     def __init__(self, root: Path):
         self.root, self.requests, self.corrupt = root, [], set()
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *a):
-                pass
-
-            def do_HEAD(self):
-                outer.handle(self, head=True)
-
-            def do_GET(self):
-                outer.handle(self, head=False)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = serve(self.handle)
         self.url = f"http://127.0.0.1:{self.server.server_port}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def files(self):
         return sorted(p.relative_to(self.root).as_posix() for p in self.root.rglob("*") if p.is_file())
