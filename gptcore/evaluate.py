@@ -133,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", help="preset or file for an HF export's --val batches (default gpt2-124m)")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--label", help="name the target by this in the output (e.g. the model URI it came from)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
@@ -158,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     if "manifest_id" in result and trained_on and result["manifest_id"] != trained_on:
         log.warning("val loss computed on dataset %s, but the model was trained on %s: not comparable "
                     "with the run's val/loss", result["manifest_id"], trained_on)
-    result = {"target": info["path"], "kind": info["kind"], "step": info.get("step"), **result}
+    result = {"target": args.label or info["path"], "kind": info["kind"], "step": info.get("step"), **result}
     if rank == 0:
         print(json.dumps(result, indent=1))
     return 0

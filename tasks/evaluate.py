@@ -1,5 +1,13 @@
 """The evaluate stage: validation loss + HellaSwag on a run's newest checkpoint (or a given checkpoint /
-Hugging Face export dir), written to `<ckpt>/eval.json`.
+Hugging Face export dir), written to `<ckpt>/eval.json`; and the command that evaluates a registered model:
+
+    python -m tasks.evaluate models:/gpt2-124m@best --val --limit 1000
+    python -m tasks.evaluate var/runs/tiny-cpu          # anything else: same as python -m gptcore.evaluate
+
+A model URI (`models:/<name>@<alias>`, `models:/<name>/<version>`, `@latest` = newest version) is resolved
+against $MLFLOW_TRACKING_URI (or --tracking-uri); only the version's inference weights (its `checkpoint`
+artifact: model.safetensors + meta.json) are downloaded, into a temporary directory, and evaluated like a
+checkpoint with every option of `python -m gptcore.evaluate`.
 
 Idempotent: when eval.json exists and was computed with the same settings it is returned as is, so a
 re-run flow (or a retry) never evaluates the same weights twice.
@@ -8,6 +16,8 @@ re-run flow (or a retry) never evaluates the same weights twice.
 from __future__ import annotations
 
 import json
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -86,3 +96,49 @@ def evaluate_checkpoint(target: str, cfg_dict: dict | None = None, val: bool = T
     """Validation loss + HellaSwag of the newest checkpoint of a run dir (or of a checkpoint / HF export
     dir), stored in <ckpt>/eval.json; skipped when that file already holds the same evaluation."""
     return evaluate_dir(target, cfg_dict, val, device, log=get_run_logger())
+
+
+# --- a registered model -------------------------------------------------------------------------------
+
+def fetch_registered(model_uri: str, dst: Path, tracking_uri: str | None = None) -> Path:
+    """Download the inference weights of a registered model version into `dst`; returns the checkpoint
+    dir (model.safetensors + meta.json, the layout tasks/register.py logs)."""
+    import mlflow
+
+    from tasks import tracking
+    from tasks.register import resolve_model_uri
+
+    uri = tracking_uri or tracking.tracking_uri()
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_registry_uri(uri)
+    path = Path(mlflow.artifacts.download_artifacts(artifact_uri=f"{resolve_model_uri(model_uri)}/artifacts/"
+                                                                 "checkpoint", dst_path=str(dst)))
+    if not (path / "meta.json").is_file() or not (path / "model.safetensors").is_file():
+        raise FileNotFoundError(f"{model_uri} holds no checkpoint artifact (model.safetensors + meta.json); "
+                                "was it registered by tasks.register?")
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or not argv[0].startswith("models:/"):
+        return ev.main(argv)
+    model_uri, rest = argv[0], argv[1:]
+    tracking_uri = None
+    if "--tracking-uri" in rest:
+        i = rest.index("--tracking-uri")
+        tracking_uri, rest = rest[i + 1], rest[:i] + rest[i + 2:]
+    from mlflow.exceptions import MlflowException
+
+    with tempfile.TemporaryDirectory(prefix="gptpipe-eval-") as tmp:
+        try:
+            ckpt = fetch_registered(model_uri, Path(tmp), tracking_uri)
+        except (MlflowException, OSError) as e:
+            print(f"error: cannot fetch {model_uri}: {e}\nSee the registered models and aliases in the MLflow "
+                  "UI (MLFLOW_TRACKING_URI or --tracking-uri names the server).", file=sys.stderr)
+            return 2
+        return ev.main([str(ckpt), *rest, "--label", model_uri])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

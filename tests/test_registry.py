@@ -154,3 +154,22 @@ def test_bad_checkpoints_are_refused(mlflow_server, tmp_path, ckpts, capsys):  #
     assert len(MlflowClient(mlflow_server.uri).search_model_versions()) == before
     assert register.main([str(tmp_path / "nope"), "--tracking-uri", mlflow_server.uri]) == 2
     assert "not a checkpoint" in capsys.readouterr().err
+
+
+def test_evaluate_a_registered_model_like_its_checkpoint(mlflow_server, ckpts, capsys):  # noqa: F811
+    """`python -m tasks.evaluate models:/<name>@<alias>` scores the registered weights: the same numbers
+    as evaluating the checkpoint they came from."""
+    from tasks import evaluate as task_eval
+
+    _, _, c = ckpts
+    uri = mlflow_server.uri
+    register.register_checkpoint(c, tracking_uri=uri, hf=False)  # idempotent if the tests above ran
+    fixture = str(Path(__file__).parent / "fixtures" / "hellaswag_mini.jsonl")
+    assert task_eval.main([str(c), "--hellaswag", fixture]) == 0
+    direct = json.loads(capsys.readouterr().out)
+    assert task_eval.main(["models:/micro@best", "--hellaswag", fixture, "--tracking-uri", uri]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["target"] == "models:/micro@best" and got["step"] == 15
+    assert got["hellaswag"] == direct["hellaswag"] and got["hellaswag"]["n"] == 7
+    assert task_eval.main(["models:/micro@nope", "--tracking-uri", uri]) == 2
+    assert "cannot fetch models:/micro@nope" in capsys.readouterr().err
