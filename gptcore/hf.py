@@ -5,7 +5,7 @@ The two models are the same network with different parameter layouts:
 - HF stores the four projection matrices as `Conv1D` weights, shape (in, out): the transpose of
   nn.Linear's (out, in). Everything else (embeddings, LayerNorms, biases) matches 1:1.
 - HF's vocabulary is the real 50257 tokens; ours is padded to 50304. Import copies the 50257 real rows
-  and zeroes the padding (our forward slices the padded logits off anyway); export drops them.
+  and zeroes the padding (our forward never returns logits for the padded ids anyway); export drops them.
 - Both tie the token embedding to the output head, so the head is stored once, as HF does
   (`transformer.wte.weight`; safetensors refuses to store two names for one tensor).
 - Old HF checkpoints carry the causal-mask buffers `attn.bias` / `attn.masked_bias`: not weights, skipped.
