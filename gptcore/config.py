@@ -218,7 +218,8 @@ def _tiny_cpu() -> RunConfig:
     # Learns visibly on a 2-core CPU in a few minutes on the built-in corpus.
     return RunConfig(
         preset="tiny-cpu", model=model_preset("tiny-cpu"),
-        data=DataConfig(source="builtin", shard_tokens=1_000_000),
+        # 100K-token shards: the val split (shard 0) is 100K tokens and ~1.46M are left to train on
+        data=DataConfig(source="builtin", shard_tokens=100_000),
         optim=OptimConfig(max_lr=3e-3, min_lr=3e-4, warmup_steps=20, weight_decay=0.1),
         train=TrainConfig(total_batch_tokens=16 * 256, micro_batch=8, seq_len=256, max_steps=300,
                           checkpoint_interval=100, keep_last=2, log_interval=10),
