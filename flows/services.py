@@ -39,6 +39,8 @@ def free_port(preferred: int | None = None) -> int:
     """`preferred` if nothing listens there, else any free port."""
     if preferred:
         with socket.socket() as s:
+            # as the servers do: a port left in TIME_WAIT by a server we just stopped is free
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 s.bind(("127.0.0.1", preferred))
                 return preferred
