@@ -19,6 +19,50 @@ from torch.nn import functional as F
 from gptcore.config import ModelConfig
 
 GPT2_VOCAB = 50257  # real token ids are < GPT2_VOCAB; ids above are padding
+LOSS_CHUNK = 256  # rows per chunk of the fused training loss (256 x 50257 fp32 logits = 51 MB)
+
+
+class FusedLinearCrossEntropy(torch.autograd.Function):
+    """cross_entropy(x @ weight.T, targets, ignore_index=-1) for training, without materialising the logits.
+
+    Why: at small widths the (tokens x 50257) logits dominate a CPU training step; materialising them,
+    their log-softmax and two gradient buffers of the same size (~400 MB each, fresh pages every step)
+    cost more than the head's matmuls. So the forward walks the rows in chunks and, for each chunk,
+    computes the logits, the loss and at once the gradients (softmax - onehot) w.r.t. x and the weight;
+    backward only scales the stored gradients by grad_output. Same numbers as F.linear + F.cross_entropy
+    (fp32 inside), but the graph has no logits: the caller gets only the loss. Training only: it computes
+    the gradients even when none are wanted.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, targets, reduction, chunk):
+        # x: (N, C), weight: (V, C) real-vocab rows, targets: (N,) with -1 = ignore; reduction "mean" | "sum"
+        valid = targets != -1
+        n_valid = valid.sum()  # "mean" divides by the non-ignored targets, as F.cross_entropy does
+        scale = 1.0 / n_valid if reduction == "mean" else 1.0
+        row_scale = valid * scale  # each row's weight in the loss: 0 for ignored rows
+        safe_targets = targets.clamp(min=0)  # any valid index for the gather; ignored rows weigh 0
+        loss = torch.zeros((), dtype=torch.float32, device=x.device)
+        grad_x = torch.empty_like(x)
+        grad_w = torch.zeros_like(weight)
+        for i in range(0, x.size(0), chunk):
+            xc, yc = x[i:i + chunk], safe_targets[i:i + chunk]
+            logits = (xc @ weight.t()).float()  # (chunk, V), fp32 even under autocast
+            lse = torch.logsumexp(logits, dim=-1)
+            loss += ((lse - logits.gather(1, yc[:, None]).squeeze(1)) * row_scale[i:i + chunk]).sum()
+            # d loss / d logits = (softmax - onehot) * row weight, computed in place of the logits
+            g = logits.sub_(lse[:, None]).exp_()
+            g[torch.arange(g.size(0), device=g.device), yc] -= 1.0
+            g = g.mul_(row_scale[i:i + chunk, None]).to(weight.dtype)
+            grad_x[i:i + chunk] = g @ weight
+            grad_w.addmm_(g.t(), xc.to(weight.dtype))
+        ctx.save_for_backward(grad_x, grad_w)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_x, grad_w = ctx.saved_tensors
+        return grad_x * grad_loss, grad_w * grad_loss, None, None, None
 
 
 class CausalSelfAttention(nn.Module):
@@ -105,10 +149,12 @@ class GPT(nn.Module):
             n -= self.transformer.wpe.weight.numel()
         return n
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
-                reduction: str = "mean") -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, reduction: str = "mean",
+                return_logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Returns (logits over the real vocabulary, loss). Targets equal to -1 are ignored.
-        logits has the real GPT-2 vocab width (50257), so padding can never win or take probability."""
+        logits has the real GPT-2 vocab width (50257), so padding can never win or take probability.
+        return_logits=False (the training step) with targets on CPU returns (None, loss) from the fused
+        chunked loss, which never holds the logits; the loss and gradients are the same."""
         B, T = idx.shape
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
@@ -117,6 +163,12 @@ class GPT(nn.Module):
         for block in self.transformer.h:
             x = block(x)
         x = self.transformer.ln_f(x)
+        if not return_logits and targets is not None and reduction in ("mean", "sum") and x.device.type == "cpu":
+            # training on CPU: the loss only, from the real-vocab rows of the tied weight (the padded rows
+            # get no gradient from the head), without materialising the logits; see FusedLinearCrossEntropy
+            loss = FusedLinearCrossEntropy.apply(x.reshape(-1, x.size(-1)), self.lm_head.weight[:GPT2_VOCAB],
+                                                 targets.reshape(-1), reduction, LOSS_CHUNK)
+            return None, loss
         if x.device.type == "cuda":
             # GPU: the padded width (a multiple of 64) keeps the matmul on the fast tensor-core kernels;
             # torch.compile (on by default there) fuses the slice into the loss

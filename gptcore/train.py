@@ -302,7 +302,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loader:
         sync = model.no_sync() if env.ddp and micro < accum - 1 else nullcontext()
         with sync:
             with env.autocast():
-                _, loss = model(x, y)
+                _, loss = model(x, y, return_logits=False)
             loss = loss / accum  # the mean over the whole step's micro-batches
             loss_sum += loss.detach()
             (scaler.scale(loss) if scaler is not None else loss).backward()

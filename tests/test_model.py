@@ -162,3 +162,30 @@ def test_clean_state_dict_and_unwrap():
 
     assert unwrap(Compiled(m)) is m
     assert unwrap(m) is m
+
+
+def reference_loss_and_grads(m: GPT, x, y, reduction):
+    """The plain path: full logits over the real vocab, then F.cross_entropy."""
+    m.zero_grad(set_to_none=True)
+    _, loss = m(x, y, reduction=reduction)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}
+
+
+@pytest.mark.parametrize("preset,B,T", [("micro", 3, 40), ("tiny-cpu", 2, 200)])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_fused_training_loss_matches_logits_and_cross_entropy(preset, B, T, reduction):
+    torch.manual_seed(0)
+    m = GPT(model_preset(preset))
+    x, y = ids(B, T, 1), ids(B, T, 2)
+    y[0, :7] = -1  # ignored targets: no loss, no gradient, not counted in the mean
+    y[-1, -1] = -1
+    ref_loss, ref_grads = reference_loss_and_grads(m, x, y, reduction)
+    m.zero_grad(set_to_none=True)
+    logits, loss = m(x, y, reduction=reduction, return_logits=False)  # B*T > LOSS_CHUNK: several chunks
+    loss.backward()
+    assert logits is None
+    assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
+    for n, p in m.named_parameters():
+        assert torch.allclose(p.grad, ref_grads[n], rtol=1e-5, atol=1e-5 * ref_grads[n].abs().max().item()), n
+    assert not m.lm_head.weight.grad[GPT2_VOCAB:].any()  # padded rows get no gradient (no padded targets)
