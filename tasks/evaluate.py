@@ -127,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     tracking_uri = None
     if "--tracking-uri" in rest:
         i = rest.index("--tracking-uri")
+        if i + 1 == len(rest):
+            print("error: --tracking-uri needs a value, e.g. --tracking-uri http://127.0.0.1:5000", file=sys.stderr)
+            return 2
         tracking_uri, rest = rest[i + 1], rest[:i] + rest[i + 2:]
     from mlflow.exceptions import MlflowException
 

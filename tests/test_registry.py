@@ -173,3 +173,5 @@ def test_evaluate_a_registered_model_like_its_checkpoint(mlflow_server, ckpts, c
     assert got["hellaswag"] == direct["hellaswag"] and got["hellaswag"]["n"] == 7
     assert task_eval.main(["models:/micro@nope", "--tracking-uri", uri]) == 2
     assert "cannot fetch models:/micro@nope" in capsys.readouterr().err
+    assert task_eval.main(["models:/micro@best", "--tracking-uri"]) == 2
+    assert "--tracking-uri needs a value" in capsys.readouterr().err
