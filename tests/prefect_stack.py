@@ -56,19 +56,28 @@ def wait_final(flow_run_id, timeout: float = 300.0):
             time.sleep(1.0)
 
 
-def flow_logs(flow_run_id) -> list[str]:
+def flow_logs(flow_run_id, timeout: float = 60.0) -> list[str]:
+    """The log messages of a final flow run, in order. Logs reach the server in batches, after the state
+    can already be final: wait (up to `timeout`) for the engine's own last line, "Finished in state".
+    """
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
     from prefect.client.schemas.sorting import LogSort
 
-    out = []
+    end = time.monotonic() + timeout
     with get_client(sync_client=True) as c:
         while True:
-            logs = c.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])), limit=200,
-                               offset=len(out), sort=LogSort.TIMESTAMP_ASC)
-            if not logs:
+            out = []
+            while True:
+                logs = c.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])), limit=200,
+                                   offset=len(out), sort=LogSort.TIMESTAMP_ASC)
+                if not logs:
+                    break
+                out += logs
+            if any(lg.task_run_id is None and lg.message.startswith("Finished in state") for lg in out) \
+                    or time.monotonic() > end:
                 return [lg.message for lg in out]
-            out += logs
+            time.sleep(1.0)
 
 
 def task_runs(flow_run_id) -> dict[str, str]:
