@@ -86,14 +86,11 @@ def shard_rows(dataset_dir: str) -> list[dict]:
 
 
 def eval_done(ckpt: str, cfg: RunConfig) -> dict | None:
-    from tasks.evaluate import EVAL_FILE, settings
+    """The stored evaluation of this checkpoint (also one whose HellaSwag was skipped: a re-run of a
+    finished flow does nothing; `python -m tasks.evaluate` scores HellaSwag later)."""
+    from tasks.evaluate import stored_evaluation
 
-    path = Path(ckpt) / EVAL_FILE
-    try:
-        done = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return done if done.get("settings") == settings(cfg, True) else None
+    return stored_evaluation(ckpt, cfg, val=True, retry_skipped=False)
 
 
 def registered_version(ckpt: str, name: str) -> dict | None:

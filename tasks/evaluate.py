@@ -50,14 +50,15 @@ def settings(cfg: RunConfig, val: bool) -> dict:
             "hellaswag": cfg.eval.hellaswag, "hellaswag_limit": cfg.eval.hellaswag_limit}
 
 
-def stored_evaluation(ckpt: str | Path, cfg: RunConfig, val: bool = True) -> dict | None:
-    """The evaluation already in <ckpt>/eval.json if it was made with these settings and is complete
-    (a HellaSwag skipped for lack of the dataset is retried: it may be reachable now); else None."""
+def stored_evaluation(ckpt: str | Path, cfg: RunConfig, val: bool = True, retry_skipped: bool = True) -> dict | None:
+    """The evaluation already in <ckpt>/eval.json if it was made with these settings, else None. With
+    retry_skipped, one whose HellaSwag was skipped for lack of the dataset counts as not done (it may be
+    reachable now); the flow passes False so that a re-run stays a no-op."""
     try:
         done = json.loads((Path(ckpt) / EVAL_FILE).read_text())
     except (OSError, ValueError):
         return None
-    if done.get("settings") != settings(cfg, val) or "skipped" in (done.get("hellaswag") or {}):
+    if done.get("settings") != settings(cfg, val) or (retry_skipped and "skipped" in (done.get("hellaswag") or {})):
         return None
     return done
 
