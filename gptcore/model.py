@@ -174,9 +174,9 @@ class GPT(nn.Module):
             # torch.compile (on by default there) fuses the slice into the loss
             logits = self.lm_head(x)[..., :GPT2_VOCAB]
         else:
-            # CPU: multiply by the real-vocab rows of the tied weight only. The logits (the largest
-            # activation) come out contiguous: no copy of them forward, no zero-fill + copy backward
-            # (only a weight-sized one); ~1.2x per tiny-cpu training step (docs/training.md "Speed")
+            # CPU (evaluation, sampling; training takes the fused path above): multiply by the real-vocab
+            # rows of the tied weight only, so the logits (the largest activation) come out contiguous,
+            # with no logits-sized copy forward or backward (docs/training.md "Speed")
             logits = F.linear(x, self.lm_head.weight[:GPT2_VOCAB])
         loss = None
         if targets is not None:

@@ -109,9 +109,7 @@ def fetch_registered(model_uri: str, dst: Path, tracking_uri: str | None = None)
     from tasks import tracking
     from tasks.register import resolve_model_uri
 
-    uri = tracking_uri or tracking.tracking_uri()
-    mlflow.set_tracking_uri(uri)
-    mlflow.set_registry_uri(uri)
+    tracking.use_store(tracking_uri)
     path = Path(mlflow.artifacts.download_artifacts(artifact_uri=f"{resolve_model_uri(model_uri)}/artifacts/"
                                                                  "checkpoint", dst_path=str(dst)))
     if not (path / "meta.json").is_file() or not (path / "model.safetensors").is_file():

@@ -21,9 +21,7 @@ from tasks.register import resolve_model_uri
 def load(model_uri: str, tracking_uri: str | None = None):
     import mlflow
 
-    uri = tracking_uri or tracking.tracking_uri()
-    mlflow.set_tracking_uri(uri)
-    mlflow.set_registry_uri(uri)
+    tracking.use_store(tracking_uri)
     return mlflow.pyfunc.load_model(resolve_model_uri(model_uri))
 
 

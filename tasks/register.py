@@ -124,8 +124,7 @@ def _log_model(mlc, uri: str, ckpt_dir: Path, meta: dict, name: str, tags: dict,
 
     run_id = tracking.find_or_create_run(mlc, meta["run_name"], meta["identity_hash"], experiment)
     exp_id = mlc.get_run(run_id).info.experiment_id
-    mlflow.set_tracking_uri(uri)  # the fluent log_model below resolves the store from it
-    mlflow.set_registry_uri(uri)
+    tracking.use_store(uri)  # the fluent log_model below resolves the store from it
     params = tracking.flatten({"model": meta.get("model_config") or meta["config"]["model"]})
     lm = mlflow.initialize_logged_model(name=name, source_run_id=run_id, experiment_id=exp_id,
                                         tags=tags, params=params, model_type="gpt2-text-generation")

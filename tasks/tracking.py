@@ -75,6 +75,17 @@ def tracking_uri() -> str:
 _default_uri = tracking_uri  # for code where a parameter named tracking_uri shadows the function
 
 
+def use_store(uri: str | None = None) -> str:
+    """Point MLflow's fluent API (tracking and model registry) at `uri`, default tracking_uri(); returns it.
+    For the calls that take no client: log_model, pyfunc.load_model, artifacts.download_artifacts."""
+    import mlflow
+
+    uri = uri or tracking_uri()
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_registry_uri(uri)
+    return uri
+
+
 def _artifact_location(uri: str) -> str | None:
     """For the embedded SQLite store, keep artifacts beside the database (MLflow would otherwise use
     ./mlruns relative to wherever the process happens to run). A server decides for itself."""
