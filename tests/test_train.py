@@ -153,3 +153,16 @@ def test_sigterm_checkpoints_exits_0_and_the_run_continues(ds, tmp_path):
     assert [r["step"] for r in rows] == list(range(1, stopped + 2))  # appended, not truncated
     assert set(losses(run / "metrics.jsonl")) == set(range(1, stopped + 2))
     kill_tree(proc)
+
+
+def test_bf16_autocast_on_cpu_trains_like_fp32(finished, ds, tmp_path):
+    """train.dtype=bfloat16 on CPU (autocast, bf16 matmuls) runs the same schedule on the same data as
+    the fp32 run, with losses equal to bf16 precision."""
+    run = tmp_path / "bf16"
+    assert main(args(ds, run, "train.dtype=bfloat16")) == 0
+    bf16, fp32 = losses(run / "metrics.jsonl"), losses(finished / "metrics.jsonl")
+    assert sorted(bf16) == sorted(fp32) == [1, 2, 3, 4, 5, 6]
+    assert all(math.isfinite(v) for v in bf16.values())
+    assert bf16 != fp32  # really ran in bf16
+    assert list(bf16.values()) == pytest.approx(list(fp32.values()), rel=1e-2)
+    assert C.latest_checkpoint(run) is not None  # checkpoints as usual
