@@ -83,6 +83,14 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
         return grad_x.mul_(grad_loss), grad_w.mul_(grad_loss), None, None, None, None
 
 
+@torch.compiler.disable
+def fused_linear_cross_entropy(x, weight, targets, reduction):
+    """The fused loss stays eager under torch.compile (one graph break before the loss): compiled, each
+    chunk's in-place accumulation into the weight-sized gradient becomes a fresh weight-sized tensor plus
+    a copy, which made the compiled gpt2-mini step ~7% slower than this (docs/training.md "Speed")."""
+    return FusedLinearCrossEntropy.apply(x, weight, targets, reduction, LOSS_CHUNK, GPT2_VOCAB)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -184,8 +192,8 @@ class GPT(nn.Module):
         if not return_logits and targets is not None and reduction in ("mean", "sum") and x.device.type == "cpu":
             # training on CPU: the loss only, from the real-vocab rows of the tied weight (the padded rows
             # get no gradient from the head), without materialising the logits; see FusedLinearCrossEntropy
-            loss = FusedLinearCrossEntropy.apply(x.reshape(-1, x.size(-1)), self.lm_head.weight,
-                                                 targets.reshape(-1), reduction, LOSS_CHUNK, GPT2_VOCAB)
+            loss = fused_linear_cross_entropy(x.reshape(-1, x.size(-1)), self.lm_head.weight,
+                                              targets.reshape(-1), reduction)
             return None, loss
         if x.device.type == "cuda":
             # GPU: the padded width (a multiple of 64) keeps the matmul on the fast tensor-core kernels;
