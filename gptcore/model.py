@@ -87,7 +87,7 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
 def fused_linear_cross_entropy(x, weight, targets, reduction):
     """The fused loss stays eager under torch.compile (one graph break before the loss): compiled, each
     chunk's in-place accumulation into the weight-sized gradient becomes a fresh weight-sized tensor plus
-    a copy, which made the compiled gpt2-mini step ~7% slower than this (docs/training.md "Speed")."""
+    a copy, which made the compiled gpt2-mini fp32 step ~10% slower than this (docs/training.md "Speed")."""
     return FusedLinearCrossEntropy.apply(x, weight, targets, reduction, LOSS_CHUNK, GPT2_VOCAB)
 
 
