@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gptcore.config import ModelConfig, model_preset
-from gptcore.model import GPT, GPT2_VOCAB, clean_state_dict, unwrap
+from gptcore.model import GPT, GPT2_VOCAB, FusedLinearCrossEntropy, clean_state_dict, unwrap
 
 
 def micro(**kw) -> GPT:
@@ -212,3 +212,24 @@ def test_fused_training_loss_under_cpu_bf16_autocast():
         # measured <= 0.13%: the same bf16 matmuls as autocast's path, only summed in another order
         assert (p.grad - ref).norm() <= 0.01 * ref.norm(), n
     assert not m.lm_head.weight.grad[GPT2_VOCAB:].any()
+
+
+def test_fused_loss_is_exact_where_a_target_probability_underflows():
+    """The fused loss takes -log(softmax[target]); where that probability underflows to 0 (a loss past
+    ~87 nats, e.g. a diverging run) it must still return the true loss, not inf, and the right gradients."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 4)
+    w = torch.randn(10, 4)  # 8 real rows + 2 padding rows
+    x[1] = w[3] * 60  # row 1's logits are far apart: its target (0) gets probability exp(-hundreds)
+    y = torch.tensor([1, 0, 2, 7, 5, 3])
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    ref = torch.nn.functional.cross_entropy(xr @ wr[:8].t(), y)
+    ref.backward()
+    assert ref.item() > 20  # the far row is really far (its own loss is > 100)
+    xf, wf = x.clone().requires_grad_(), w.clone().requires_grad_()
+    loss = FusedLinearCrossEntropy.apply(xf, wf, y, "mean", 4, 8)  # 2 chunks, the second partial
+    loss.backward()
+    assert torch.isfinite(loss) and loss.item() == pytest.approx(ref.item(), rel=1e-5)
+    torch.testing.assert_close(xf.grad, xr.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(wf.grad, wr.grad, rtol=1e-5, atol=1e-6)
+    assert not wf.grad[8:].any()
