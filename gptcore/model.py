@@ -19,7 +19,7 @@ from torch.nn import functional as F
 from gptcore.config import ModelConfig
 
 GPT2_VOCAB = 50257  # real token ids are < GPT2_VOCAB; ids above are padding
-LOSS_CHUNK = 256  # rows per chunk of the fused training loss (256 x 50257 fp32 logits = 51 MB)
+LOSS_CHUNK = 256  # rows per chunk of the fused training loss (256 x 50304 fp32 logits = 51 MB)
 
 
 _CHUNK_BUFFERS: dict[tuple, torch.Tensor] = {}
@@ -219,8 +219,9 @@ class GPT(nn.Module):
             x = block(x)
         x = self.transformer.ln_f(x)
         if not return_logits and targets is not None and reduction in ("mean", "sum") and x.device.type == "cpu":
-            # training on CPU: the loss only, from the real-vocab rows of the tied weight (the padded rows
-            # get no gradient from the head), without materialising the logits; see FusedLinearCrossEntropy
+            # training on CPU: the loss only, without materialising the logits; the padded rows of the tied
+            # weight take part in the matmuls but get -inf logits, so no probability and no gradient;
+            # see FusedLinearCrossEntropy
             loss = fused_linear_cross_entropy(x.reshape(-1, x.size(-1)), self.lm_head.weight,
                                               targets.reshape(-1), reduction)
             return None, loss
