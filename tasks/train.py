@@ -136,10 +136,14 @@ def prefect_slot(run_name: str, timeout: float):
     flow run of the same training run waits here, visible in the UI, then fails with a clear message."""
     from prefect.client.orchestration import get_client
     from prefect.concurrency.sync import concurrency
+    from prefect.exceptions import ObjectAlreadyExists
 
     name = f"train-{run_name}"
     with get_client(sync_client=True) as c:
-        c.upsert_global_concurrency_limit_by_name(name, 1)
+        try:  # upsert is read-then-create, not atomic: a concurrent flow run of this run may create it first
+            c.upsert_global_concurrency_limit_by_name(name, 1)
+        except ObjectAlreadyExists:
+            pass  # created by that other flow run, with the same limit
     return name, concurrency(name, occupy=1, timeout_seconds=timeout, lease_duration=LEASE_SECONDS,
                              strict=True, raise_on_lease_renewal_failure=False)
 

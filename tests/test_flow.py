@@ -201,3 +201,35 @@ def test_run_lock_is_exclusive_and_held_by_the_trainer(tmp_path):
         child.wait()
     with RunLock(tmp_path, 0.5, {"pid": 3}):
         pass
+
+
+def test_concurrency_slot_set_up_by_many_flow_runs_at_once(prefect_stack):
+    """Flow runs of one training run that start together all set up its concurrency limit: Prefect's upsert
+    is read-then-create, so all but one see the limit created under them (ObjectAlreadyExists). Seen in CI
+    as a failed flow run in the concurrent-runs test; here 8 threads race on a fresh limit name."""
+    import contextvars
+    import threading
+
+    from prefect.client.orchestration import get_client
+
+    from tasks.train import prefect_slot
+
+    run_name = f"race-{os.getpid()}-{time.monotonic_ns()}"
+    start, errors = threading.Barrier(8), []
+
+    def set_up():
+        start.wait()
+        try:
+            prefect_slot(run_name, timeout=5)
+        except Exception as e:  # noqa: BLE001 - any failure is what this test reports
+            errors.append(repr(e))
+
+    # each thread in a copy of this context, which holds the stack's Prefect API URL
+    threads = [threading.Thread(target=contextvars.copy_context().run, args=(set_up,)) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    with get_client(sync_client=True) as c:
+        assert c.read_global_concurrency_limit_by_name(f"train-{run_name}").limit == 1

@@ -166,3 +166,15 @@ def test_bf16_autocast_on_cpu_trains_like_fp32(finished, ds, tmp_path):
     assert bf16 != fp32  # really ran in bf16
     assert list(bf16.values()) == pytest.approx(list(fp32.values()), rel=1e-2)
     assert C.latest_checkpoint(run) is not None  # checkpoints as usual
+
+
+def test_compiled_training_matches_eager(finished, ds, tmp_path):
+    """train.compile=true (torch.compile, with the fused CPU loss left eager behind a graph break) trains
+    the same trajectory as the eager run, to fp32 rounding, and its checkpoints load into a plain GPT."""
+    run = tmp_path / "compiled"
+    assert main(args(ds, run, "train.compile=true")) == 0
+    compiled, eager = losses(run / "metrics.jsonl"), losses(finished / "metrics.jsonl")
+    assert sorted(compiled) == sorted(eager) == [1, 2, 3, 4, 5, 6]
+    assert list(compiled.values()) == pytest.approx(list(eager.values()), rel=1e-4)
+    model, _ = C.load_model(C.latest_checkpoint(run))  # no _orig_mod. prefixes in the state dict
+    assert model.config.n_layer == 2
