@@ -28,8 +28,8 @@ _CHUNK_BUFFERS: dict[tuple, torch.Tensor] = {}
 def chunk_buffer(name: str, shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A scratch tensor for the fused loss, kept between training steps. Why: on CPU a fresh multi-MB
     tensor costs page faults on first touch (~20-40 ms per 51 MB chunk here), more than the softmax on
-    it; keeping the few chunk buffers (~100-130 MB) avoids that every step. Used only inside one
-    forward call, so reusing them across calls is safe."""
+    it; keeping the chunk buffers (2 x 51 MB in fp32; under bf16 one more, plus two weight-sized ones)
+    avoids that every step. Used only inside one forward call, so reusing them across calls is safe."""
     key, numel = (name, dtype, device), shape[0] * shape[1]
     buf = _CHUNK_BUFFERS.get(key)
     if buf is None or buf.numel() < numel:
