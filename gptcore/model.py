@@ -86,7 +86,8 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
             nll = -torch.log(p_t)
             far = p_t == 0
             if far.any():
-                nll[far] = torch.logsumexp(z[far], dim=-1) - z[far].gather(1, yc[far][:, None]).squeeze(1)
+                z_far = z[far]
+                nll[far] = torch.logsumexp(z_far, dim=-1) - z_far.gather(1, yc[far][:, None]).squeeze(1)
             loss += (nll * sc).sum()
             # d loss / d logits = (softmax - onehot) * row weight, in place of the probabilities
             p[torch.arange(m, device=dev), yc] -= 1.0
