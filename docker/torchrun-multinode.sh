@@ -14,6 +14,8 @@
 #                    static (--node-rank/--master-addr: node 0 is global rank 0)
 #   RDZV_ID          job id shared by all nodes of one run (default gpt2)
 #   MAX_RESTARTS     torchrun --max-restarts (default 0)
+#   SHUTDOWN_TIMEOUT seconds torchrun gives its workers after SIGTERM before SIGKILL (default 300: time
+#                    for the stop checkpoint; keep the container's/pod's grace period above it)
 #   TORCHRUN_EXTRA_ARGS  appended verbatim (word-split), e.g. "--rdzv-conf=timeout=1800"
 #   DRY_RUN=1        print the command instead of running it
 # NCCL_* variables (NCCL_SOCKET_IFNAME, NCCL_IB_HCA, ...) pass through to the trainers unchanged.
@@ -36,7 +38,9 @@ is_int "$nproc" || [[ "$nproc" =~ ^(gpu|cpu|auto)$ ]] \
     || die "NPROC_PER_NODE must be an integer or gpu|cpu|auto, got '$nproc'"
 is_int "$port" || die "MASTER_PORT must be a port number, got '$port'"
 
-args=(--nproc-per-node="$nproc" --max-restarts="${MAX_RESTARTS:-0}")
+shutdown=${SHUTDOWN_TIMEOUT:-300}
+is_int "$shutdown" || die "SHUTDOWN_TIMEOUT must be a number of seconds, got '$shutdown'"
+args=(--nproc-per-node="$nproc" --max-restarts="${MAX_RESTARTS:-0}" --shutdown-timeout="$shutdown")
 if [ "$nnodes" -eq 1 ]; then
     args+=(--standalone)
 else

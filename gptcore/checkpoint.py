@@ -7,24 +7,30 @@ A checkpoint is a directory `<run_dir>/checkpoints/step_{step:08d}/` holding
     trainer.pt          everything else needed to resume exactly: optimizer, data-loader position,
                         RNG states of every rank, GradScaler. Plain tensors/containers only, so it
                         loads with `torch.load(weights_only=True)` (no pickled code).
-    meta.json           step, tokens seen, val loss, config, model config, manifest id, run identity,
-                        sha256 of model.safetensors
+    meta.json           step, tokens seen, val and train loss, config, model config, manifest id, run
+                        identity, sha256 of model.safetensors and of trainer.pt
 
 It is written into `checkpoints/.tmp-step_...` and renamed into place, so a reader (or a resume after
-SIGKILL) sees either a complete checkpoint or none. Retention keeps the last `keep_last` plus the best
-one by validation loss.
+SIGKILL) sees either a complete checkpoint or none; it is never written from non-finite weights.
+Retention keeps the last `keep_last`, the best one by validation loss and the newest one whose train loss
+was finite. Before a resume, `load_for_resume` checks a checkpoint whole (files, both hashes, loadable,
+finite weights); one that fails is moved to `checkpoints/rejected/` with a `why.txt`, never deleted.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import pickle
 import re
 import shutil
 import time
+import zipfile
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from gptcore.config import ModelConfig
@@ -34,8 +40,12 @@ from gptcore.shards import file_sha256
 MODEL_FILE = "model.safetensors"
 TRAINER_FILE = "trainer.pt"
 META_FILE = "meta.json"
+REJECTED_DIR = "rejected"  # checkpoints/rejected/step_.../ (+ why.txt): failed verification, kept for a look
 TIED = ("lm_head.weight", "transformer.wte.weight")  # (dropped on save, kept) - the same tensor
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+# what reading a damaged file can raise (truncated zip or safetensors header, bad pickle, bad JSON, I/O)
+READ_ERRORS = (OSError, ValueError, RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile,
+               SafetensorError)
 
 
 class CheckpointError(RuntimeError):
@@ -60,13 +70,21 @@ def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def save_weights(model: torch.nn.Module, path: Path) -> None:
-    save_file(model_tensors(model), str(path), metadata={"format": "pt"})
+    tensors = model_tensors(model)
+    bad = [k for k, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    if bad:
+        raise CheckpointError(f"refusing to write {path}: non-finite values in {bad[:5]}")
+    save_file(tensors, str(path), metadata={"format": "pt"})
 
 
 def load_weights(model: torch.nn.Module, path: Path) -> None:
     """Load model.safetensors into `model` (plain, compiled or DDP-wrapped); a shape or key mismatch
     raises CheckpointError naming the tensors, before anything is changed."""
-    sd = load_file(str(path))
+    try:
+        sd = load_file(str(path))
+    except READ_ERRORS as e:
+        raise CheckpointError(f"{path} cannot be read ({type(e).__name__}: {e}); the file is damaged: "
+                              "resume from another checkpoint (the trainer does so by itself)") from e
     if TIED[1] in sd:
         sd[TIED[0]] = sd[TIED[1]]
     target = unwrap(model)
@@ -96,8 +114,10 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, trainer_st
     try:
         save_weights(model, tmp / MODEL_FILE)
         torch.save(trainer_state, tmp / TRAINER_FILE)
+        _slow_storage_for_tests()
         meta = {**meta, "step": step, "model_config": _model_config(model),
-                "model_sha256": file_sha256(tmp / MODEL_FILE), "time": time.time()}
+                "model_sha256": file_sha256(tmp / MODEL_FILE),
+                "trainer_sha256": file_sha256(tmp / TRAINER_FILE), "time": time.time()}
         (tmp / META_FILE).write_text(json.dumps(meta, indent=1, default=str))
         for f in tmp.iterdir():  # data on disk before the rename makes it visible
             with open(f, "rb") as fh:
@@ -115,18 +135,28 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, trainer_st
     return final
 
 
+def _slow_storage_for_tests() -> None:
+    """Tests stand in for slow shared storage: GPTPIPE_TEST_CHECKPOINT_DELAY=<seconds> per checkpoint."""
+    delay = float(os.environ.get("GPTPIPE_TEST_CHECKPOINT_DELAY") or 0)
+    if delay > 0:
+        print(f"checkpoint write delayed {delay:.0f}s (GPTPIPE_TEST_CHECKPOINT_DELAY)", flush=True)
+        time.sleep(delay)
+
+
 def _model_config(model: torch.nn.Module) -> dict:
     from dataclasses import asdict
     return asdict(unwrap(model).config)
 
 
 def prune(run_dir: Path, keep_last: int) -> list[Path]:
-    """Delete checkpoints except the last `keep_last` and the best by val loss; returns the deleted."""
+    """Delete checkpoints except the last `keep_last`, the best by val loss and the newest whose train
+    loss was finite (the rollback target if the newer ones came from a diverging run); returns the
+    deleted."""
     ckpts = list_checkpoints(run_dir)
     keep = set(ckpts[-keep_last:]) if keep_last > 0 else set()
-    best = best_checkpoint(run_dir)
-    if best is not None:
-        keep.add(best)
+    for c in [best_checkpoint(run_dir), newest_healthy(ckpts)]:
+        if c is not None:
+            keep.add(c)
     deleted = [c for c in ckpts if c not in keep]
     for c in deleted:
         # rename first so a half-deleted directory is never mistaken for a checkpoint
@@ -147,6 +177,22 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: p.name)
 
 
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and math.isfinite(v)
+
+
+def newest_healthy(ckpts: list[Path]) -> Path | None:
+    """The newest of `ckpts` whose meta records a finite train loss (or none: written before the guard)."""
+    for c in reversed(ckpts):
+        try:
+            loss = read_meta(c).get("train_loss")
+        except CheckpointError:
+            continue
+        if loss is None or _finite(loss):
+            return c
+    return None
+
+
 def latest_checkpoint(run_dir: Path) -> Path | None:
     ckpts = list_checkpoints(run_dir)
     return ckpts[-1] if ckpts else None
@@ -162,7 +208,7 @@ def best_checkpoint(run_dir: Path) -> Path | None:
             v = read_meta(c).get("val_loss")
         except CheckpointError:
             continue
-        if isinstance(v, (int, float)) and v == v:  # skip None and NaN
+        if _finite(v):  # skip None, NaN and inf
             scored.append((v, -int(c.name[5:]), c))
     if scored:
         return min(scored)[2]
@@ -175,9 +221,12 @@ def read_meta(ckpt_dir: Path) -> dict:
         raise CheckpointError(f"{ckpt_dir} is not a checkpoint: no {META_FILE}; pass a directory like "
                               "<home>/runs/<run>/checkpoints/step_00001000")
     try:
-        return json.loads(path.read_text())
-    except ValueError as e:
+        meta = json.loads(path.read_text())
+    except (ValueError, OSError) as e:
         raise CheckpointError(f"{path} is not valid JSON ({e}); the checkpoint is corrupt") from e
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path} holds no JSON object; the checkpoint is corrupt")
+    return meta
 
 
 def load_trainer_state(ckpt_dir: Path, map_location="cpu") -> dict:
@@ -185,7 +234,62 @@ def load_trainer_state(ckpt_dir: Path, map_location="cpu") -> dict:
     if not path.is_file():
         raise CheckpointError(f"{ckpt_dir} has no {TRAINER_FILE}: it holds weights only and cannot resume "
                               "training; start a new run from it or pick another checkpoint")
-    return torch.load(path, map_location=map_location, weights_only=True)
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except READ_ERRORS as e:
+        raise CheckpointError(f"{path} cannot be read ({type(e).__name__}: {e}); the file is damaged: "
+                              "resume from another checkpoint") from e
+
+
+# --- resuming: verify whole, fall back, keep what failed -------------------------------------------
+
+def step_dirs(run_dir: Path) -> list[Path]:
+    """Every step_* directory, complete or not, oldest first (what a resume has to choose from)."""
+    d = checkpoints_dir(run_dir)
+    return sorted(p for p in d.iterdir() if _STEP_DIR.match(p.name)) if d.is_dir() else []
+
+
+def _same_hash(path: Path, expected, what: str) -> None:
+    if not isinstance(expected, str) or len(expected) != 64:
+        raise CheckpointError(f"{META_FILE} records no sha256 for {what}, so it cannot be verified")
+    if file_sha256(path) != expected:
+        raise CheckpointError(f"{what} does not match the sha256 in {META_FILE} (damaged or half-copied)")
+
+
+def load_for_resume(ckpt_dir: Path, model: torch.nn.Module) -> tuple[dict, dict]:
+    """Check `ckpt_dir` whole and load its weights into `model`; returns (meta, trainer state).
+    CheckpointError says what is wrong: a file missing, a hash mismatch, unreadable, non-finite weights."""
+    meta = read_meta(ckpt_dir)
+    for name in (MODEL_FILE, TRAINER_FILE):
+        if not (ckpt_dir / name).is_file():
+            raise CheckpointError(f"{name} is missing")
+    _same_hash(ckpt_dir / MODEL_FILE, meta.get("model_sha256"), MODEL_FILE)
+    if "trainer_sha256" in meta:  # checkpoints written before it was recorded have only the model hash
+        _same_hash(ckpt_dir / TRAINER_FILE, meta["trainer_sha256"], TRAINER_FILE)
+    load_weights(model, ckpt_dir / MODEL_FILE)
+    bad = [k for k, v in unwrap(model).state_dict().items()
+           if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    if bad:
+        raise CheckpointError(f"non-finite weights in {bad[:5]}")
+    return meta, load_trainer_state(ckpt_dir)
+
+
+def reject(ckpt_dir: Path, why: str) -> Path:
+    """Move a checkpoint that failed verification to checkpoints/rejected/ with a why.txt; never delete."""
+    dest_dir = checkpoints_dir(ckpt_dir.parent.parent) / REJECTED_DIR
+    dest_dir.mkdir(exist_ok=True)
+    dest, n = dest_dir / ckpt_dir.name, 1
+    while dest.exists():
+        n += 1
+        dest = dest_dir / f"{ckpt_dir.name}-{n}"
+    os.replace(ckpt_dir, dest)
+    (dest / "why.txt").write_text(f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')}: {why}\n")
+    return dest
+
+
+def rejected(run_dir: Path) -> list[Path]:
+    d = checkpoints_dir(run_dir) / REJECTED_DIR
+    return sorted(p for p in d.iterdir() if p.is_dir()) if d.is_dir() else []
 
 
 def load_model(ckpt_dir: Path, device="cpu", verify: bool = True) -> tuple[GPT, dict]:

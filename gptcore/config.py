@@ -158,6 +158,27 @@ class EvalConfig:
 
 
 @dataclass
+class GuardConfig:
+    """The divergence guard (docs/training.md "Divergence guard"). Not part of the run's identity: it
+    may change between invocations. A non-finite step never updates the weights; repeated non-finite
+    steps or a sustained loss spike roll back to the newest good checkpoint and skip the data since."""
+    max_nonfinite: int = 3  # consecutive non-finite steps (each skipped) that trigger a rollback
+    spike_window: int = 200  # healthy steps of loss history the spike rule compares with; 0 = no spike rule
+    spike_sigmas: float = 6.0  # a step spikes when loss > mean + max(sigmas * std, min_delta) of the window
+    spike_min_delta: float = 0.5  # nats: the smallest rise that counts, whatever the window's spread
+    spike_steps: int = 10  # consecutive spiking steps that trigger a rollback
+    max_rollbacks: int = 3  # rollbacks with no checkpoint written between them before the run gives up
+
+    def validate(self) -> None:
+        for name in ("max_nonfinite", "spike_steps", "max_rollbacks"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"guard.{name} must be >= 1, got {getattr(self, name)}")
+        if self.spike_window < 0 or self.spike_sigmas <= 0 or self.spike_min_delta < 0:
+            raise ConfigError("guard.spike_window must be >= 0, guard.spike_sigmas > 0 and "
+                              "guard.spike_min_delta >= 0")
+
+
+@dataclass
 class RunConfig:
     preset: str = "gpt2-124m"
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -165,6 +186,7 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
 
     @property
     def run_name(self) -> str:
@@ -172,7 +194,7 @@ class RunConfig:
 
     def validate(self, world_size: int = 1) -> RunConfig:
         """Check every section and the cross-field rules; returns self so calls can chain."""
-        for section in (self.model, self.data, self.optim, self.train, self.eval):
+        for section in (self.model, self.data, self.optim, self.train, self.eval, self.guard):
             section.validate()
         t = self.train
         if t.seq_len > self.model.block_size:

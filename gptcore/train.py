@@ -9,7 +9,13 @@ it from its latest checkpoint; a finished run (DONE) does nothing and prints RUN
 
 Exit codes: 0 = max_steps reached (RUN_DONE printed) or stopped cleanly with a checkpoint (time budget
 train.max_minutes, SIGTERM/SIGINT to the trainer processes, or a <run_dir>/STOP file); 2 = bad input
-(config, dataset, run identity, checkpoint): nothing was written; anything else = a crash.
+(config, dataset, run identity, no intact checkpoint, another trainer holds the run directory): nothing
+was written; 3 = diverged (the guard rolled back guard.max_rollbacks times in a row; the checkpoints are
+intact); anything else = a crash.
+
+The trainer defends its run by itself, whoever launched it: it locks the run directory (train.lock),
+resumes from the newest checkpoint that verifies whole (others are moved to checkpoints/rejected/), skips
+non-finite steps and rolls back on repeated ones or a loss spike (gptcore/guard.py).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import signal
 import sys
 import time
 from contextlib import nullcontext
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -29,11 +36,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from gptcore import checkpoint, distributed
 from gptcore.config import ConfigError, RunConfig, load_config, pipeline_home
 from gptcore.data import ShardLoader, open_dataset
+from gptcore.guard import ROLLBACK, SKIP, FaultInjector, Guard
 from gptcore.metrics import JsonlLogger, NullLogger
 from gptcore.model import GPT, peak_flops_guess
+from gptcore.runlock import LockHeld, RunLock
 from gptcore.shards import Manifest, ShardError, atomic_write_bytes
 
-EXIT_OK, EXIT_BAD_INPUT = 0, 2
+EXIT_OK, EXIT_BAD_INPUT, EXIT_DIVERGED = 0, 2, 3
 STOP_FILE = "STOP"  # create <run_dir>/STOP to stop a run gracefully (checkpoint, exit 0, torchrun too)
 PEAK_ENV = "GPTPIPE_PEAK_FLOPS"  # peak FLOP/s per device for MFU (default: a table for known GPUs)
 
@@ -117,6 +126,20 @@ def _on_signal(signum, frame):  # only set a flag: every rank stops at the same 
 
 # --- the run ------------------------------------------------------------------------------------
 
+@dataclass
+class Prepared:
+    """What `prepare` found: everything `train` needs, all checked before any process group exists."""
+    run_dir: Path
+    data_dir: Path
+    manifest: Manifest
+    record: dict | None  # run.json, None for a new run
+    env: distributed.Env
+    model: GPT  # the initial weights, or the resumed checkpoint's
+    ckpt: Path | None  # the checkpoint resumed from
+    trainer_state: dict | None
+    lock: RunLock | None  # rank 0 holds the run directory for the process's life
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
@@ -128,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(argv[0], argv[1:], world_size=world)
         prep = prepare(cfg, rank)
-    except (ConfigError, ShardError, RunError, checkpoint.CheckpointError) as e:
+    except (ConfigError, ShardError, RunError, LockHeld, checkpoint.CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     if prep is None:
@@ -140,13 +163,19 @@ def main(argv: list[str] | None = None) -> int:
     except RunError as e:  # found only once the ranks talk (e.g. a run dir not shared between nodes)
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except Diverged as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_DIVERGED
     finally:
         distributed.teardown()
+        if prep.lock is not None:
+            prep.lock.release()
 
 
-def prepare(cfg: RunConfig, rank: int) -> dict | None:
-    """Every check that can fail on bad input, before any process group, file write or training step.
-    Returns None (after printing RUN_DONE) when the run has already finished."""
+def prepare(cfg: RunConfig, rank: int) -> Prepared | None:
+    """Every check that can fail on bad input, before any process group or training step; rank 0 takes
+    the run's lock before it writes anything. Returns None (after printing RUN_DONE) when the run has
+    already finished."""
     run_dir, data_dir = run_dir_for(cfg), dataset_dir_for(cfg)
     manifest = open_dataset(data_dir)
     record = check_run(run_dir, cfg, manifest)
@@ -156,26 +185,93 @@ def prepare(cfg: RunConfig, rank: int) -> dict | None:
             print(f"RUN_DONE run={cfg.run_name} step={done.get('step')} dir={run_dir}: already complete; "
                   "nothing to do", flush=True)
         return None
-    env = distributed.select(cfg.train)
-    torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
-    model = GPT(cfg.model).to(env.device)
-    ckpt = checkpoint.latest_checkpoint(run_dir)
-    trainer_state = None
-    if ckpt is not None:
-        checkpoint.load_weights(model, ckpt / checkpoint.MODEL_FILE)  # shape mismatch -> CheckpointError
-        trainer_state = checkpoint.load_trainer_state(ckpt)
-        if trainer_state.get("loader", {}).get("manifest_id") != manifest.id:
-            raise RunError(f"checkpoint {ckpt} was trained on another dataset; use the original dataset "
-                           "or a new train.run_name")
-    return {"run_dir": run_dir, "data_dir": data_dir, "manifest": manifest, "record": record, "env": env,
-            "model": model, "ckpt": ckpt, "trainer_state": trainer_state}
+    check_checkpoints_fit(run_dir, cfg, manifest)
+    lock = RunLock(run_dir).acquire() if rank == 0 else None
+    try:
+        env = distributed.select(cfg.train)
+        torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
+        model = GPT(cfg.model).to(env.device)
+        ckpt, trainer_state = resume_point(run_dir, model, master=rank == 0)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    return Prepared(run_dir, data_dir, manifest, record, env, model, ckpt, trainer_state, lock)
 
 
-def train(cfg: RunConfig, prep: dict, t_start: float) -> int:
-    env: distributed.Env = prep["env"]
+def check_checkpoints_fit(run_dir: Path, cfg: RunConfig, manifest: Manifest) -> None:
+    """The newest readable checkpoint must be of this model and dataset: otherwise this is the wrong
+    config (RunError, nothing touched), not a damaged checkpoint to set aside."""
+    for ck in reversed(checkpoint.step_dirs(run_dir)):
+        try:
+            meta = checkpoint.read_meta(ck)
+        except checkpoint.CheckpointError:
+            continue  # damaged: resume_point deals with it
+        if meta.get("model_config") not in (None, asdict(cfg.model)):
+            raise RunError(f"checkpoint {ck} is of another model shape ({meta['model_config']}); use the "
+                           "model config it was trained with, or a new train.run_name")
+        if meta.get("manifest_id") not in (None, manifest.id):
+            raise RunError(f"checkpoint {ck} was trained on another dataset ({meta['manifest_id']}, the "
+                           f"shards now are {manifest.id}); use the original dataset or a new train.run_name")
+        return
+
+
+def resume_point(run_dir: Path, model: GPT, master: bool) -> tuple[Path | None, dict | None]:
+    """Load the newest checkpoint that verifies whole into `model`; rank 0 moves each one that fails to
+    checkpoints/rejected/. (None, None) for a run with no checkpoint yet; RunError if the run had
+    checkpoints and none is intact (starting over would silently throw the run away)."""
+    for ck in reversed(checkpoint.step_dirs(run_dir)):
+        try:
+            _, state = checkpoint.load_for_resume(ck, model)
+            return ck, state
+        except checkpoint.CheckpointError as e:
+            if master:
+                dest = checkpoint.reject(ck, str(e))
+                print(f"warning: checkpoint {ck.name} skipped: {e}; moved to {dest}", file=sys.stderr,
+                      flush=True)
+    gone = checkpoint.rejected(run_dir)
+    if gone:
+        why = "; ".join(f"{p.name}: {_why(p)}" for p in gone)
+        raise RunError(f"run {run_dir} has no intact checkpoint to resume from (rejected: {why}). Each is "
+                       f"kept in {checkpoint.checkpoints_dir(run_dir) / checkpoint.REJECTED_DIR} with a "
+                       "why.txt: put a good copy back into checkpoints/, or start over with a new "
+                       "train.run_name (or by moving that directory away)")
+    return None, None
+
+
+def _why(rejected_dir: Path) -> str:
+    try:
+        return (rejected_dir / "why.txt").read_text().strip().split(": ", 1)[-1]
+    except OSError:
+        return "no why.txt"
+
+
+class Diverged(RuntimeError):
+    """The guard rolled back too often in a row, or had no checkpoint to roll back to."""
+
+
+@dataclass
+class Progress:
+    step: int = 0
+    tokens_seen: int = 0
+
+
+def restore(ts: dict, optimizer, loader: ShardLoader, scaler, env: distributed.Env, data: bool = True) -> Progress:
+    """Put a checkpoint's trainer state back (optimizer, RNG, scaler, and the data position if `data`)."""
+    optimizer.load_state_dict(ts["optimizer"])
+    if data:
+        loader.load_state_dict(ts["loader"])
+    if env.rank < len(ts["rng"]):  # a new world size: extra ranks keep their fresh seed
+        set_rng_state(ts["rng"][env.rank], env.device)
+    if scaler is not None and ts.get("scaler"):
+        scaler.load_state_dict(ts["scaler"])
+    return Progress(int(ts["step"]), int(ts["tokens_seen"]))
+
+
+def train(cfg: RunConfig, prep: Prepared, t_start: float) -> int:
+    env = prep.env
     distributed.init_process_group(env)
-    run_dir, data_dir, manifest = prep["run_dir"], prep["data_dir"], prep["manifest"]
-    raw: GPT = prep["model"]
+    run_dir, data_dir, manifest, raw = prep.run_dir, prep.data_dir, prep.manifest, prep.model
     tc, B, T = cfg.train, cfg.train.micro_batch, cfg.train.seq_len
     accum = cfg.grad_accum_steps(env.world)
 
@@ -185,18 +281,11 @@ def train(cfg: RunConfig, prep: dict, t_start: float) -> int:
     loader = ShardLoader(data_dir, B, T, tc.total_batch_tokens, tc.seed, env.rank, env.world, env.device,
                          manifest=manifest)
     torch.manual_seed(tc.seed + env.rank)  # per-rank randomness (dropout) from here on
-    step, tokens_seen = 0, 0
-    ts = prep["trainer_state"]
-    if ts is not None:
-        optimizer.load_state_dict(ts["optimizer"])
-        loader.load_state_dict(ts["loader"])
-        step, tokens_seen = int(ts["step"]), int(ts["tokens_seen"])
-        if env.rank < len(ts["rng"]):  # a new world size: extra ranks keep their fresh seed
-            set_rng_state(ts["rng"][env.rank], env.device)
-        if scaler is not None and ts.get("scaler"):
-            scaler.load_state_dict(ts["scaler"])
+    at = Progress()
+    if prep.trainer_state is not None:
+        at = restore(prep.trainer_state, optimizer, loader, scaler, env)
 
-    seen = distributed.all_gather_object(step)  # every rank must resume from the same checkpoint
+    seen = distributed.all_gather_object(at.step)  # every rank must resume from the same checkpoint
     if len(set(seen)) > 1:
         raise RunError(f"ranks found different checkpoints in {run_dir} (steps {seen}); the run directory "
                        "must be on a filesystem shared by all nodes (or set train.run_dir to one)")
@@ -208,93 +297,150 @@ def train(cfg: RunConfig, prep: dict, t_start: float) -> int:
 
     logger = NullLogger()
     if env.master:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        if prep["record"] is None:
+        if prep.record is None:
             write_json(run_dir / "run.json", {
                 "run_name": cfg.run_name, "identity_hash": cfg.identity_hash(), "manifest_id": manifest.id,
                 "preset": cfg.preset, "dataset_dir": str(data_dir), "created": time.time()})
         write_json(run_dir / "config.json", cfg.to_dict())
         (run_dir / STOP_FILE).unlink(missing_ok=True)  # a stop request was for the previous invocation
         logger = JsonlLogger(run_dir / "metrics.jsonl")
-        how = f"resuming from {prep['ckpt'].name}" if prep["ckpt"] else "starting"
-        print(f"run {cfg.run_name} ({run_dir}): {how} at step {step}/{tc.max_steps}; world={env.world} "
+        how = f"resuming from {prep.ckpt.name}" if prep.ckpt else "starting"
+        print(f"run {cfg.run_name} ({run_dir}): {how} at step {at.step}/{tc.max_steps}; world={env.world} "
               f"accum={accum} device={env.device} dtype={env.dtype} compile={env.compile} "
               f"params={raw.num_params():,} dataset={data_dir} ({manifest.id})", flush=True)
 
     peak = float(os.environ.get(PEAK_ENV) or peak_flops_guess(env.device)) * env.world
     flops_per_token = raw.flops_per_token(T)
     evals = Evals(cfg, env, data_dir, logger)
+    guard, faults = Guard(cfg.guard), FaultInjector()
     meta_base = {"config": cfg.to_dict(), "manifest_id": manifest.id, "run_name": cfg.run_name,
                  "identity_hash": cfg.identity_hash()}
 
-    def save(reason: str) -> None:  # collective: every rank contributes its RNG state
+    def save(reason: str, train_loss: float) -> None:  # collective: every rank contributes its RNG state
         rngs = distributed.all_gather_object(rng_state(env.device))
         if env.master:
             state = {"optimizer": optimizer.state_dict(), "loader": loader.state_dict(), "rng": rngs,
-                     "scaler": scaler.state_dict() if scaler is not None else {}, "step": step,
-                     "tokens_seen": tokens_seen, "world": env.world}
-            val, hs = evals.results_at(step)
-            path = checkpoint.save_checkpoint(run_dir, step, raw, state, {
-                **meta_base, "tokens_seen": tokens_seen, "val_loss": val, "hellaswag": hs, "reason": reason},
-                keep_last=tc.keep_last)
-            print(f"checkpoint {path} ({reason})", flush=True)
+                     "scaler": scaler.state_dict() if scaler is not None else {}, "step": at.step,
+                     "tokens_seen": at.tokens_seen, "world": env.world}
+            val, hs = evals.results_at(at.step)
+            try:
+                path = checkpoint.save_checkpoint(run_dir, at.step, raw, state, {
+                    **meta_base, "tokens_seen": at.tokens_seen, "val_loss": val, "hellaswag": hs,
+                    "train_loss": train_loss, "reason": reason}, keep_last=tc.keep_last)
+                print(f"checkpoint {path} ({reason})", flush=True)
+            except checkpoint.CheckpointError as e:  # non-finite weights are never written
+                event(env, logger, at.step, f"checkpoint not written: {e}")
+        guard.checkpointed()
         distributed.barrier()
 
     try:
-        while step < tc.max_steps:
+        while at.step < tc.max_steps:
             t0 = time.time()
-            lr = lr_at(step, cfg)
+            lr = lr_at(at.step, cfg)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            loss_sum, norm = train_step(model, optimizer, loader, accum, env, scaler, cfg.optim.grad_clip)
-            step += 1
-            tokens_seen += tc.total_batch_tokens
-            # one all-reduce: the loss for logging, and the stop vote (a signal on any rank, or rank 0's
-            # clock), so every rank stops after the same step
+            # the stop vote (a signal on any rank, rank 0's clock or STOP file) is reduced with the loss,
+            # so every rank stops after the same step
             out_of_time = tc.max_minutes > 0 and (time.time() - t_start) > tc.max_minutes * 60
             stop_file = env.master and (run_dir / STOP_FILE).exists()
-            stop_vote = 1.0 if (_STOP["signal"] is not None or (env.master and out_of_time) or stop_file) \
-                else 0.0
-            packed = torch.stack([loss_sum.float(), torch.tensor(stop_vote, device=env.device)])
-            distributed.all_reduce_sum(packed)
+            vote = _STOP["signal"] is not None or (env.master and out_of_time) or stop_file
+            faults.before_step(raw)
+            r = train_step(model, optimizer, loader, accum, env, scaler, cfg.optim.grad_clip, vote)
             if env.device.type == "cuda":
                 torch.cuda.synchronize()
+            at.step += 1
+            at.tokens_seen += tc.total_batch_tokens
             dt = time.time() - t0
-            loss_val, stop = packed[0].item() / env.world, packed[1].item() > 0
             tok_s = tc.total_batch_tokens / dt
-            logger.log(step, {"train/loss": loss_val, "train/lr": lr, "train/grad_norm": norm.item(),
-                              "train/step_time": dt, "train/tokens_per_s": tok_s,
-                              "train/mfu": flops_per_token * tok_s / peak, "train/tokens_seen": tokens_seen,
-                              "train/epoch": loader.epoch})
-            if env.master and (step % tc.log_interval == 0 or step == 1 or step == tc.max_steps):
-                print(f"step {step:6d}/{tc.max_steps} | loss {loss_val:.6f} | lr {lr:.3e} | norm "
-                      f"{norm.item():.4f} | {dt * 1000:.1f} ms | {tok_s:,.0f} tok/s", flush=True)
-            last = step == tc.max_steps
-            if last or (cfg.eval.eval_interval and step % cfg.eval.eval_interval == 0):
-                evals.run(model, step)
-            if env.master and (last or (cfg.eval.sample_interval and step % cfg.eval.sample_interval == 0)):
-                evals.sample(raw, step)
-            if last or stop or step % tc.checkpoint_interval == 0:
-                save("end" if last else "stop" if stop else "interval")
-            if stop and not last:
+            logger.log(at.step, {"train/loss": r.loss, "train/lr": lr, "train/grad_norm": r.norm,
+                                 "train/step_time": dt, "train/tokens_per_s": tok_s,
+                                 "train/mfu": flops_per_token * tok_s / peak, "train/tokens_seen": at.tokens_seen,
+                                 "train/epoch": loader.epoch})
+            if env.master and (at.step % tc.log_interval == 0 or at.step == 1 or at.step == tc.max_steps):
+                print(f"step {at.step:6d}/{tc.max_steps} | loss {r.loss:.6f} | lr {lr:.3e} | norm "
+                      f"{r.norm:.4f} | {dt * 1000:.1f} ms | {tok_s:,.0f} tok/s", flush=True)
+            verdict = guard.observe(r.loss, r.finite)
+            if verdict == SKIP:
+                event(env, logger, at.step, f"non-finite step skipped (loss {r.loss}, grad norm {r.norm}): no update "
+                      f"applied ({guard.nonfinite}/{cfg.guard.max_nonfinite} before a rollback)")
+            elif verdict == ROLLBACK:
+                at = roll_back(cfg, run_dir, raw, optimizer, loader, scaler, env, guard, logger, at,
+                               "non-finite steps" if not r.finite else "loss spike")
+                continue
+            last = at.step == tc.max_steps
+            if last or (cfg.eval.eval_interval and at.step % cfg.eval.eval_interval == 0):
+                evals.run(model, at.step)
+            if env.master and (last or (cfg.eval.sample_interval and at.step % cfg.eval.sample_interval == 0)):
+                evals.sample(raw, at.step)
+            troubled = guard.nonfinite or guard.spiking  # an interval checkpoint waits for a healthy step
+            if last or r.stop or (at.step % tc.checkpoint_interval == 0 and not troubled):
+                save("end" if last else "stop" if r.stop else "interval", r.loss)
+            if r.stop and not last:
                 why = f"signal {_STOP['signal']}" if _STOP["signal"] is not None else \
                     f"{STOP_FILE} file" if stop_file else f"time budget train.max_minutes={tc.max_minutes}"
                 if env.master:
-                    print(f"stopped at step {step}/{tc.max_steps} ({why}); run the same command to "
+                    print(f"stopped at step {at.step}/{tc.max_steps} ({why}); run the same command to "
                           "continue", flush=True)
                 return EXIT_OK
         if env.master:
-            write_json(run_dir / "DONE", {"step": step, "tokens_seen": tokens_seen, "time": time.time()})
-            print(f"RUN_DONE run={cfg.run_name} step={step} dir={run_dir}", flush=True)
+            write_json(run_dir / "DONE", {"step": at.step, "tokens_seen": at.tokens_seen, "time": time.time()})
+            print(f"RUN_DONE run={cfg.run_name} step={at.step} dir={run_dir}", flush=True)
         return EXIT_OK
     finally:
         logger.close()
 
 
+def event(env: distributed.Env, logger, step: int, text: str, **values) -> None:
+    """A guard or checkpoint event: a metrics.jsonl row of kind "event" and a line on stdout (rank 0)."""
+    logger.log(step, {"event": text, **values}, kind="event")
+    if env.master:
+        print(f"step {step:6d} | guard: {text}", flush=True)
+
+
+def roll_back(cfg: RunConfig, run_dir: Path, raw: GPT, optimizer, loader: ShardLoader, scaler,
+              env: distributed.Env, guard: Guard, logger, at: Progress, why: str) -> Progress:
+    """Reload the newest good checkpoint (weights, optimizer, RNG) but keep the data position, so the
+    batches since that checkpoint, which led into the trouble, are skipped. Raises Diverged when there is
+    nothing to roll back to or it happened too often in a row."""
+    if not guard.rolled_back():
+        raise Diverged(f"the run diverged again ({why} at step {at.step}) after {cfg.guard.max_rollbacks} "
+                       "rollbacks with no checkpoint written in between; the checkpoints are intact. Lower "
+                       "optim.max_lr (or raise optim.warmup_steps), check the data near loader position "
+                       f"{loader.position}, then run the same command to continue from the newest checkpoint "
+                       "(guard.max_rollbacks allows more tries)")
+    for ck in reversed(checkpoint.list_checkpoints(run_dir)):
+        try:
+            meta, ts = checkpoint.load_for_resume(ck, raw)
+        except checkpoint.CheckpointError as e:
+            if env.master:
+                checkpoint.reject(ck, str(e))
+            continue
+        if meta.get("train_loss") is not None and not math.isfinite(meta["train_loss"]):
+            continue  # written during the trouble
+        skipped = loader.position - int(ts["loader"]["position"])
+        optimizer.zero_grad(set_to_none=True)
+        back = restore(ts, optimizer, loader, scaler, env, data=False)
+        event(env, logger, at.step, f"{why}: rolled back to {ck.name}; the {skipped} sequences since it are "
+              f"skipped (rollback {guard.rollbacks}/{cfg.guard.max_rollbacks})",
+              **{"guard/rollback_from": at.step, "guard/rollback_to": back.step, "guard/skipped_sequences": skipped})
+        return back
+    raise Diverged(f"the run diverged ({why} at step {at.step}) before it had a good checkpoint to roll back to; "
+                   "lower optim.max_lr or raise optim.warmup_steps, or lower train.checkpoint_interval so a "
+                   "rollback has somewhere to go")
+
+
+@dataclass
+class StepResult:
+    loss: float  # mean over ranks and micro-batches
+    norm: float  # this rank's gradient norm before clipping
+    finite: bool  # False: some rank saw a non-finite loss or gradient; no update was applied
+    stop: bool  # some rank voted to stop after this step
+
+
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loader: ShardLoader, accum: int,
-               env: distributed.Env, scaler=None, grad_clip: float = 1.0) -> tuple[torch.Tensor, ...]:
-    """One optimizer step over `accum` micro-batches; returns (this rank's mean loss, grad norm).
-    The learning rate is set by the caller. (benchmarks/bench_train.py times exactly this function.)"""
+               env: distributed.Env, scaler=None, grad_clip: float = 1.0, stop_vote: bool = False) -> StepResult:
+    """One optimizer step over `accum` micro-batches, skipped (no update) if any rank's loss or gradient
+    is non-finite. The learning rate is set by the caller. (benchmarks/bench_train.py times exactly this.)"""
     loss_sum = torch.zeros((), device=env.device)
     for micro in range(accum):
         x, y = loader.next_batch()
@@ -311,13 +457,20 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loader:
     # inf: measure the norm without clipping
     params = [p for g in optimizer.param_groups for p in g["params"]]
     norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
+    # One all-reduce and one host sync per step, before the update: the loss, whether any rank's step is
+    # non-finite (fp16's GradScaler handles overflowing gradients itself, so there only the loss counts),
+    # and the stop vote.
+    bad = ~torch.isfinite(loss_sum) if scaler is not None else ~(torch.isfinite(loss_sum) & torch.isfinite(norm))
+    packed = torch.stack([loss_sum.float(), bad.float(), torch.tensor(float(stop_vote), device=env.device)])
+    distributed.all_reduce_sum(packed)
+    loss_total, n_bad, stop, norm_val = torch.cat([packed, norm.detach().float().view(1)]).tolist()
     if scaler is not None:
-        scaler.step(optimizer)
+        scaler.step(optimizer)  # skips the update itself when gradients overflowed
         scaler.update()
-    else:
+    elif n_bad == 0:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return loss_sum, norm
+    return StepResult(loss_total / env.world, norm_val, n_bad == 0, stop > 0)
 
 
 class Evals:

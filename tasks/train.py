@@ -10,16 +10,17 @@ What the launcher guarantees:
   SIGTERM to the whole group, then SIGKILL after a grace period. No orphaned trainers.
 - Its stdout/stderr lines go into the Prefect run logs; a non-zero exit raises with the log's tail.
 - One trainer per run directory: a Prefect global concurrency limit `train-<run_name>` (limit 1) makes a
-  second flow run wait (then fail with a clear message), and an fcntl lock on `<run_dir>/train.lock`,
-  inherited by torchrun, is the ground truth (held as long as any trainer process of the run lives,
-  even when the Prefect server is unreachable or a lease expired).
+  second flow run wait (then fail with a clear message); the ground truth is the trainer's own lock on
+  `<run_dir>/train.lock` (gptcore.runlock), which also holds when the Prefect server is unreachable, a
+  lease expired, or someone runs torchrun by hand.
+- torchrun gets --shutdown-timeout SHUTDOWN_SECONDS, and this task waits longer than that before its
+  SIGKILL, so a SIGTERM (cancel, preemption) always ends with a complete stop checkpoint.
 - While training, tasks.tracking.Shipper ships metrics.jsonl to MLflow from a background thread.
 """
 
 from __future__ import annotations
 
 import collections
-import fcntl
 import json
 import os
 import signal
@@ -31,9 +32,12 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-LOCK_FILE = "train.lock"
 TRAIN_LOG = "train.log"  # the trainer's stdout/stderr, appended per invocation
-GRACE_SECONDS = 120.0  # SIGTERM -> SIGKILL: time to write a final checkpoint
+# SIGTERM -> SIGKILL, for torchrun's workers: a 124M stop checkpoint (1.5 GB with optimizer state) took
+# 6.7-8.9 s to write, hash and fsync on local disk (benchmarks/bench_checkpoint.py); 300 s covers shared
+# storage down to ~10 MB/s with margin (torchrun's own default is 30 s).
+SHUTDOWN_SECONDS = 300
+GRACE_SECONDS = SHUTDOWN_SECONDS + 30.0  # this task's SIGKILL comes only after torchrun's has had its turn
 LEASE_SECONDS = 60  # Prefect's minimum; a killed holder's slot is reclaimed this long after its death
 
 # Runs the command with PR_SET_PDEATHSIG=SIGTERM: the kernel signals it when the launching thread dies.
@@ -86,50 +90,14 @@ def override_args(overrides: dict | None) -> list[str]:
     return out
 
 
-def torchrun_cmd(preset: str, overrides: dict | None, nproc: int) -> list[str]:
+def torchrun_cmd(preset: str, overrides: dict | None, nproc: int,
+                 shutdown_seconds: float = SHUTDOWN_SECONDS) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            "-m", "gptcore.train", preset, *override_args(overrides)]
+            f"--shutdown-timeout={shutdown_seconds:.0f}", "-m", "gptcore.train", preset,
+            *override_args(overrides)]
 
 
 # --- one trainer per run directory -----------------------------------------------------------------
-
-class RunLock:
-    """An exclusive fcntl lock on <run_dir>/train.lock, polled for up to `timeout` seconds. The file
-    records the holder (pid, host, flow run) so the error message can name it."""
-
-    def __init__(self, run_dir: Path, timeout: float, holder: dict):
-        self.path = Path(run_dir) / LOCK_FILE
-        self.timeout = timeout
-        self.holder = holder
-        self.fd: int | None = None
-
-    def __enter__(self) -> RunLock:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        end = time.monotonic() + self.timeout
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= end:
-                    who = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown"
-                    os.close(fd)
-                    raise TrainError(
-                        f"another trainer holds {self.path} (holder: {who}); two trainers must never write "
-                        f"one run directory. Wait for it to finish or cancel its flow run; use another "
-                        f"train.run_name to train a separate run.") from None
-                time.sleep(1.0)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(self.holder).encode(), 0)
-        self.fd = fd
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.fd is not None:
-            os.close(self.fd)  # torchrun holds its inherited copy until it exits
-            self.fd = None
-
 
 def prefect_slot(run_name: str, timeout: float):
     """A Prefect global concurrency limit named after the run (limit 1, created on first use): a second
@@ -214,7 +182,7 @@ def end_group(proc: subprocess.Popen, grace: float, log) -> None:
     proc.wait()
 
 
-def launch(cmd: list[str], run_dir: Path, lock_fd: int, log, grace: float = GRACE_SECONDS,
+def launch(cmd: list[str], run_dir: Path, log, grace: float = GRACE_SECONDS,
            env: dict | None = None) -> tuple[int, list[str]]:
     """Run the trainer, streaming its output to `log`; returns (exit code, last lines).
 
@@ -225,10 +193,11 @@ def launch(cmd: list[str], run_dir: Path, lock_fd: int, log, grace: float = GRAC
     env = dict(env or os.environ, PYTHONUNBUFFERED="1")
     log.info("launching: %s", " ".join(cmd))
     log_path = run_dir / TRAIN_LOG
+    run_dir.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as out:
         offset = out.tell()
         proc = subprocess.Popen(full, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                start_new_session=True, pass_fds=(lock_fd,))
+                                start_new_session=True)
     try:
         with open(log_path, "rb") as f:
             f.seek(offset)
@@ -255,7 +224,7 @@ def launch(cmd: list[str], run_dir: Path, lock_fd: int, log, grace: float = GRAC
 @task(name="train", cache_policy=NO_CACHE, task_run_name="train-{run_name}")
 def train_task(preset: str, overrides: dict | None, run_name: str, run_dir: str, identity_hash: str,
                nproc: int = 0, wait_seconds: float = 600.0, tracking: bool = True,
-               grace_seconds: float = GRACE_SECONDS) -> dict:
+               shutdown_seconds: float = SHUTDOWN_SECONDS) -> dict:
     """Train (or continue) run `run_name` (in `run_dir`, gptcore.train.run_dir_for(cfg)) to max_steps or
     its time budget; returns the run's state."""
     from prefect.runtime import flow_run
@@ -263,8 +232,7 @@ def train_task(preset: str, overrides: dict | None, run_name: str, run_dir: str,
     log = get_run_logger()
     nproc = resolve_nproc(nproc)
     run_dir = Path(run_dir)
-    holder = {"pid": os.getpid(), "host": os.uname().nodename, "flow_run_id": flow_run.get_id(),
-              "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    flow_run_id = flow_run.get_id()
     slot, guard = prefect_slot(run_name, wait_seconds)
     t0 = time.time()
     try:
@@ -276,27 +244,29 @@ def train_task(preset: str, overrides: dict | None, run_name: str, run_dir: str,
     try:
         if time.time() - t0 > 1:
             log.info("waited %.0fs for concurrency slot %s", time.time() - t0, slot)
-        with RunLock(run_dir, wait_seconds, holder) as lock:
-            state = run_state(run_dir, identity_hash)
-            if state["done"]:  # finished while we waited for the slot
-                log.info("run %s is already complete at step %s", run_name, state["step"])
-                return {**state, "returncode": 0, "seconds": 0.0, "resumed_from": state["step"]}
-            resumed_from = state["step"]
-            log.info("run %s: %s on %d process(es)", run_name,
-                     f"resuming from step {resumed_from}" if resumed_from is not None else "starting", nproc)
-            shipper = None
-            if tracking:
-                from tasks.tracking import Shipper
+        state = run_state(run_dir, identity_hash)
+        if state["done"]:  # finished while we waited for the slot
+            log.info("run %s is already complete at step %s", run_name, state["step"])
+            return {**state, "returncode": 0, "seconds": 0.0, "resumed_from": state["step"]}
+        resumed_from = state["step"]
+        log.info("run %s: %s on %d process(es)", run_name,
+                 f"resuming from step {resumed_from}" if resumed_from is not None else "starting", nproc)
+        shipper = None
+        if tracking:
+            from tasks.tracking import Shipper
 
-                shipper = Shipper(run_dir, flow_run_id=holder["flow_run_id"]).start()
-            start = time.time()
-            try:
-                cmd = torchrun_cmd(preset, overrides, nproc)
-                rc, tail = launch(cmd, run_dir, lock.fd, log, grace_seconds)
-            finally:
-                if shipper is not None and not shipper.stop():
-                    log.warning("MLflow shipping incomplete (%s); metrics stay in %s/metrics.jsonl and are "
-                                "sent on the next run", shipper.last_error, run_dir)
+            shipper = Shipper(run_dir, flow_run_id=flow_run_id).start()
+        start = time.time()
+        # the trainer's lock record names this flow run, so a second trainer's error points at it
+        env = dict(os.environ, GPTPIPE_LAUNCHED_BY=json.dumps({"flow_run_id": str(flow_run_id),
+                                                                "pid": os.getpid()}))
+        try:
+            cmd = torchrun_cmd(preset, overrides, nproc, shutdown_seconds)
+            rc, tail = launch(cmd, run_dir, log, shutdown_seconds + 30.0, env)  # torchrun's SIGKILL first
+        finally:
+            if shipper is not None and not shipper.stop():
+                log.warning("MLflow shipping incomplete (%s); metrics stay in %s/metrics.jsonl and are "
+                            "sent on the next run", shipper.last_error, run_dir)
     finally:
         guard.__exit__(None, None, None)
     last = "\n".join(tail)

@@ -167,7 +167,7 @@ def test_compose_stack(tmp_path):
     assert w["environment"]["MLFLOW_TRACKING_URI"] == "http://mlflow:5000"
     assert w["command"] == ["/app/docker/entrypoint-worker.sh"] and w["init"] is True
     assert w["environment"]["PREFECT_WORKER_WEBSERVER_HOST"] == "127.0.0.1"
-    assert w["stop_grace_period"] == "3m0s"  # time for the trainer's SIGTERM checkpoint
+    assert w["stop_grace_period"] == "6m0s"  # time for the trainer's SIGTERM checkpoint
     assert w["build"]["target"] == "trainer" and svc["prefect-server"]["build"]["target"] == "services"
     assert {d: c["condition"] for d, c in w["depends_on"].items()} == {
         "prefect-server": "service_healthy",
@@ -398,6 +398,7 @@ def test_multinode_single_node_is_standalone():
         "torch.distributed.run",
         "--nproc-per-node=gpu",
         "--max-restarts=0",
+        "--shutdown-timeout=300",
         "--standalone",
         "-m",
         "gptcore.train",
@@ -421,6 +422,7 @@ def test_multinode_rendezvous_args():
     assert r.stdout.split()[3:] == [
         "--nproc-per-node=8",
         "--max-restarts=0",
+        "--shutdown-timeout=300",
         "--nnodes=4",
         "--rdzv-backend=c10d",
         "--rdzv-endpoint=node0:29400",
@@ -566,7 +568,7 @@ def test_k8s_template_renders_a_gpu_job():
     vols = {v["name"]: v for v in pod["volumes"]}
     assert vols["home"]["persistentVolumeClaim"]["claimName"] == "gpt2-home"
     assert vols["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "64Gi"}
-    assert pod["terminationGracePeriodSeconds"] == 180 and pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["terminationGracePeriodSeconds"] == 360 and pod["securityContext"]["runAsNonRoot"] is True
     # what prefect-kubernetes requires of a job manifest (else the worker rejects the template)
     assert (pod["parallelism"], pod["completions"], pod["restartPolicy"], c["name"]) == (
         1,

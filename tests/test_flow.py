@@ -100,7 +100,7 @@ def test_killed_flow_run_resumes_from_its_checkpoint(prefect_stack):
 
     params = micro("killed", 2000, **{"eval.eval_interval": 1000, "eval.sample_interval": 1000})
     params.update(register=False, evaluate=False)
-    run_deployment("pretrain/tiny", parameters=params, timeout=0)
+    fr_id = run_deployment("pretrain/tiny", parameters=params, timeout=0)
     run_dir = prefect_stack.home / "runs" / "killed"
     end = time.monotonic() + 240
     while not (run_dir / "checkpoints" / "step_00000008").is_dir():
@@ -108,9 +108,10 @@ def test_killed_flow_run_resumes_from_its_checkpoint(prefect_stack):
         time.sleep(0.3)
     # a crash of the worker machine: SIGKILL the worker's process group and the flow run's process
     # (Prefect starts flow runs in their own session, so killing the worker alone would not stop it)
-    holder = json.loads((run_dir / "train.lock").read_text())
+    holder = json.loads((run_dir / "train.lock").read_text())  # the trainer's lock names its launcher
+    assert holder["launched_by"]["flow_run_id"] == str(fr_id.id)
     os.killpg(prefect_stack.worker.state()["pid"], signal.SIGKILL)
-    os.killpg(holder["pid"], signal.SIGKILL)
+    os.killpg(holder["launched_by"]["pid"], signal.SIGKILL)
     end = time.monotonic() + 60
     while trainer_pids("killed"):
         assert time.monotonic() < end, "the trainer outlived its flow run (orphan)"
@@ -181,26 +182,6 @@ def test_bad_parameters_fail_the_flow_run_early(prefect_stack):
         assert msg in fr.state.message, fr.state.message
         assert not task_runs(fr.id), "nothing may start before the config is valid"
         assert fr.total_run_time.total_seconds() < 30
-
-
-def test_run_lock_is_exclusive_and_held_by_the_trainer(tmp_path):
-    """The ground truth without Prefect: a second lock fails with a clear message while any holder
-    (including a child process that inherited the descriptor, as torchrun does) lives."""
-    import subprocess
-
-    from tasks.train import RunLock, TrainError
-
-    with RunLock(tmp_path, 0.5, {"pid": 1}) as lock:
-        child = subprocess.Popen(["sleep", "30"], pass_fds=(lock.fd,))
-    try:
-        with pytest.raises(TrainError, match="another trainer holds .*train.lock"):
-            with RunLock(tmp_path, 0.5, {"pid": 2}):
-                pass
-    finally:
-        child.kill()
-        child.wait()
-    with RunLock(tmp_path, 0.5, {"pid": 3}):
-        pass
 
 
 def test_concurrency_slot_set_up_by_many_flow_runs_at_once(prefect_stack):

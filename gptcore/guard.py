@@ -1,0 +1,86 @@
+"""The divergence guard: decides, from each step's all-reduced loss and gradient norm, whether the step
+was healthy, must be skipped (non-finite: no update was applied), or calls for a rollback.
+
+A rollback (done by the trainer) reloads the newest good checkpoint and keeps the data position where it
+is, so the batches that led into the trouble are skipped (PaLM, section 5.1: restart ~100 steps before the
+spike and skip 200-500 batches). Every decision is a pure function of values all ranks share, so every
+rank takes the same branch without talking. Nothing here touches a healthy step: with no trouble, the run
+is bit-identical to one without the guard.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import deque
+
+import torch
+
+from gptcore.config import GuardConfig
+
+OK, SKIP, ROLLBACK = "ok", "skip", "rollback"
+
+
+class Guard:
+    def __init__(self, cfg: GuardConfig):
+        self.cfg = cfg
+        self.history: deque[float] = deque(maxlen=max(cfg.spike_window, 1))
+        self.nonfinite = 0  # consecutive non-finite steps
+        self.spiking = 0  # consecutive steps above the spike threshold
+        self.rollbacks = 0  # rollbacks since the last checkpoint was written
+
+    def threshold(self) -> float | None:
+        """The loss above which a step spikes; None until the window is full (or the rule is off)."""
+        n = self.cfg.spike_window
+        if n == 0 or len(self.history) < n:
+            return None
+        mean = sum(self.history) / n
+        std = math.sqrt(sum((x - mean) ** 2 for x in self.history) / n)
+        return mean + max(self.cfg.spike_sigmas * std, self.cfg.spike_min_delta)
+
+    def observe(self, loss: float, finite: bool) -> str:
+        """OK, SKIP (non-finite, no update applied) or ROLLBACK, for the step just taken."""
+        if not finite:
+            self.nonfinite += 1
+            return ROLLBACK if self.nonfinite >= self.cfg.max_nonfinite else SKIP
+        self.nonfinite = 0
+        limit = self.threshold()
+        if limit is not None and loss > limit:
+            self.spiking += 1  # spiking losses stay out of the history they are judged against
+            return ROLLBACK if self.spiking >= self.cfg.spike_steps else OK
+        self.spiking = 0
+        self.history.append(loss)
+        return OK
+
+    def rolled_back(self) -> bool:
+        """Count a rollback; False when there were too many in a row (the run should stop)."""
+        self.nonfinite = self.spiking = 0
+        self.rollbacks += 1
+        return self.rollbacks <= self.cfg.max_rollbacks
+
+    def checkpointed(self) -> None:
+        self.rollbacks = 0
+
+
+class FaultInjector:
+    """Test-only trouble, from GPTPIPE_TEST_FAULT="nan@5,spike@9": before the 5th train_step call of this
+    process, the final LayerNorm's weight becomes NaN (every later loss is NaN until a rollback); before
+    the 9th it is multiplied by -30 (the model now favours what it had ruled out: a loss spike that
+    lasts). Counting calls, not steps, means a rollback does not replay the fault. Unset: nothing."""
+
+    def __init__(self, spec: str | None = None):
+        spec = os.environ.get("GPTPIPE_TEST_FAULT", "") if spec is None else spec
+        self.faults = {int(call): kind for kind, _, call in (f.partition("@") for f in spec.split(",") if f)}
+        self.calls = 0
+
+    @torch.no_grad()
+    def before_step(self, model: torch.nn.Module) -> None:
+        if not self.faults:
+            return
+        self.calls += 1
+        kind = self.faults.get(self.calls)
+        w = model.transformer.ln_f.weight
+        if kind == "nan":
+            w.fill_(float("nan"))
+        elif kind == "spike":
+            w.mul_(-30.0)

@@ -1,0 +1,285 @@
+"""The trainer defends its own run (real trainer processes, CPU): verified resume with fallback, the
+divergence guard with rollback, its own lock, and a shutdown grace that covers a slow stop checkpoint."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from gptcore import checkpoint as C
+from gptcore.metrics import read_metrics
+from gptcore.shards import file_sha256
+from gptcore.train import main
+from tests.test_train_utils import REPO, descendants, env, make_dataset, python_cmd, start, wait_for_step
+
+SEQS_PER_STEP = 4  # total_batch_tokens / seq_len below
+
+
+def args(ds, run, *extra):
+    return ["micro", f"data.dataset_dir={ds}", f"train.run_dir={run}", "train.micro_batch=2",
+            "train.seq_len=32", "train.total_batch_tokens=128", "train.max_steps=12",
+            "train.checkpoint_interval=4", "train.keep_last=10",
+            "eval.eval_interval=0", "eval.sample_interval=0", "eval.val_tokens=128", *extra]
+
+
+def run_proc(cmd, cwd, timeout=180, **extra_env):
+    return subprocess.run(cmd, cwd=cwd, env={**env(), **extra_env}, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def final_weights(run):
+    return file_sha256(C.latest_checkpoint(run) / C.MODEL_FILE)
+
+
+def events(run):
+    return [r["event"] for r in read_metrics(run / "metrics.jsonl", "event")]
+
+
+@pytest.fixture(scope="module")
+def ds(tmp_path_factory):
+    return make_dataset(tmp_path_factory.mktemp("ds"))
+
+
+@pytest.fixture(scope="module")
+def trained(ds, tmp_path_factory):
+    """A finished run with checkpoints at steps 4, 8 and 12."""
+    run = tmp_path_factory.mktemp("runs") / "base"
+    assert main(args(ds, run)) == 0
+    assert [p.name for p in C.list_checkpoints(run)] == ["step_00000004", "step_00000008", "step_00000012"]
+    return run
+
+
+def cut_back_to(trained, dest, newest_step):
+    """A copy of the run as it was when `newest_step` was its newest checkpoint (not finished)."""
+    shutil.copytree(trained, dest)
+    (dest / "DONE").unlink()
+    for ck in C.list_checkpoints(dest):
+        if int(ck.name[5:]) > newest_step:
+            shutil.rmtree(ck)
+    return dest
+
+
+@pytest.fixture(scope="module")
+def from_step4(trained, ds, tmp_path_factory):
+    """The reference: the run resumed from step 4 and trained to the end, uninterrupted."""
+    run = cut_back_to(trained, tmp_path_factory.mktemp("ref") / "run", 4)
+    proc = run_proc(python_cmd(args(ds, run)), run.parent)  # a process like the ones compared with it
+    assert proc.returncode == 0, proc.stderr
+    return final_weights(run)
+
+
+def truncate(path):
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def flip_bytes(path):
+    data = bytearray(path.read_bytes())
+    mid = len(data) // 2
+    data[mid:mid + 4] = bytes(b ^ 0xFF for b in data[mid:mid + 4])
+    path.write_bytes(bytes(data))
+
+
+def nan_weights_with_matching_hash(ck):
+    """NaNs in the weights of a checkpoint whose meta.json agrees with them (as a diverged run would
+    have written before the guard existed): only the finite check can catch it."""
+    sd = load_file(ck / C.MODEL_FILE)
+    sd["transformer.ln_f.weight"][:] = float("nan")
+    save_file(sd, str(ck / C.MODEL_FILE), metadata={"format": "pt"})
+    meta = json.loads((ck / C.META_FILE).read_text())
+    meta["model_sha256"] = file_sha256(ck / C.MODEL_FILE)
+    (ck / C.META_FILE).write_text(json.dumps(meta))
+
+
+DAMAGE = {
+    "truncated model.safetensors": lambda ck: truncate(ck / C.MODEL_FILE),
+    "truncated trainer.pt": lambda ck: truncate(ck / C.TRAINER_FILE),
+    "flipped bytes, size kept": lambda ck: flip_bytes(ck / C.MODEL_FILE),
+    "flipped bytes in trainer.pt": lambda ck: flip_bytes(ck / C.TRAINER_FILE),
+    "NaN weights": nan_weights_with_matching_hash,
+    "missing meta.json": lambda ck: (ck / C.META_FILE).unlink(),
+    "empty directory": lambda ck: [p.unlink() for p in ck.iterdir()],
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_damaged_newest_checkpoint_falls_back_and_is_kept(damage, trained, ds, from_step4, tmp_path):
+    run = cut_back_to(trained, tmp_path / "run", 8)
+    DAMAGE[damage](run / "checkpoints" / "step_00000008")
+    proc = run_proc(python_cmd(args(ds, run)), tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "checkpoint step_00000008 skipped" in proc.stderr
+    assert "resuming from step_00000004 at step 4/12" in proc.stdout
+    # the result is exactly the uninterrupted run from step 4
+    assert final_weights(run) == from_step4
+    kept = run / "checkpoints" / "rejected" / "step_00000008"
+    assert kept.is_dir() and (kept / "why.txt").read_text().strip()
+    if damage != "empty directory":
+        assert len(list(kept.iterdir())) >= 2  # the damaged files are there to look at, not deleted
+
+
+def test_no_intact_checkpoint_is_a_clear_error_every_time(trained, ds, tmp_path):
+    run = cut_back_to(trained, tmp_path / "run", 8)
+    truncate(run / "checkpoints" / "step_00000008" / C.MODEL_FILE)
+    flip_bytes(run / "checkpoints" / "step_00000004" / C.TRAINER_FILE)
+    for _ in range(2):  # and again: never a silent restart from step 0
+        proc = run_proc(python_cmd(args(ds, run)), tmp_path)
+        assert proc.returncode == 2, proc.stderr
+        err = proc.stderr
+        assert "Traceback" not in err and "error: run" in err and "no intact checkpoint" in err
+        assert "step_00000008: " in err and "step_00000004: " in err and "sha256" in err
+        assert not C.list_checkpoints(run)
+        assert [p.name for p in C.rejected(run)] == ["step_00000004", "step_00000008"]
+    rows = read_metrics(run / "metrics.jsonl", "train")
+    assert max(r["step"] for r in rows) == 12  # the old history is untouched
+
+
+def test_checkpoint_read_errors_are_checkpoint_errors(trained, tmp_path):
+    ck = shutil.copytree(trained / "checkpoints" / "step_00000012", tmp_path / "step_00000012")
+    truncate(ck / C.TRAINER_FILE)
+    with pytest.raises(C.CheckpointError, match="trainer.pt cannot be read"):
+        C.load_trainer_state(ck)
+    truncate(ck / C.MODEL_FILE)
+    with pytest.raises(C.CheckpointError, match="model.safetensors cannot be read"):
+        C.load_weights(torch.nn.Linear(1, 1), ck / C.MODEL_FILE)
+    (ck / C.META_FILE).write_text("{not json")
+    with pytest.raises(C.CheckpointError, match="not valid JSON"):
+        C.read_meta(ck)
+
+
+def test_non_finite_steps_are_skipped_then_rolled_back(ds, tmp_path):
+    run = tmp_path / "nan"
+    # NaN weights before the 7th step: steps 7, 8, 9 are non-finite (skipped, and the step-8 checkpoint
+    # waits), the third triggers a rollback to step 4 that skips the data of steps 5-9
+    proc = run_proc(python_cmd(args(ds, run, "train.max_steps=16")), tmp_path, GPTPIPE_TEST_FAULT="nan@7")
+    assert proc.returncode == 0, proc.stderr
+    ev = events(run)
+    assert len(ev) == 3 and all("non-finite step skipped" in e for e in ev[:2]), ev
+    assert "rolled back to step_00000004" in ev[2] and f"the {5 * SEQS_PER_STEP} sequences" in ev[2]
+    assert "guard: non-finite steps: rolled back" in proc.stdout
+    row = read_metrics(run / "metrics.jsonl", "event")[2]
+    assert (row["guard/rollback_from"], row["guard/rollback_to"]) == (9, 4)
+    assert (run / "DONE").is_file()
+    state = C.load_trainer_state(C.latest_checkpoint(run))
+    assert state["step"] == 16 and state["loader"]["position"] == (16 + 5) * SEQS_PER_STEP
+    for ck in C.list_checkpoints(run):  # every checkpoint verifies whole: finite weights, hashes
+        C.load_for_resume(ck, C.load_model(ck)[0])
+    train = {r["step"]: r["train/loss"] for r in read_metrics(run / "metrics.jsonl", "train")}
+    assert all(math.isfinite(v) for v in train.values())  # steps 5-9 were trained again, healthy
+
+
+def test_a_loss_spike_rolls_back(ds, tmp_path):
+    run = tmp_path / "spike"
+    guard = ["guard.spike_window=3", "guard.spike_steps=2", "guard.spike_min_delta=0.5"]
+    proc = run_proc(python_cmd(args(ds, run, "train.max_steps=16", *guard)), tmp_path,
+                    GPTPIPE_TEST_FAULT="spike@7")
+    assert proc.returncode == 0, proc.stderr
+    ev = read_metrics(run / "metrics.jsonl", "event")
+    assert len(ev) == 1 and "loss spike: rolled back to step_00000004" in ev[0]["event"], ev
+    assert (ev[0]["guard/rollback_from"], ev[0]["guard/rollback_to"]) == (8, 4)
+    assert (run / "DONE").is_file()
+    # without the guard's rule the same fault leaves the loss far up (the test would be vacuous otherwise)
+    off = tmp_path / "off"
+    proc = run_proc(python_cmd(args(ds, off, "train.max_steps=16", "guard.spike_window=0")), tmp_path,
+                    GPTPIPE_TEST_FAULT="spike@7")
+    assert proc.returncode == 0 and not events(off)
+    on, unguarded = (read_metrics(r / "metrics.jsonl", "train")[-1]["train/loss"] for r in (run, off))
+    assert unguarded > on + 1.0
+
+
+def test_repeated_divergence_stops_with_exit_3_and_keeps_the_good_checkpoint(ds, tmp_path):
+    run = tmp_path / "doomed"
+    # every rollback meets new NaNs before the next checkpoint: calls 7, 10 and 13 (see the nan test)
+    proc = run_proc(python_cmd(args(ds, run, "train.max_steps=16", "guard.max_rollbacks=2")), tmp_path,
+                    GPTPIPE_TEST_FAULT="nan@7,nan@10,nan@13")
+    assert proc.returncode == 3, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "error: the run diverged again" in proc.stderr and "guard.max_rollbacks" in proc.stderr
+    assert sum("rolled back" in e for e in events(run)) == 2
+    assert [p.name for p in C.list_checkpoints(run)] == ["step_00000004"] and not C.rejected(run)
+    assert not (run / "DONE").exists()
+    # the next invocation (no fault) continues from the good checkpoint and finishes
+    proc = run_proc(python_cmd(args(ds, run, "train.max_steps=16")), tmp_path)
+    assert proc.returncode == 0 and "resuming from step_00000004" in proc.stdout, proc.stderr
+
+
+def test_retention_keeps_the_newest_healthy_checkpoint(tmp_path):
+    from tests.test_checkpoint import save, trained_model
+
+    m, opt = trained_model()
+    for step, loss in [(1, 5.0), (2, float("nan")), (3, float("inf"))]:
+        state = {"optimizer": opt.state_dict(), "loader": {}, "step": step, "rng": [], "scaler": {}}
+        C.save_checkpoint(tmp_path, step, m, state, {"train_loss": loss}, keep_last=1)
+    assert [p.name for p in C.list_checkpoints(tmp_path)] == ["step_00000001", "step_00000003"]
+    with torch.no_grad():
+        m.transformer.ln_f.weight[0] = float("nan")
+    with pytest.raises(C.CheckpointError, match="non-finite"):
+        save(tmp_path, 4, m, opt)
+    assert not (tmp_path / "checkpoints" / "step_00000004").exists()
+
+
+def test_two_trainers_on_one_run_dir(ds, tmp_path):
+    run = tmp_path / "shared"
+    a = args(ds, run, "train.max_steps=100000", "train.checkpoint_interval=100000")
+    first = start(python_cmd(a), tmp_path, tmp_path / "first.log")
+    try:
+        wait_for_step(first, run / "metrics.jsonl", 2)
+        t0 = time.monotonic()
+        second = run_proc(python_cmd(a), tmp_path, timeout=60)
+        assert second.returncode == 2, second.stderr
+        assert time.monotonic() - t0 < 30
+        holder = json.loads((run / "train.lock").read_text())
+        assert holder["pid"] == first.pid and holder["host"] and holder["since"]
+        assert "error: another trainer holds" in second.stderr and f'"pid": {first.pid}' in second.stderr
+        assert "Traceback" not in second.stderr
+        assert first.poll() is None  # the first one trains on
+    finally:
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(timeout=60) == 0
+    rows = read_metrics(run / "metrics.jsonl", "train")
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))  # one writer
+
+
+def test_sigterm_during_a_slow_stop_checkpoint_waits_for_it(ds, tmp_path):
+    """What cancelling a flow run does (tasks.train.end_group on the torchrun tree), while the checkpoint
+    write takes longer than torchrun's default 30 s shutdown timeout: the launcher's torchrun command
+    allows for it, the stop checkpoint completes and nothing is left running."""
+    import logging
+
+    from tasks.train import GRACE_SECONDS, end_group, torchrun_cmd
+
+    run = tmp_path / "slow"
+    overrides = {k: v for k, _, v in (x.partition("=") for x in args(ds, run)[1:])}
+    overrides.update({"train.max_steps": 100000, "train.checkpoint_interval": 100000})
+    cmd = torchrun_cmd("micro", overrides, 1)
+    assert "--shutdown-timeout=300" in cmd
+    proc = subprocess.Popen(cmd, cwd=REPO, env={**env(), "GPTPIPE_TEST_CHECKPOINT_DELAY": "35"},
+                            stdout=open(tmp_path / "log", "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    wait_for_step(proc, run / "metrics.jsonl", 2)
+    trainers = descendants(proc.pid)
+    t0 = time.monotonic()
+    end_group(proc, GRACE_SECONDS, logging.getLogger("test"))
+    took = time.monotonic() - t0
+    log = (tmp_path / "log").read_text()
+    assert took > 35 and "stopped at step" in log, log[-2000:]
+    ck = C.latest_checkpoint(run)
+    assert ck is not None and C.read_meta(ck)["reason"] == "stop"
+    C.load_for_resume(ck, C.load_model(ck)[0])  # complete and verified
+    assert not [p for p in trainers if running(p)], "orphaned trainer processes"
+
+
+def running(pid: int) -> bool:
+    try:  # a zombie (state Z) has exited, it only waits to be reaped
+        return (open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]) != "Z"
+    except FileNotFoundError:
+        return False
