@@ -52,7 +52,7 @@ def check_config(preset: str, overrides: dict | None, nproc: int) -> RunConfig:
         from gptcore import sources
 
         try:  # the one place that knows what a usable local source is; only lists files
-            sources._local_files(cfg.data.source)
+            sources.local_files(cfg.data.source, fingerprint=False)
         except sources.SourceError as e:
             raise ConfigError(str(e)) from None
     return cfg
@@ -71,9 +71,12 @@ def dataset_stage(cfg: RunConfig, log) -> tuple[str, str]:
     from tasks.download import download_task
     from tasks.tokenize import tokenize_dataset
 
-    if sharding.is_complete(cfg):
-        log.info("skip download+tokenize: dataset %s is complete and verified", sharding.dataset_dir(cfg))
+    why = sharding.why_incomplete(cfg)
+    if why is None:
+        log.info("skip download+tokenize: dataset %s is complete (checked: %s)", sharding.dataset_dir(cfg),
+                 sharding.CHECKED)
         return str(sharding.dataset_dir(cfg)), "skipped"
+    log.info("dataset %s: %s", sharding.dataset_dir(cfg), why)
     download_task(cfg.to_dict())
     return tokenize_dataset(cfg.to_dict()), "ran"
 

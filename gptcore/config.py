@@ -80,6 +80,7 @@ class DataConfig:
     num_workers: int = 0  # tokenize processes; 0 = one per core
     dataset_dir: str = ""  # train on this shard directory; "" = gptcore.sharding.dataset_dir(cfg)
     piece_bytes: int = 32_000_000  # source text per tokenize piece (unit of parallel work and of resume)
+    strict_utf8: bool = False  # .txt sources: fail on invalid UTF-8 instead of replacing it (and warning)
 
     def validate(self) -> None:
         if self.shard_tokens < 1024:

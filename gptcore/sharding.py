@@ -44,6 +44,7 @@ from gptcore.shards import (
     atomic_write_bytes,
     file_sha256,
     read_shard,
+    remove_stale_temps,
     write_shard_chunks,
 )
 from gptcore.tokenizer import EOT, RANK_FILE_SHA256, get_encoding
@@ -63,7 +64,7 @@ class Piece:
     path: str  # source file, absolute
     kind: str  # parquet | jsonl | txt
     name: str  # the file's stable name (lineage)
-    file_id: str  # sha256 or size+mtime of the file: a changed file invalidates its pieces
+    file_id: str  # sha256 of the file's content: a changed file invalidates its pieces
     start: int  # parquet: first row group; jsonl: byte offset; txt: 0
     stop: int  # parquet: end row group (exclusive); jsonl: end byte offset; txt: file size
     limit: int = -1  # documents to take (data.max_docs cap), -1 = all
@@ -89,7 +90,7 @@ def dataset_name(cfg: RunConfig) -> str:
     else:
         base = sources.source_id(cfg)
     base += f"-{d.max_docs}docs" if d.max_docs else ""
-    return sources._safe(f"{base}-{_short(d.shard_tokens)}")
+    return sources.safe_name(f"{base}-{_short(d.shard_tokens)}")
 
 
 def _short(n: int) -> str:
@@ -114,17 +115,40 @@ def dataset_dir(cfg: RunConfig) -> Path:
     return pipeline_home() / "shards" / dataset_name(cfg)
 
 
-def is_complete(cfg: RunConfig, full: bool = False) -> bool:
-    """True when the dataset dir holds a manifest for this config whose shards all check out: sizes and
-    headers (cheap), and with `full` also every sha256. Does not contact the source."""
+CHECKED = ("manifest, every shard's header and size, and the source files' fingerprints (sha256 per size and "
+           "mtime); the trainer checks each shard's sha256 before training on it (--full-verify: here, now)")
+
+
+def why_incomplete(cfg: RunConfig, full: bool = False) -> str | None:
+    """None when the dataset dir holds a manifest for this config whose shards check out (headers and
+    sizes; with `full`, every sha256) and whose source files are unchanged (a local source is re-stat'ed
+    and only files whose size or mtime changed are re-hashed; hub and built-in files are fixed by their
+    hashes). Otherwise what is missing or changed. Does not contact the hub."""
     try:
         m = Manifest.load(dataset_dir(cfg))
     except ShardError:
-        return False
-    s = m.source
-    same = (m.shard_tokens == cfg.data.shard_tokens and s.get("source") == cfg.data.source
-            and s.get("text_column") == cfg.data.text_column and s.get("max_docs") == cfg.data.max_docs)
-    return same and not m.verify(dataset_dir(cfg), full=full)
+        return "no manifest yet"
+    s, d = m.source, cfg.data
+    if (m.shard_tokens, s.get("source"), s.get("text_column"), s.get("max_docs")) != (
+            d.shard_tokens, d.source, d.text_column, d.max_docs):
+        return "the manifest was made with other data settings"
+    bad = m.verify(dataset_dir(cfg), full=full)
+    if bad:
+        return f"shards missing or damaged: {', '.join(bad[:5])}"
+    if d.source not in ("builtin", "hf"):
+        try:
+            previous = sources.load_listing(pipeline_home() / "raw" / sources.source_id(cfg))[1]
+        except (sources.SourceError, ValueError, KeyError, TypeError):
+            previous = []
+        now = sources.local_files(d.source, previous)
+        changed = sources.changed_files(s.get("files", []), now, additions=not d.max_docs)
+        if changed:
+            return f"the source changed: {', '.join(changed[:10])}{' ...' if len(changed) > 10 else ''}"
+    return None
+
+
+def is_complete(cfg: RunConfig, full: bool = False) -> bool:
+    return why_incomplete(cfg, full) is None
 
 
 # --- planning -------------------------------------------------------------------------------------
@@ -142,7 +166,10 @@ def plan_pieces(cfg: RunConfig, source_dir: Path) -> list[Piece]:
         path = f.resolve(source_dir)
         if not path.is_file():
             raise DataError(f"source file {path} is missing; re-run the download stage")
-        fid = f.sha256 or f"{f.size}-{f.mtime_ns}"
+        if not f.sha256:
+            raise DataError(f"source file {path} has no fingerprint in {sources.LISTING}; re-run the "
+                            "download stage")
+        fid = f.sha256
         ranges = []  # (start, stop, docs or -1 if unknown, est_bytes)
         if f.kind == "parquet":
             meta = sources.parquet_text_column(path, d.text_column).metadata
@@ -250,13 +277,18 @@ def tokenize_piece(cfg: RunConfig, piece: Piece, threads: int | None = None) -> 
         return bin_path
     threads = threads or worker_threads(cfg)
     f = sources.SourceFile(path=piece.path, kind=piece.kind, size=0, name=piece.name)
-    chunks, docs = [], 0
-    for texts in sources.read_texts(f, Path("/"), piece.start, piece.stop, cfg.data.text_column, piece.limit):
+    chunks, docs, replaced = [], 0, []
+    for texts in sources.read_texts(f, None, piece.start, piece.stop, cfg.data.text_column, piece.limit,
+                                    strict_utf8=cfg.data.strict_utf8, replaced=replaced):
         chunks.append(encode_documents(texts, threads))
         docs += len(texts)
     n = sum(c.size for c in chunks)
     sha = write_shard_chunks(bin_path, chunks, n)
     rec = {"key": piece.key(cfg.data.text_column), "tokens": n, "docs": docs, "sha256": sha}
+    if sum(replaced):
+        rec["invalid_utf8"] = sum(replaced)
+        print(f"warning: {piece.path}: {sum(replaced)} invalid UTF-8 sequence(s) replaced by U+FFFD (recorded "
+              "in the manifest; data.strict_utf8=true makes this an error)", file=sys.stderr, flush=True)
     atomic_write_bytes(rec_path, [json.dumps(rec).encode()])  # after the data: record => data complete
     return bin_path
 
@@ -279,29 +311,48 @@ def _layout(cfg: RunConfig, records: list[dict]) -> tuple[np.ndarray, list[tuple
     return starts, shards
 
 
+def _settings(spec: dict) -> dict:
+    """A spec without its files: what must match for an existing dataset dir to be rebuilt in place (a
+    changed source file is a rebuild; another source, column, cap or tokenizer is another dataset)."""
+    return {k: v for k, v in spec.items() if k not in ("files", "documents", "invalid_utf8")}
+
+
 def _known_shards(cfg: RunConfig, spec: dict) -> dict[int, ShardInfo]:
-    """Shards recorded by an earlier run of this same spec (finished manifest or interrupted progress)."""
+    """Shards recorded by an earlier run of this dataset (finished manifest or interrupted progress);
+    each is reused only if cut from the same pieces (by content), see _shard_ok."""
     out, S = dataset_dir(cfg), cfg.data.shard_tokens
     known: dict[int, ShardInfo] = {}
     m = _existing_manifest(out)
     if m is not None:
-        if {k: v for k, v in m.source.items() if k != "documents"} != spec or m.shard_tokens != S:
+        if _settings(m.source) != _settings(spec) or m.shard_tokens != S:
             raise DataError(f"{out} already holds a different dataset (source or shard_tokens differ); set "
                             "data.dataset_name to a new name, or delete that directory to rebuild it")
         known = dict(enumerate(m.shards))
     try:
         doc = json.loads((out / PROGRESS).read_text())
-        if doc["spec"] == spec and doc["shard_tokens"] == S:
+        if _settings(doc["spec"]) == _settings(spec) and doc["shard_tokens"] == S:
             known |= {int(k): ShardInfo(**v) for k, v in doc["shards"].items()}
     except (OSError, ValueError, KeyError, TypeError):
         pass
     return known
 
 
-def _shard_ok(out: Path, info: ShardInfo | None, a: int, b: int, fname: str) -> bool:
+def _shard_ok(out: Path, info: ShardInfo | None, a: int, b: int, fname: str, cut_from: list[str]) -> bool:
+    """An existing shard file can stay when it is the one recorded, cut from the same token range of the
+    same pieces (content keys) at the same offsets, and its bytes still hash to the record."""
     return (info is not None and info.name == fname and info.tokens == b - a
-            and info.source_range.get("tokens") == [a, b] and (out / fname).is_file()
-            and file_sha256(out / fname) == info.sha256)
+            and info.source_range.get("tokens") == [a, b] and info.source_range.get("cut_from") == cut_from
+            and (out / fname).is_file() and file_sha256(out / fname) == info.sha256)
+
+
+def _overlapping(starts: np.ndarray, a: int, b: int) -> list[int]:
+    """Indices of the pieces whose tokens fall in the global range [a, b)."""
+    return [i for i in range(len(starts) - 1) if starts[i] < b and starts[i + 1] > a]
+
+
+def _cut_from(keys: list[str], starts: np.ndarray, idx: list[int]) -> list[str]:
+    """What a shard's bytes are made of: each piece's content key and its global token offset."""
+    return [f"{keys[i]}@{int(starts[i])}" for i in idx]
 
 
 def pieces_to_tokenize(cfg: RunConfig, pieces: list[Piece]) -> list[Piece]:
@@ -314,10 +365,12 @@ def pieces_to_tokenize(cfg: RunConfig, pieces: list[Piece]) -> list[Piece]:
         return lacking
     starts, layout = _layout(cfg, records)
     known, out = _known_shards(cfg, _spec(cfg, pieces)), dataset_dir(cfg)
+    keys = [p.key(cfg.data.text_column) for p in pieces]
     need = set()
     for k, (a, b, fname, _) in enumerate(layout):
-        if not _shard_ok(out, known.get(k), a, b, fname):
-            need |= {i for i in range(len(pieces)) if starts[i] < b and starts[i + 1] > a}
+        idx = _overlapping(starts, a, b)
+        if not _shard_ok(out, known.get(k), a, b, fname, _cut_from(keys, starts, idx)):
+            need |= set(idx)
     return [p for p in lacking if p.index in need]
 
 
@@ -332,8 +385,17 @@ def build_shards(cfg: RunConfig, pieces: list[Piece]) -> Manifest:
         raise DataError(f"piece {i} ({pieces[i].name} [{pieces[i].start}:{pieces[i].stop}]) is not "
                         "tokenized; run tokenize_piece on pieces_to_tokenize(cfg, pieces) before "
                         "build_shards")
+    invalid: dict[str, int] = {}
+    for p, r in zip(pieces, records):
+        if r.get("invalid_utf8"):
+            invalid[p.name] = invalid.get(p.name, 0) + r["invalid_utf8"]
+    if invalid and cfg.data.strict_utf8:
+        raise DataError(f"invalid UTF-8 in {sorted(invalid)} (data.strict_utf8=true); convert those files")
+    if invalid:  # part of what the dataset is made of (and of its id)
+        spec = {**spec, "invalid_utf8": invalid}
     starts, layout = _layout(cfg, records)
     known = _known_shards(cfg, spec)
+    keys = [p.key(cfg.data.text_column) for p in pieces]
     arrays: dict[int, np.ndarray] = {}  # piece token files opened lazily (memmaps), checked once
 
     def piece_tokens(i: int) -> np.ndarray:
@@ -352,14 +414,15 @@ def build_shards(cfg: RunConfig, pieces: list[Piece]) -> Manifest:
     bar = tqdm(total=int(starts[-1]), unit="tok", unit_scale=True, desc="shards", disable=None)
     for k, (a, b, fname, split) in enumerate(layout):
         info = known.get(k)
-        if not _shard_ok(out, info, a, b, fname):
-            idx = [i for i in range(len(pieces)) if starts[i] < b and starts[i + 1] > a]
+        idx = _overlapping(starts, a, b)
+        if not _shard_ok(out, info, a, b, fname, _cut_from(keys, starts, idx)):
             chunks = [piece_tokens(i)[max(a, starts[i]) - starts[i]: min(b, starts[i + 1]) - starts[i]]
                       for i in idx]
             n_eot = sum(int(np.count_nonzero(c == EOT)) for c in chunks)
             first_doc = eot_seen + int(chunks[0][0] == EOT) - 1  # a shard may start mid-document
             srange = {"tokens": [a, b], "docs": [first_doc, eot_seen + n_eot - 1],
-                      "pieces": [idx[0], idx[-1]], "files": sorted({pieces[i].name for i in idx})[:2]}
+                      "pieces": [idx[0], idx[-1]], "cut_from": _cut_from(keys, starts, idx),
+                      "files": sorted({pieces[i].name for i in idx})[:2]}
             info = ShardInfo(fname, split, b - a, write_shard_chunks(out / fname, chunks, b - a), srange)
             progress[k] = info
             doc = {"spec": spec, "shard_tokens": S,
@@ -384,8 +447,7 @@ def _spec(cfg: RunConfig, pieces: list[Piece]) -> dict:
     """What the dataset is made of (stored as manifest.source; a re-run with another spec is refused)."""
     files: dict[str, dict] = {}
     for p in pieces:
-        sha = "" if "-" in p.file_id else p.file_id
-        files.setdefault(p.name, {"name": p.name, "sha256": sha})
+        files.setdefault(p.name, {"name": p.name, "sha256": p.file_id})
     d = cfg.data
     return {"id": sources.source_id(cfg), "source": d.source, "text_column": d.text_column,
             "max_docs": d.max_docs, "tokenizer_sha256": RANK_FILE_SHA256, "files": list(files.values())}
@@ -408,14 +470,51 @@ def _tokenize_job(args):
     return piece.index, piece_record(cfg, piece)["tokens"]
 
 
+def listing_path(cfg: RunConfig) -> Path:
+    return pipeline_home() / "raw" / sources.source_id(cfg) / sources.LISTING
+
+
+def discard_partial(cfg: RunConfig, listing_existed: bool) -> None:
+    """After bad input: leave nothing half-made. Without a finished manifest the work area (piece files,
+    progress) goes, and a local source's listing that this run created; a hub download stays (verified
+    files, costly to fetch again)."""
+    out = dataset_dir(cfg)
+    if not (out / MANIFEST).is_file():
+        shutil.rmtree(out / PIECES, ignore_errors=True)
+        (out / PROGRESS).unlink(missing_ok=True)
+        remove_stale_temps(out)
+        if out.is_dir() and not any(out.iterdir()):
+            out.rmdir()
+    if not listing_existed and cfg.data.source not in ("builtin", "hf"):
+        listing_path(cfg).unlink(missing_ok=True)
+        try:
+            listing_path(cfg).parent.rmdir()
+        except OSError:
+            pass
+
+
 def run(cfg: RunConfig, workers: int | None = None, full_verify: bool = False) -> Manifest:
     """fetch -> plan -> tokenize pieces on a process pool -> build shards. Skips when complete
-    (full_verify: re-hash every shard to decide, which also repairs silently corrupted ones)."""
+    (full_verify: re-hash every shard to decide, which also repairs silently corrupted ones). Bad input
+    leaves nothing half-made behind (discard_partial)."""
     cfg = pinned(cfg)
+    existed = listing_path(cfg).is_file()
+    try:
+        return _run(cfg, workers, full_verify)
+    except (sources.SourceError, DataError, ShardError):
+        discard_partial(cfg, existed)
+        raise
+
+
+def _run(cfg: RunConfig, workers: int | None, full_verify: bool) -> Manifest:
+    remove_stale_temps(dataset_dir(cfg))  # what a killed run was writing
     source_dir = sources.fetch(cfg)
-    if is_complete(cfg, full=full_verify):
-        print(f"dataset {dataset_dir(cfg)} is complete and verified; nothing to do", file=sys.stderr)
+    why = why_incomplete(cfg, full=full_verify)
+    if why is None:
+        print(f"dataset {dataset_dir(cfg)} is complete; checked: {CHECKED}; nothing to do", file=sys.stderr)
         return Manifest.load(dataset_dir(cfg))
+    if why != "no manifest yet":
+        print(f"dataset {dataset_dir(cfg)}: {why}; rebuilding what that touches", file=sys.stderr)
     pieces = plan_pieces(cfg, source_dir)
     todo = pieces_to_tokenize(cfg, pieces)
     workers = min(workers or cfg.data.num_workers or os.cpu_count() or 1, max(1, len(todo)))
@@ -458,7 +557,7 @@ def main(argv: list[str] | None = None) -> int:
         run(load_config(argv[0], argv[1:]), full_verify=full)
     except (ConfigError, sources.SourceError, DataError, ShardError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return 2
     return 0
 
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import socket
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -36,11 +38,14 @@ class ShardError(RuntimeError):
     """A shard or manifest is missing, truncated, corrupt or of the wrong format."""
 
 
+_HOST = re.sub(r"[^A-Za-z0-9.]+", "_", socket.gethostname())  # in temp names: whose they are
+
+
 def atomic_write_bytes(path: Path, chunks) -> None:
     """Write byte chunks to `path` via a temp file + fsync + rename: readers see all or nothing."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.tmp-{_HOST}-{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
             for chunk in chunks:
@@ -50,6 +55,19 @@ def atomic_write_bytes(path: Path, chunks) -> None:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def remove_stale_temps(directory: Path) -> list[Path]:
+    """Delete the temp files (`.<name>.tmp-<host>-<pid>`) that killed writers on this host left in
+    `directory` and its subdirectories (on shared storage, other hosts' files are left to them, and so is
+    a live writer's)."""
+    removed = []
+    for tmp in Path(directory).glob(f"**/.*.tmp-{_HOST}-*") if Path(directory).is_dir() else []:
+        pid = tmp.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists() and tmp.is_file():
+            tmp.unlink(missing_ok=True)
+            removed.append(tmp)
+    return removed
 
 
 def shard_header(n_tokens: int) -> bytes:

@@ -9,7 +9,9 @@
   "hf"        a Hugging Face hub dataset (default FineWeb-Edu sample-10BT), parquet files fetched one
               by one into <home>/raw/<source_id>/ and verified against the hub's size and sha256;
               HF_TOKEN and HF_ENDPOINT are honoured (HF_ENDPOINT also when set after import)
-  other       a local directory or glob of .parquet / .jsonl / .txt files (used in place, not copied)
+  other       a local directory or glob of .parquet / .jsonl / .txt files (used in place, not copied),
+              each fingerprinted (size, mtime, sha256; re-hashed only when size or mtime changed), so a
+              changed, added or removed file is noticed and the dataset rebuilt from it
 
 Documents: a parquet row or a jsonl line (its `data.text_column` field), or a whole .txt file.
 """
@@ -47,7 +49,7 @@ class SourceFile:
     path: str  # absolute path of a local file; for hub/builtin files, relative to the source dir
     kind: str  # parquet | jsonl | txt
     size: int
-    sha256: str = ""  # known for hub and builtin files; local files are fingerprinted by size+mtime
+    sha256: str = ""  # content hash (hub: checked against the hub's; local: hashed once per size+mtime)
     mtime_ns: int = 0
     name: str = ""  # stable name for lineage (path in the hub repo / relative to the local root)
 
@@ -68,13 +70,13 @@ def source_id(cfg: RunConfig) -> str:
     if d.source == "builtin":
         return "builtin"
     if d.source == "hf":
-        return _safe(f"hf-{d.hf_repo.replace('/', '--')}-{d.hf_config}-{d.hf_revision}")
+        return safe_name(f"hf-{d.hf_repo.replace('/', '--')}-{d.hf_config}-{d.hf_revision}")
     spec = str(Path(d.source).expanduser().resolve()) if not glob.has_magic(d.source) else d.source
     base = Path(d.source.rstrip("/*")).name or "local"
-    return _safe(f"local-{base}-{hashlib.sha256(spec.encode()).hexdigest()[:8]}")
+    return safe_name(f"local-{base}-{hashlib.sha256(spec.encode()).hexdigest()[:8]}")
 
 
-def _safe(name: str) -> str:
+def safe_name(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", name)
 
 
@@ -87,7 +89,11 @@ def fetch(cfg: RunConfig) -> Path:
     elif cfg.data.source == "hf":
         files = _fetch_hub(cfg, source_dir)
     else:
-        files = _local_files(cfg.data.source)
+        try:  # the previous listing's hashes are reused for files whose size and mtime are unchanged
+            previous = load_listing(source_dir)[1]
+        except (SourceError, ValueError, KeyError, TypeError):
+            previous = []
+        files = local_files(cfg.data.source, previous)
     _save_listing(source_dir, cfg, files, complete=True)
     return source_dir
 
@@ -127,7 +133,10 @@ def _builtin_file() -> SourceFile:
 
 # --- local directory / glob -----------------------------------------------------------------------
 
-def _local_files(spec: str) -> list[SourceFile]:
+def local_files(spec: str, previous: list[SourceFile] = (), fingerprint: bool = True) -> list[SourceFile]:
+    """The source files `spec` names, checked readable, in path order; with `fingerprint`, each with its
+    sha256 (taken from `previous` when name, size and mtime are unchanged, else hashed now)."""
+    known = {f.name: f for f in previous}
     path = Path(spec).expanduser()
     if glob.has_magic(spec):
         paths, root = [Path(p) for p in glob.glob(str(path), recursive=True)], None
@@ -148,14 +157,30 @@ def _local_files(spec: str) -> list[SourceFile]:
             raise SourceError(f"source file {p} is not readable (permission denied); fix its permissions")
         st = p.stat()
         name = str(p.relative_to(root.resolve())) if root is not None else p.name
-        files.append(SourceFile(path=str(p), kind=KINDS[p.suffix], size=st.st_size, mtime_ns=st.st_mtime_ns,
-                                name=name))
+        f = SourceFile(path=str(p), kind=KINDS[p.suffix], size=st.st_size, mtime_ns=st.st_mtime_ns, name=name)
+        if fingerprint:
+            old = known.get(name)
+            same = old is not None and old.sha256 and (old.size, old.mtime_ns) == (f.size, f.mtime_ns)
+            f.sha256 = old.sha256 if same else file_sha256(p)
+        files.append(f)
     if all(f.size == 0 for f in files):
         raise SourceError(f"data.source={spec!r}: all {len(files)} files are empty; nothing to tokenize")
     return files
 
 
 # --- Hugging Face hub -----------------------------------------------------------------------------
+
+def changed_files(recorded: list[dict], current: list[SourceFile], additions: bool = True) -> list[str]:
+    """What differs between the files a dataset was built from ({name, sha256} records) and the source
+    now: "name (changed)", "name (removed)", and with `additions`, "name (new)"."""
+    now = {f.name: f.sha256 for f in current}
+    out = [f"{r['name']} ({'removed' if r['name'] not in now else 'changed'})" for r in recorded
+           if now.get(r["name"]) != r.get("sha256")]
+    if additions:
+        names = {r["name"] for r in recorded}
+        out += [f"{n} (new)" for n in now if n not in names]
+    return out
+
 
 def _fetch_hub(cfg: RunConfig, source_dir: Path) -> list[SourceFile]:
     """Download the config's parquet files one at a time (so a kill resumes at the file it was on),
@@ -290,12 +315,26 @@ def parquet_text_column(path: Path, text_column: str) -> pq.ParquetFile:
     return pf
 
 
-def read_texts(f: SourceFile, source_dir: Path, start: int, stop: int, text_column: str, limit: int = -1,
-               batch_docs: int = 512):
+def decode_txt(data: bytes, path: Path, strict: bool) -> tuple[str, int]:
+    """A .txt file's text and how many invalid UTF-8 sequences were replaced by U+FFFD (SourceError
+    instead, with `strict`)."""
+    try:
+        return data.decode("utf-8"), 0
+    except UnicodeDecodeError as e:
+        if strict:
+            raise SourceError(f"{path} is not valid UTF-8 (first bad byte at offset {e.start}); convert it to "
+                              "UTF-8, or set data.strict_utf8=false to replace invalid bytes") from None
+    text = data.decode("utf-8", errors="replace")
+    return text, text.count("\ufffd") - data.count("\ufffd".encode())
+
+
+def read_texts(f: SourceFile, source_dir: Path | None, start: int, stop: int, text_column: str,
+               limit: int = -1, batch_docs: int = 512, strict_utf8: bool = False, replaced: list | None = None):
     """Yield lists of document texts from one piece of a file: parquet row groups [start, stop),
     jsonl bytes [start, stop) (line-aligned), or a whole txt file. At most `limit` documents (-1 = all).
-    Memory stays at about one batch."""
-    path = f.resolve(source_dir)
+    Memory stays at about one batch. A txt file's replaced invalid UTF-8 sequences are appended to
+    `replaced`. `source_dir` None: f.path is absolute."""
+    path = f.resolve(source_dir) if source_dir is not None else Path(f.path)
     left = limit if limit >= 0 else float("inf")
     try:
         if f.kind == "parquet":
@@ -311,7 +350,10 @@ def read_texts(f: SourceFile, source_dir: Path, start: int, stop: int, text_colu
             yield from _read_jsonl(path, start, stop, text_column, left, batch_docs)
         else:
             if left > 0:
-                yield [path.read_bytes().decode("utf-8", errors="replace")]
+                text, n_bad = decode_txt(path.read_bytes(), path, strict_utf8)
+                if replaced is not None:
+                    replaced.append(n_bad)
+                yield [text]
     except OSError as e:
         raise SourceError(f"cannot read source file {path}: {e}; check it exists and is readable") from e
 
@@ -337,7 +379,18 @@ def _read_jsonl(path: Path, start: int, stop: int, text_column: str, left, batch
                 keys = list(doc) if isinstance(doc, dict) else type(doc).__name__
                 raise SourceError(f"{path} at byte {at}: no field {text_column!r} (has {keys}); set "
                                   "data.text_column to the field holding the text")
-            batch.append(doc[text_column] or "")
+            text = doc[text_column]
+            if text is not None and not isinstance(text, str):
+                raise SourceError(f"{path}, line at byte {at}: field {text_column!r} is a "
+                                  f"{type(text).__name__}, not a string; fix that line or set data.text_column")
+            if text and b"\\u" in line:  # only a JSON escape can make a lone surrogate
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise SourceError(f"{path}, line at byte {at}: field {text_column!r} holds a lone UTF-16 "
+                                      "surrogate escape (e.g. \\ud800), which is not text; fix that line"
+                                      ) from None
+            batch.append(text or "")
             left -= 1
             if len(batch) == batch_docs:
                 yield batch

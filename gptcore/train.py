@@ -35,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gptcore import checkpoint, distributed
 from gptcore.config import ConfigError, RunConfig, load_config, pipeline_home
-from gptcore.data import ShardLoader, open_dataset
+from gptcore.data import ShardLoader, open_dataset, verify_hashes
 from gptcore.guard import ROLLBACK, SKIP, FaultInjector, Guard
 from gptcore.metrics import JsonlLogger, NullLogger
 from gptcore.model import GPT, peak_flops_guess
@@ -43,6 +43,7 @@ from gptcore.runlock import LockHeld, RunLock
 from gptcore.shards import Manifest, ShardError, atomic_write_bytes
 
 EXIT_OK, EXIT_BAD_INPUT, EXIT_DIVERGED = 0, 2, 3
+SHARD_HASHES = "shard_hashes.json"  # the shards' verified sha256s, by (size, mtime, inode): no re-hash on restart
 STOP_FILE = "STOP"  # create <run_dir>/STOP to stop a run gracefully (checkpoint, exit 0, torchrun too)
 PEAK_ENV = "GPTPIPE_PEAK_FLOPS"  # peak FLOP/s per device for MFU (default: a table for known GPUs)
 
@@ -188,6 +189,8 @@ def prepare(cfg: RunConfig, rank: int) -> Prepared | None:
     check_checkpoints_fit(run_dir, cfg, manifest)
     lock = RunLock(run_dir).acquire() if rank == 0 else None
     try:
+        if rank == 0:  # a damaged shard stops the run here (the other ranks are stopped by torchrun)
+            verify_hashes(data_dir, manifest, run_dir / SHARD_HASHES)
         env = distributed.select(cfg.train)
         torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
         model = GPT(cfg.model).to(env.device)

@@ -20,6 +20,7 @@ from prefect.utilities.annotations import unmapped
 
 from gptcore import sharding, sources
 from gptcore.config import RunConfig
+from gptcore.shards import ShardError
 from tasks.download import as_config
 
 
@@ -42,15 +43,23 @@ def tokenize_flow(cfg: dict) -> str:
     logger = get_run_logger()
     c = sharding.pinned(as_config(cfg))  # workers may run with another GPTPIPE_HOME / cwd
     out = sharding.dataset_dir(c)
-    if sharding.is_complete(c):
-        logger.info("dataset %s is complete and verified; skipping", out)
+    why = sharding.why_incomplete(c)
+    if why is None:
+        logger.info("dataset %s is complete (checked: %s); skipping", out, sharding.CHECKED)
         return str(out)
-    pieces = sharding.plan_pieces(c, sources.fetch(c))
-    todo = sharding.pieces_to_tokenize(c, pieces)
-    logger.info("%d pieces planned, %d to tokenize", len(pieces), len(todo))
-    tokens = tokenize_piece_task.map(unmapped(c.to_dict()), todo).result()
-    logger.info("tokenized %s tokens", f"{sum(tokens):,}")
-    manifest_id = build_shards_task(c.to_dict(), pieces)
+    logger.info("dataset %s: %s", out, why)
+    existed = sharding.listing_path(c).is_file()
+    sharding.remove_stale_temps(out)  # what a killed run was writing
+    try:
+        pieces = sharding.plan_pieces(c, sources.fetch(c))
+        todo = sharding.pieces_to_tokenize(c, pieces)
+        logger.info("%d pieces planned, %d to tokenize", len(pieces), len(todo))
+        tokens = tokenize_piece_task.map(unmapped(c.to_dict()), todo).result()
+        logger.info("tokenized %s tokens", f"{sum(tokens):,}")
+        manifest_id = build_shards_task(c.to_dict(), pieces)
+    except (sources.SourceError, sharding.DataError, ShardError):
+        sharding.discard_partial(c, existed)  # bad input leaves nothing half-made
+        raise
     logger.info("dataset %s ready, manifest %s", out, manifest_id)
     return str(out)
 

@@ -259,4 +259,4 @@ def test_not_enough_disk(monkeypatch):
 def test_cli_exit_codes(tmp_path):
     p = _cli([f"data.source={tmp_path}/nope"], tmp_path / "h")
     _, err = p.communicate(timeout=60)
-    assert p.returncode == 1 and "does not exist" in err and "Traceback" not in err
+    assert p.returncode == 2 and "does not exist" in err and "Traceback" not in err
