@@ -386,7 +386,7 @@ def build_shards(cfg: RunConfig, pieces: list[Piece]) -> Manifest:
                         "tokenized; run tokenize_piece on pieces_to_tokenize(cfg, pieces) before "
                         "build_shards")
     invalid: dict[str, int] = {}
-    for p, r in zip(pieces, records):
+    for p, r in zip(pieces, records, strict=True):
         if r.get("invalid_utf8"):
             invalid[p.name] = invalid.get(p.name, 0) + r["invalid_utf8"]
     if invalid and cfg.data.strict_utf8:
