@@ -157,8 +157,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     if prep is None:
         return EXIT_OK
-    signal.signal(signal.SIGTERM, _on_signal)
-    signal.signal(signal.SIGINT, _on_signal)
+    # flag-only handlers for the run; the previous ones come back after it (main may run in-process: a
+    # process forked later must not inherit a SIGTERM that does nothing)
+    previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         return train(cfg, prep, t_start)
     except RunError as e:  # found only once the ranks talk (e.g. a run dir not shared between nodes)
@@ -171,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
         distributed.teardown()
         if prep.lock is not None:
             prep.lock.release()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        _STOP["signal"] = None
 
 
 def prepare(cfg: RunConfig, rank: int) -> Prepared | None:
