@@ -325,16 +325,45 @@ def unwrap(model: nn.Module) -> GPT:
             return model
 
 
-def peak_flops_guess(device: torch.device) -> float:
-    """Peak dense bf16 FLOP/s for MFU when nothing better is known (H100 SXM: 989e12; A100: 312e12)."""
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, flops in (("H100", 989e12), ("A100", 312e12), ("L4", 121e12), ("A10", 125e12),
-                           ("4090", 165e12), ("V100", 125e12)):
-            if key in name:
-                return flops
-        return 100e12
-    return 1e11  # a few CPU cores; benchmarks measure the real matmul peak instead
+# Dense (no sparsity) bf16 tensor-core peak FLOP/s by the name torch.cuda.get_device_name reports, most
+# specific first (vendor datasheets; V100 has no bf16: its fp16 peak, which is what it trains in).
+PEAK_FLOPS = (
+    (r"GH200", 989e12), (r"H200", 989e12),
+    (r"H100.*NVL", 835e12), (r"H100.*PCIE", 756e12), (r"H100", 989e12),  # H100 SXM ("H100 80GB HBM3")
+    (r"B200", 2250e12),
+    (r"A100", 312e12),  # SXM4 and PCIe, 40 and 80 GB: the same tensor-core peak
+    (r"L40S", 362e12), (r"\bL40\b", 181e12), (r"\bL4\b", 121e12),
+    (r"A10G", 70e12), (r"\bA10\b", 125e12),
+    (r"4090", 165e12),
+    (r"V100", 125e12),
+)
+
+
+def peak_flops_for(name: str) -> float | None:
+    """The table's peak for a CUDA device name, or None for a GPU it does not know."""
+    import re
+
+    for pattern, flops in PEAK_FLOPS:
+        if re.search(pattern, name.upper()):
+            return flops
+    return None
+
+
+def peak_flops_guess(device: torch.device) -> float | None:
+    """Peak FLOP/s of one device for MFU; None (MFU not reported) for an unknown GPU, after a one-time
+    warning that names GPTPIPE_PEAK_FLOPS."""
+    if device.type != "cuda":
+        return 1e11  # a few CPU cores; benchmarks measure the real matmul peak instead
+    name = torch.cuda.get_device_name(device)
+    flops = peak_flops_for(name)
+    if flops is None and not _WARNED.get(name):
+        _WARNED[name] = True
+        print(f"warning: no peak FLOP/s known for GPU {name!r}: MFU is not reported; set GPTPIPE_PEAK_FLOPS "
+              "(dense bf16 FLOP/s of one GPU) to get it", flush=True)
+    return flops
+
+
+_WARNED: dict[str, bool] = {}
 
 
 def loss_at_init() -> float:

@@ -438,6 +438,7 @@ def build_shards(cfg: RunConfig, pieces: list[Piece]) -> Manifest:
                         shards=shards)
     manifest.save(out)  # last: the manifest's presence marks the dataset complete
     (out / PROGRESS).unlink(missing_ok=True)
+    remove_stale_temps(out)  # e.g. a piece a killed worker was writing (its piece was redone elsewhere)
     for p in pieces:  # keep the tiny records, drop the token copies
         _piece_paths(cfg, p)[0].unlink(missing_ok=True)
     return manifest

@@ -316,7 +316,8 @@ def train(cfg: RunConfig, prep: Prepared, t_start: float) -> int:
               f"accum={accum} device={env.device} dtype={env.dtype} compile={env.compile} "
               f"params={raw.num_params():,} dataset={data_dir} ({manifest.id})", flush=True)
 
-    peak = float(os.environ.get(PEAK_ENV) or peak_flops_guess(env.device)) * env.world
+    peak_one = float(os.environ.get(PEAK_ENV) or 0) or peak_flops_guess(env.device)  # None: unknown GPU
+    peak = peak_one * env.world if peak_one else None
     flops_per_token = raw.flops_per_token(T)
     evals = Evals(cfg, env, data_dir, logger)
     guard, faults = Guard(cfg.guard), FaultInjector()
@@ -361,8 +362,8 @@ def train(cfg: RunConfig, prep: Prepared, t_start: float) -> int:
             tok_s = tc.total_batch_tokens / dt
             logger.log(at.step, {"train/loss": r.loss, "train/lr": lr, "train/grad_norm": r.norm,
                                  "train/step_time": dt, "train/tokens_per_s": tok_s,
-                                 "train/mfu": flops_per_token * tok_s / peak, "train/tokens_seen": at.tokens_seen,
-                                 "train/epoch": loader.epoch})
+                                 "train/tokens_seen": at.tokens_seen, "train/epoch": loader.epoch,
+                                 **({"train/mfu": flops_per_token * tok_s / peak} if peak else {})})
             if env.master and (at.step % tc.log_interval == 0 or at.step == 1 or at.step == tc.max_steps):
                 print(f"step {at.step:6d}/{tc.max_steps} | loss {r.loss:.6f} | lr {lr:.3e} | norm "
                       f"{r.norm:.4f} | {dt * 1000:.1f} ms | {tok_s:,.0f} tok/s", flush=True)

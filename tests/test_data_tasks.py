@@ -4,6 +4,7 @@ second run skips."""
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -97,3 +98,79 @@ def test_tokenize_flow_maps_pieces_and_matches_cli(prefect_api, tmp_path):
     runs2 = json.loads(urllib.request.urlopen(req, timeout=10).read())
     assert len([t for t in runs2 if t["name"].startswith("tokenize-piece")]) == 4
     assert time.perf_counter() - t0 < 60
+
+
+DASK_OV = ["data.shard_tokens=50000", "data.piece_bytes=60000", "data.num_workers=2"]  # ~60 pieces, whole corpus
+DASK_FLOW = (
+    "import sys; from gptcore.config import load_config; from tasks.tokenize import tokenize_dataset\n"
+    "from prefect_dask import DaskTaskRunner\n"
+    "runner = DaskTaskRunner(cluster_class='distributed.LocalCluster',\n"
+    "                        cluster_kwargs={'n_workers': 2, 'threads_per_worker': 1, 'processes': True,\n"
+    "                                        'dashboard_address': None})\n"
+    "print('DATASET', tokenize_dataset(load_config('micro', sys.argv[1:]), task_runner=runner))\n")
+
+
+def _dask_env(api, phome, home):
+    return {**os.environ, "PREFECT_API_URL": api, "PREFECT_HOME": str(phome), "OMP_NUM_THREADS": "1",
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "GPTPIPE_HOME": str(home)}
+
+
+def _same_dataset(a: Path, b: Path) -> None:
+    names = sorted(p.name for p in a.glob("*.bin"))
+    assert names and names == sorted(p.name for p in b.glob("*.bin"))
+    assert all((a / n).read_bytes() == (b / n).read_bytes() for n in names)
+    assert (a / "manifest.json").read_bytes() == (b / "manifest.json").read_bytes()
+
+
+@pytest.fixture(scope="module")
+def cli_reference(tmp_path_factory):
+    home = tmp_path_factory.mktemp("cli")
+    r = subprocess.run([sys.executable, "-m", "gptcore.sharding", "micro", *DASK_OV], cwd=ROOT,
+                       env={**os.environ, "GPTPIPE_HOME": str(home), "OMP_NUM_THREADS": "1"},
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return next((home / "shards").iterdir())
+
+
+def test_tokenize_flow_on_a_dask_cluster_matches_the_process_pool(prefect_api, cli_reference, tmp_path):
+    """prefect-dask's DaskTaskRunner on a real distributed.LocalCluster of 2 worker processes."""
+    api, phome = prefect_api
+    r = subprocess.run([sys.executable, "-c", DASK_FLOW, *DASK_OV], cwd=ROOT,
+                       env=_dask_env(api, phome, tmp_path / "home"), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    _same_dataset(Path(r.stdout.split("DATASET ")[1].strip()), cli_reference)
+
+
+def _worker_pids(pid: int) -> list[int]:
+    """The Dask worker processes under the flow's process (multiprocessing children of its nannies)."""
+    from tests.test_train_utils import descendants
+
+    out = []
+    for p in descendants(pid):
+        try:
+            cmd = Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ")
+        except OSError:
+            continue
+        if b"multiprocessing" in cmd and b"resource_tracker" not in cmd:
+            out.append(p)
+    return out
+
+
+def test_a_dask_worker_killed_mid_piece_changes_nothing(prefect_api, cli_reference, tmp_path):
+    api, phome = prefect_api
+    home = tmp_path / "home"
+    proc = subprocess.Popen([sys.executable, "-c", DASK_FLOW, *DASK_OV], cwd=ROOT, env=_dask_env(api, phome, home),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    killed = None
+    deadline = time.monotonic() + 240
+    while killed is None and time.monotonic() < deadline and proc.poll() is None:
+        records = list(home.glob("shards/*/.pieces/piece_*.json"))
+        workers = _worker_pids(proc.pid)
+        if records and workers:  # tokenizing has started: kill one worker in the middle of its pieces
+            killed = workers[0]
+            os.kill(killed, signal.SIGKILL)
+        time.sleep(0.05)
+    out, err = proc.communicate(timeout=300)
+    assert killed is not None, "no worker to kill (the run finished too fast)"
+    assert proc.returncode == 0, err[-3000:]
+    _same_dataset(Path(out.split("DATASET ")[1].strip()), cli_reference)

@@ -233,3 +233,17 @@ def test_fused_loss_is_exact_where_a_target_probability_underflows():
     torch.testing.assert_close(xf.grad, xr.grad, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(wf.grad, wr.grad, rtol=1e-5, atol=1e-6)
     assert not wf.grad[8:].any()
+
+
+@pytest.mark.parametrize("name, peak", [
+    ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12), ("NVIDIA H100 NVL", 835e12),
+    ("NVIDIA H200", 989e12), ("NVIDIA GH200 480GB", 989e12), ("NVIDIA B200", 2250e12),
+    ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA A100-SXM4-40GB", 312e12), ("NVIDIA A100 80GB PCIe", 312e12),
+    ("NVIDIA A100-PCIE-40GB", 312e12), ("NVIDIA L4", 121e12), ("NVIDIA L40S", 362e12), ("NVIDIA L40", 181e12),
+    ("NVIDIA A10G", 70e12), ("NVIDIA A10", 125e12), ("NVIDIA GeForce RTX 4090", 165e12),
+    ("Tesla V100-SXM2-16GB", 125e12), ("NVIDIA RTX PRO 6000 Blackwell", None), ("Some Future GPU", None),
+])
+def test_peak_flops_table_matches_exact_device_names(name, peak):
+    from gptcore.model import peak_flops_for
+
+    assert peak_flops_for(name) == peak
