@@ -143,7 +143,8 @@ class TrainConfig:
 
 @dataclass
 class EvalConfig:
-    eval_interval: int = 250  # steps between validation (and HellaSwag) evaluations; 0 = only at the end
+    eval_interval: int = 250  # steps between validation-loss evaluations; 0 = only at the end
+    hellaswag_interval: int = 1000  # steps between HellaSwag evaluations (at an eval step); 0 = only at the end
     val_tokens: int = 10_485_760  # fixed number of validation tokens (same batches every time)
     hellaswag: bool = True
     hellaswag_path: str = ""  # local jsonl (air-gapped); "" = download into the cache
@@ -153,7 +154,8 @@ class EvalConfig:
     sample_tokens: int = 32
 
     def validate(self) -> None:
-        for name in ("eval_interval", "val_tokens", "hellaswag_limit", "sample_interval", "sample_tokens"):
+        for name in ("eval_interval", "hellaswag_interval", "val_tokens", "hellaswag_limit", "sample_interval",
+                     "sample_tokens"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"eval.{name} must be >= 0, got {getattr(self, name)}")
 
@@ -246,7 +248,8 @@ def _tiny_cpu() -> RunConfig:
         optim=OptimConfig(max_lr=3e-3, min_lr=3e-4, warmup_steps=20, weight_decay=0.1),
         train=TrainConfig(total_batch_tokens=16 * 256, micro_batch=8, seq_len=256, max_steps=300,
                           checkpoint_interval=100, keep_last=2, log_interval=10),
-        eval=EvalConfig(eval_interval=100, val_tokens=64 * 256, hellaswag=True, hellaswag_limit=200,
+        eval=EvalConfig(eval_interval=100, hellaswag_interval=100, val_tokens=64 * 256, hellaswag=True,
+                        hellaswag_limit=200,
                         sample_interval=100, sample_tokens=48))
 
 

@@ -107,12 +107,11 @@ def evaluate_model(model: torch.nn.Module, cfg: RunConfig, device, autocast_ctx=
         out["val_tokens"] = cfg.eval.val_tokens
         out["manifest_id"] = Manifest.load(manifest_dir).id
     if hellaswag:
-        path, reason = (Path(hellaswag_path), "") if hellaswag_path else hs.fetch(cfg)
-        if path is None:
+        examples, reason = hs.shared_examples(cfg, hellaswag_path, limit, master=rank == 0)
+        if examples is None:
             log.warning("HellaSwag evaluation skipped: %s", reason)
             out["hellaswag"] = {"skipped": reason}
         else:
-            examples = hs.load_examples(path, limit)
             out["hellaswag"] = hs.evaluate(model, examples, device, autocast_ctx, rank, world)
     return out
 

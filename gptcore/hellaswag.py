@@ -157,6 +157,27 @@ def fetch(cfg: RunConfig) -> tuple[Path | None, str]:
     return dest, ""
 
 
+def shared_examples(cfg: RunConfig, path: Path | None = None, limit: int = 0,
+                    master: bool = True) -> tuple[list[Example] | None, str]:
+    """The examples on every rank, read (or downloaded) by rank 0 alone and broadcast: ranks on nodes
+    without a shared home get the same list, no rank downloads on its own, and either every rank scores
+    or none does. (None, why) when the dataset cannot be had; a bad explicit `path` raises
+    HellaSwagError on every rank."""
+    status, payload = "skip", ""
+    if master:
+        p, why = (Path(path), "") if path else fetch(cfg)
+        try:
+            status, payload = ("ok", read_records(p, limit)) if p is not None else ("skip", why)
+        except HellaSwagError as e:
+            status, payload = "error", str(e)
+    status, payload = distributed.broadcast_object((status, payload))
+    if status == "error":
+        raise HellaSwagError(payload)
+    if status == "skip":
+        return None, payload
+    return [make_example(*r) for r in payload], ""
+
+
 def ensure_dataset(cfg: RunConfig) -> Path | None:
     """Path of the verified validation split (downloaded once), or None with the reason logged.
     Never raises for network problems: a missing benchmark must not stop a training run."""

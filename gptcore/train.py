@@ -377,7 +377,7 @@ def train(cfg: RunConfig, prep: Prepared, t_start: float) -> int:
                 continue
             last = at.step == tc.max_steps
             if last or (cfg.eval.eval_interval and at.step % cfg.eval.eval_interval == 0):
-                evals.run(model, at.step)
+                evals.run(model, at.step, last)
             if env.master and (last or (cfg.eval.sample_interval and at.step % cfg.eval.sample_interval == 0)):
                 evals.sample(raw, at.step)
             troubled = guard.nonfinite or guard.spiking  # an interval checkpoint waits for a healthy step
@@ -492,13 +492,13 @@ class Evals:
     def results_at(self, step: int) -> tuple[float | None, dict | None]:
         return self.results.get(step, (None, None))
 
-    def run(self, model: torch.nn.Module, step: int) -> None:
+    def run(self, model: torch.nn.Module, step: int, last: bool = False) -> None:
         from gptcore.evaluate import validation_loss
         env = self.env
         val = validation_loss(model, self.cfg, self.data_dir, env.device, env.autocast(), env.rank, env.world)
         self.logger.log(step, {"val/loss": val}, kind="eval")
-        hs = None
-        examples = self._hellaswag_examples()
+        hs, every = None, self.cfg.eval.hellaswag_interval
+        examples = self._hellaswag_examples() if last or (every and step % every == 0) else None
         if examples:
             from gptcore import hellaswag
             hs = hellaswag.evaluate(model, examples, env.device, env.autocast(), env.rank, env.world)
@@ -513,12 +513,16 @@ class Evals:
             return None
         if self._examples is None:
             from gptcore import hellaswag
-            # rank 0 downloads (or finds the cache); the others follow only if that worked
-            path = hellaswag.ensure_dataset(self.cfg) if self.env.master else None
-            ok = distributed.broadcast_object(path is not None)
-            if ok and not self.env.master:
-                path = hellaswag.ensure_dataset(self.cfg)
-            self._examples = hellaswag.load_examples(path, self.cfg.eval.hellaswag_limit) if ok else []
+            # rank 0 reads (or downloads) and broadcasts: ranks need no shared home; a missing or bad
+            # file skips HellaSwag on every rank (a benchmark must not stop a training run)
+            try:
+                examples, why = hellaswag.shared_examples(self.cfg, None, self.cfg.eval.hellaswag_limit,
+                                                          self.env.master)
+            except hellaswag.HellaSwagError as e:
+                examples, why = None, str(e)
+            if examples is None and self.env.master:
+                print(f"warning: HellaSwag evaluation skipped: {why}", flush=True)
+            self._examples = examples or []
         return self._examples
 
     def sample(self, raw: GPT, step: int) -> None:

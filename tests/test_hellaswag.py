@@ -252,13 +252,19 @@ def test_model_taught_the_labelled_endings_scores_one():
 DDP_SCRIPT = """
 import json, os, sys, torch, torch.distributed as dist
 from gptcore import hellaswag
-from gptcore.config import model_preset
+from gptcore.config import load_config, model_preset
 from gptcore.model import GPT
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 torch.manual_seed(0)
 model = GPT(model_preset("micro")).eval()
-examples = hellaswag.load_examples(sys.argv[1])
+# only rank 0 can read the file (as on nodes without a shared home): the others get its copy
+mine = sys.argv[1] if rank == 0 else "/nonexistent/hellaswag_val.jsonl"
+try:
+    examples, _ = hellaswag.shared_examples(load_config("micro"), mine, 0, master=rank == 0)
+except hellaswag.HellaSwagError as e:  # rank 0 could not read it either: every rank says so, none hangs
+    open(sys.argv[2] + f".error{rank}", "w").write(str(e))
+    sys.exit(0)
 res = hellaswag.evaluate(model, examples, "cpu", rank=rank, world=world)
 sums, _ = hellaswag.score(model, examples[rank::world], "cpu")
 if rank == 0:
@@ -290,3 +296,14 @@ def test_ddp_two_ranks_gives_the_same_counts(tmp_path):
     per_rank = [json.loads(Path(f"{out}.rank{r}").read_text()) for r in (0, 1)]
     torch.testing.assert_close(torch.tensor(per_rank[0], dtype=torch.float64), sums[0::2])
     torch.testing.assert_close(torch.tensor(per_rank[1], dtype=torch.float64), sums[1::2])
+    # rank 0 cannot read it: both ranks get the same error at once instead of one waiting forever
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+         f"--master_port={port}", str(script), str(tmp_path / "missing.jsonl"), str(out)],
+        env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    errors = [Path(f"{out}.error{r}").read_text() for r in (0, 1)]
+    assert errors[0] == errors[1] and "missing.jsonl does not exist" in errors[0]
