@@ -124,6 +124,7 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (bf16 on capable GPUs, fp16 on older, fp32 on CPU) | float32 | bfloat16 | float16
     compile: str = "auto"  # auto (on for CUDA) | true | false
+    ddp_bf16_grads: bool = False  # DDP all-reduces gradients in bf16 (halves traffic across nodes)
     run_dir: str = ""  # where the run lives; "" = <home>/runs/<run_name>
 
     def validate(self) -> None:

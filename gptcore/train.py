@@ -297,10 +297,15 @@ def train(cfg: RunConfig, prep: Prepared, t_start: float) -> int:
         raise RunError(f"ranks found different checkpoints in {run_dir} (steps {seen}); the run directory "
                        "must be on a filesystem shared by all nodes (or set train.run_dir to one)")
     model: torch.nn.Module = raw
-    if env.compile:
-        model = torch.compile(model)
     if env.ddp:
         model = DDP(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None)
+        if tc.ddp_bf16_grads:  # halves the all-reduce bytes (multi-node); gradients summed in bf16
+            model.register_comm_hook(None, distributed.allreduce_in_bf16)
+    if env.compile:
+        # DDP first, then compile: dynamo's DDPOptimizer splits the graph at DDP's bucket boundaries, so
+        # each bucket's all-reduce starts while the rest of backward still runs (compiled-then-wrapped,
+        # the hooks would fire only after the whole compiled backward)
+        model = torch.compile(model)
 
     logger = NullLogger()
     if env.master:
