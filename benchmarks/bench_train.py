@@ -33,7 +33,8 @@ from torch.nn import functional as F
 
 from gptcore.config import ModelConfig, load_config, model_preset
 from gptcore.data import ShardLoader
-from gptcore.distributed import Env
+from gptcore.distributed import Env, select_loss
+from gptcore.loss import make_loss
 from gptcore.model import GPT
 from gptcore.shards import Manifest, ShardInfo, write_shard
 from gptcore.train import train_step
@@ -116,9 +117,11 @@ def baseline_loop(c: ModelConfig, B: int, T: int, data: np.ndarray, dtype: torch
 # --- ours: the trainer's step over the real shard loader ----------------------------------------------
 
 def our_loop(c: ModelConfig, B: int, T: int, dataset: Path, compile_: bool, dtype: torch.dtype):
-    env = Env(rank=0, local_rank=0, world=1, device=torch.device("cpu"), dtype=dtype, compile=compile_)
+    env = Env(rank=0, local_rank=0, world=1, device=torch.device("cpu"), dtype=dtype, compile=compile_,
+              loss=select_loss("auto", torch.device("cpu")))
     torch.manual_seed(0)
     raw = GPT(c)
+    raw.head_loss = make_loss(env.loss)  # as the trainer does
     model = torch.compile(raw) if compile_ else raw
     opt = raw.configure_optimizer(0.1, 6e-4, (0.9, 0.95), 1e-8, "cpu")
     loader = ShardLoader(dataset, B, T, B * T, seed=1)

@@ -124,6 +124,7 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (bf16 on capable GPUs, fp16 on older, fp32 on CPU) | float32 | bfloat16 | float16
     compile: str = "auto"  # auto (on for CUDA) | true | false
+    loss: str = "auto"  # auto (fused on CPU, plain on CUDA) | fused | plain: gptcore/loss.py
     ddp_bf16_grads: bool = False  # DDP all-reduces gradients in bf16 (halves traffic across nodes)
     run_dir: str = ""  # where the run lives; "" = <home>/runs/<run_name>
 
@@ -134,6 +135,8 @@ class TrainConfig:
             raise ConfigError(f"train.dtype={self.dtype!r}; use auto, float32, bfloat16 or float16")
         if self.compile not in ("auto", "true", "false"):
             raise ConfigError(f"train.compile={self.compile!r}; use auto, true or false")
+        if self.loss not in ("auto", "fused", "plain"):
+            raise ConfigError(f"train.loss={self.loss!r}; use auto, fused or plain")
         for name in ("total_batch_tokens", "micro_batch", "seq_len", "max_steps", "checkpoint_interval",
                      "keep_last", "log_interval"):
             if getattr(self, name) <= 0:

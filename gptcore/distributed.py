@@ -28,6 +28,7 @@ class Env:
     device: torch.device
     dtype: torch.dtype  # autocast dtype (float32 = no autocast)
     compile: bool
+    loss: str = "plain"  # the training loss head, gptcore/loss.py: fused | plain
 
     @property
     def master(self) -> bool:
@@ -68,6 +69,14 @@ def select_compile(pref: str, device: torch.device) -> bool:
     return pref == "true" or (pref == "auto" and device.type == "cuda")
 
 
+def select_loss(pref: str, device: torch.device) -> str:
+    """auto: the fused chunked loss on CPU (no logits-sized pages per step), the plain one on CUDA (the
+    compiled plain loss fuses into a few kernels at the tensor-core-friendly padded width)."""
+    if pref != "auto":
+        return pref
+    return "plain" if device.type == "cuda" else "fused"
+
+
 def select(tc: TrainConfig) -> Env:
     """This process's rank and hardware settings (from torchrun's environment; no communication)."""
     rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
@@ -79,7 +88,7 @@ def select(tc: TrainConfig) -> Env:
         torch.backends.cudnn.allow_tf32 = True
         torch.set_float32_matmul_precision("high")
     return Env(rank, local_rank, world, device, select_dtype(tc.dtype, device),
-               select_compile(tc.compile, device))
+               select_compile(tc.compile, device), select_loss(tc.loss, device))
 
 
 def init_process_group(env: Env) -> None:

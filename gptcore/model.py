@@ -10,116 +10,16 @@ sample and never enter the loss.
 from __future__ import annotations
 
 import inspect
-import math
 
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
 from gptcore.config import ModelConfig
+from gptcore.loss import PlainLoss
+from gptcore.tokenizer import N_VOCAB
 
-GPT2_VOCAB = 50257  # real token ids are < GPT2_VOCAB; ids above are padding
-LOSS_CHUNK = 256  # rows per chunk of the fused training loss (256 x 50304 fp32 logits = 51 MB)
-
-
-_CHUNK_BUFFERS: dict[tuple, torch.Tensor] = {}
-
-
-def chunk_buffer(name: str, shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A scratch tensor for the fused loss, kept between training steps. Why: on CPU a fresh multi-MB
-    tensor costs page faults on first touch (~20-40 ms per 51 MB chunk here), more than the softmax on
-    it; keeping the chunk buffers (2 x 51 MB in fp32; under bf16 one more, plus two weight-sized ones)
-    avoids that every step. Used only inside one forward call, so reusing them across calls is safe."""
-    key, numel = (name, dtype, device), shape[0] * shape[1]
-    buf = _CHUNK_BUFFERS.get(key)
-    if buf is None or buf.numel() < numel:
-        buf = _CHUNK_BUFFERS[key] = torch.empty(numel, dtype=dtype, device=device)
-    return buf[:numel].view(shape)
-
-
-class FusedLinearCrossEntropy(torch.autograd.Function):
-    """cross_entropy(x @ weight[:n_vocab].T, targets, ignore_index=-1) for training, without the logits.
-
-    Why: at small widths the (tokens x 50257) logits dominate a CPU training step; materialising them,
-    their log-softmax and two gradient buffers of the same size (~400 MB each, fresh pages every step)
-    cost more than the head's matmuls. So the forward walks the rows in chunks and, for each chunk,
-    computes the logits, the loss and at once the gradients (softmax - onehot) w.r.t. x and the weight;
-    backward only scales the stored gradients by grad_output. Same numbers as F.linear + F.cross_entropy,
-    but the graph has no logits: the caller gets only the loss. Under CPU autocast (bf16) the matmuls run
-    in bf16 and the softmax and the accumulated gradients in fp32, as autocast's own linear + loss do.
-    Training only: it computes the gradients even when none are wanted, and backward runs once.
-    """
-
-    @staticmethod
-    def forward(ctx, x, weight, targets, reduction, chunk, n_vocab):
-        # x: (N, C); weight: (V, C) with rows >= n_vocab padding (logit -inf: no probability, zero gradient);
-        # targets: (N,) with -1 = ignore; reduction "mean" | "sum"
-        valid = targets != -1
-        n_valid = valid.sum()  # "mean" divides by the non-ignored targets, as F.cross_entropy does
-        scale = 1.0 / n_valid if reduction == "mean" else 1.0
-        row_scale = valid * scale  # each row's weight in the loss: 0 for ignored rows
-        safe_targets = targets.clamp(min=0)  # any valid index for the gather; ignored rows weigh 0
-        mm_dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else weight.dtype
-        mixed = mm_dtype != torch.float32
-        # all matmuls at the padded width: MKL is ~20% slower at the odd 50257 than at 50304 here
-        w = weight.to(mm_dtype)  # the parameter itself when there is no autocast
-        V, n, rows, dev = w.size(0), x.size(0), min(chunk, x.size(0)), x.device
-        logits = chunk_buffer("logits", (rows, V), mm_dtype, dev)  # also the bf16 gradient if mixed
-        probs = chunk_buffer("probs", (rows, V), torch.float32, dev)
-        upcast = chunk_buffer("upcast", (rows, V), torch.float32, dev) if mixed else None
-        grad_x = torch.empty_like(x)
-        grad_w = torch.empty_like(weight)  # the first chunk writes it, the others add
-        if mixed:  # the bf16 product of each chunk, and its fp32 copy to accumulate
-            part, part32 = chunk_buffer("part", w.shape, mm_dtype, dev), chunk_buffer("part32", w.shape,
-                                                                                      torch.float32, dev)
-        loss = torch.zeros((), dtype=torch.float32, device=dev)
-        for i in range(0, n, rows):
-            m = min(rows, n - i)
-            xc, yc, sc = x[i:i + m].to(mm_dtype), safe_targets[i:i + m], row_scale[i:i + m]
-            lc, p = logits[:m], probs[:m]
-            torch.mm(xc, w.t(), out=lc)
-            lc[:, n_vocab:] = float("-inf")  # padding: probability 0, so its gradient rows are exactly 0
-            z = upcast[:m].copy_(lc) if mixed else lc  # fp32 logits for the softmax, even under autocast
-            torch.softmax(z, dim=-1, out=p)
-            # loss = -log p[target]; p underflows to 0 only past ~87 nats: those rows in log space instead
-            p_t = p.gather(1, yc[:, None]).squeeze(1)
-            nll = -torch.log(p_t)
-            far = p_t == 0
-            if far.any():
-                z_far = z[far]
-                nll[far] = torch.logsumexp(z_far, dim=-1) - z_far.gather(1, yc[far][:, None]).squeeze(1)
-            loss += (nll * sc).sum()
-            # d loss / d logits = (softmax - onehot) * row weight, in place of the probabilities
-            p[torch.arange(m, device=dev), yc] -= 1.0
-            g = lc.copy_(p.mul_(sc[:, None])) if mixed else p.mul_(sc[:, None])
-            grad_x[i:i + m] = g @ w
-            if mixed:  # bf16 matmul, fp32 accumulation
-                torch.mm(g.t(), xc, out=part)
-                if i == 0:
-                    grad_w.copy_(part)
-                else:
-                    grad_w.add_(part32.copy_(part))
-            elif i == 0:
-                torch.mm(g.t(), xc, out=grad_w)
-            else:
-                grad_w.addmm_(g.t(), xc)
-        ctx.save_for_backward(grad_x, grad_w)
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        grad_x, grad_w = ctx.saved_tensors
-        # in place: a weight-sized fresh tensor would cost page faults; backward runs once per forward
-        return grad_x.mul_(grad_loss), grad_w.mul_(grad_loss), None, None, None, None
-
-
-@torch.compiler.disable
-def fused_linear_cross_entropy(x, weight, targets, reduction):
-    """The fused loss stays eager under torch.compile (one graph break before the loss): compiled, each
-    chunk's in-place accumulation into the weight-sized gradient becomes a fresh weight-sized tensor plus
-    a copy, which made the compiled gpt2-mini fp32 step ~10% slower than this (docs/training.md "Speed")."""
-    return FusedLinearCrossEntropy.apply(x, weight, targets, reduction, LOSS_CHUNK, GPT2_VOCAB)
-
+GPT2_VOCAB = N_VOCAB  # real token ids are < GPT2_VOCAB; ids above are padding
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -182,6 +82,7 @@ class GPT(nn.Module):
         ))
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying, as in GPT-2
+        self.head_loss = PlainLoss()  # the training loss; the trainer sets the one train.loss chooses
         self.apply(self._init_weights)
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -207,10 +108,10 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, reduction: str = "mean",
                 return_logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Returns (logits over the real vocabulary, loss). Targets equal to -1 are ignored.
-        logits has the real GPT-2 vocab width (50257), so padding can never win or take probability.
-        return_logits=False (the training step) with targets on CPU returns (None, loss) from the fused
-        chunked loss, which never holds the logits; the loss and gradients are the same."""
+        """Returns (logits over the real vocabulary, loss); targets equal to -1 are ignored. The logits
+        have the real GPT-2 width (50257), so padding can never win or take probability. With
+        return_logits=False (the training step) the loss comes from `self.head_loss` (gptcore/loss.py)
+        and no logits tensor is returned or kept."""
         B, T = idx.shape
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
@@ -219,22 +120,11 @@ class GPT(nn.Module):
         for block in self.transformer.h:
             x = block(x)
         x = self.transformer.ln_f(x)
-        if not return_logits and targets is not None and reduction in ("mean", "sum") and x.device.type == "cpu":
-            # training on CPU: the loss only, without materialising the logits; the padded rows of the tied
-            # weight take part in the matmuls but get -inf logits, so no probability and no gradient;
-            # see FusedLinearCrossEntropy
-            loss = fused_linear_cross_entropy(x.reshape(-1, x.size(-1)), self.lm_head.weight,
-                                              targets.reshape(-1), reduction)
-            return None, loss
-        if x.device.type == "cuda":
-            # GPU: the padded width (a multiple of 64) keeps the matmul on the fast tensor-core kernels;
-            # torch.compile (on by default there) fuses the slice into the loss
-            logits = self.lm_head(x)[..., :GPT2_VOCAB]
-        else:
-            # CPU (evaluation, sampling; training takes the fused path above): multiply by the real-vocab
-            # rows of the tied weight only, so the logits (the largest activation) come out contiguous,
-            # with no logits-sized copy forward or backward (docs/training.md "Speed")
-            logits = F.linear(x, self.lm_head.weight[:GPT2_VOCAB])
+        if targets is not None and not return_logits:
+            return None, self.head_loss(x.reshape(-1, x.size(-1)), self.lm_head.weight, targets.reshape(-1),
+                                        reduction)
+        # the real-vocab rows of the tied weight only: contiguous logits, no logits-sized copy
+        logits = F.linear(x, self.lm_head.weight[:GPT2_VOCAB])
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1),
@@ -365,6 +255,3 @@ def peak_flops_guess(device: torch.device) -> float | None:
 
 _WARNED: dict[str, bool] = {}
 
-
-def loss_at_init() -> float:
-    return math.log(GPT2_VOCAB)

@@ -37,6 +37,7 @@ from gptcore import checkpoint, distributed
 from gptcore.config import ConfigError, RunConfig, load_config, pipeline_home
 from gptcore.data import ShardLoader, open_dataset, verify_hashes
 from gptcore.guard import ROLLBACK, SKIP, FaultInjector, Guard
+from gptcore.loss import make_loss
 from gptcore.metrics import JsonlLogger, NullLogger
 from gptcore.model import GPT, peak_flops_guess
 from gptcore.runlock import LockHeld, RunLock
@@ -279,6 +280,7 @@ def train(cfg: RunConfig, prep: Prepared, t_start: float) -> int:
     env = prep.env
     distributed.init_process_group(env)
     run_dir, data_dir, manifest, raw = prep.run_dir, prep.data_dir, prep.manifest, prep.model
+    raw.head_loss = make_loss(env.loss)  # train.loss; the trainer owns the fused loss's reusable buffers
     tc, B, T = cfg.train, cfg.train.micro_batch, cfg.train.seq_len
     accum = cfg.grad_accum_steps(env.world)
 
@@ -318,7 +320,7 @@ def train(cfg: RunConfig, prep: Prepared, t_start: float) -> int:
         logger = JsonlLogger(run_dir / "metrics.jsonl")
         how = f"resuming from {prep.ckpt.name}" if prep.ckpt else "starting"
         print(f"run {cfg.run_name} ({run_dir}): {how} at step {at.step}/{tc.max_steps}; world={env.world} "
-              f"accum={accum} device={env.device} dtype={env.dtype} compile={env.compile} "
+              f"accum={accum} device={env.device} dtype={env.dtype} compile={env.compile} loss={env.loss} "
               f"params={raw.num_params():,} dataset={data_dir} ({manifest.id})", flush=True)
 
     peak_one = float(os.environ.get(PEAK_ENV) or 0) or peak_flops_guess(env.device)  # None: unknown GPU

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from gptcore.config import ModelConfig, model_preset
-from gptcore.model import GPT, GPT2_VOCAB, FusedLinearCrossEntropy, clean_state_dict, unwrap
+from gptcore.loss import FusedLinearCrossEntropy, FusedLoss, PlainLoss
+from gptcore.model import GPT, GPT2_VOCAB, clean_state_dict, unwrap
 
 
 def micro(**kw) -> GPT:
@@ -172,11 +173,15 @@ def reference_loss_and_grads(m: GPT, x, y, reduction):
     return loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}
 
 
+@pytest.mark.parametrize("head", ["fused", "plain"])
 @pytest.mark.parametrize("preset,B,T", [("micro", 3, 40), ("tiny-cpu", 2, 200)])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_fused_training_loss_matches_logits_and_cross_entropy(preset, B, T, reduction):
+def test_training_loss_heads_match_logits_and_cross_entropy(preset, B, T, reduction, head):
+    """Both loss heads (train.loss=fused|plain: the CPU default and the CUDA default) give the logits
+    path's loss and gradients, with no logits tensor returned."""
     torch.manual_seed(0)
     m = GPT(model_preset(preset))
+    m.head_loss = FusedLoss() if head == "fused" else PlainLoss()
     x, y = ids(B, T, 1), ids(B, T, 2)
     y[0, :7] = -1  # ignored targets: no loss, no gradient, not counted in the mean
     y[-1, -1] = -1
@@ -197,6 +202,7 @@ def test_fused_training_loss_under_cpu_bf16_autocast():
     precision, give fp32 gradients, and scale them by the upstream gradient."""
     torch.manual_seed(0)
     m = GPT(model_preset("tiny-cpu"))
+    m.head_loss = FusedLoss()
     x, y = ids(2, 200, 1), ids(2, 200, 2)  # 400 rows: a full chunk and a partial one
     y[0, :5] = -1
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -227,7 +233,7 @@ def test_fused_loss_is_exact_where_a_target_probability_underflows():
     ref.backward()
     assert ref.item() > 20  # the far row is really far (its own loss is > 100)
     xf, wf = x.clone().requires_grad_(), w.clone().requires_grad_()
-    loss = FusedLinearCrossEntropy.apply(xf, wf, y, "mean", 4, 8)  # 2 chunks, the second partial
+    loss = FusedLinearCrossEntropy.apply(xf, wf, y, "mean", FusedLoss(chunk=4), 8)  # 2 chunks, 2nd partial
     loss.backward()
     assert torch.isfinite(loss) and loss.item() == pytest.approx(ref.item(), rel=1e-5)
     torch.testing.assert_close(xf.grad, xr.grad, rtol=1e-5, atol=1e-6)

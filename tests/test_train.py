@@ -178,3 +178,12 @@ def test_compiled_training_matches_eager(finished, ds, tmp_path):
     assert list(compiled.values()) == pytest.approx(list(eager.values()), rel=1e-4)
     model, _ = C.load_model(C.latest_checkpoint(run))  # no _orig_mod. prefixes in the state dict
     assert model.config.n_layer == 2
+
+
+def test_plain_loss_head_trains_the_fused_trajectory(finished, ds, tmp_path):
+    """train.loss=plain (what CUDA runs by default) and the CPU default (fused) train the same run."""
+    run = tmp_path / "plain"
+    assert main(args(ds, run, "train.loss=plain")) == 0
+    plain, fused = losses(run / "metrics.jsonl"), losses(finished / "metrics.jsonl")
+    assert sorted(plain) == sorted(fused) == [1, 2, 3, 4, 5, 6]
+    assert list(plain.values()) == pytest.approx(list(fused.values()), rel=1e-5)
