@@ -120,7 +120,7 @@ class TrainConfig:
     max_minutes: float = 0.0  # time budget for this invocation (nightly runs); 0 = unlimited
     checkpoint_interval: int = 1000
     keep_last: int = 3  # checkpoints kept besides the best-by-val-loss one
-    log_interval: int = 1
+    log_interval: int = 10  # steps between host reads of the step stats (console line; metrics rows are per step)
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (bf16 on capable GPUs, fp16 on older, fp32 on CPU) | float32 | bfloat16 | float16
     compile: str = "auto"  # auto (on for CUDA) | true | false

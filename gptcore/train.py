@@ -36,7 +36,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from gptcore import checkpoint, distributed
 from gptcore.config import ConfigError, RunConfig, load_config, pipeline_home
 from gptcore.data import ShardLoader, open_dataset, verify_hashes
-from gptcore.guard import ROLLBACK, SKIP, FaultInjector, Guard
+from gptcore.guard import OK, ROLLBACK, SKIP, FaultInjector, Guard
 from gptcore.loss import make_loss
 from gptcore.metrics import JsonlLogger, NullLogger
 from gptcore.model import GPT, peak_flops_guess
@@ -348,49 +348,65 @@ def train(cfg: RunConfig, prep: Prepared, t_start: float) -> int:
         guard.checkpointed()
         distributed.barrier()
 
+    pending: list[tuple[int, float, int, int, torch.Tensor]] = []  # steps whose stats the host has not read
+    t_read = time.time()
     try:
         while at.step < tc.max_steps:
-            t0 = time.time()
             lr = lr_at(at.step, cfg)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             # the stop vote (a signal on any rank, rank 0's clock or STOP file) is reduced with the loss,
-            # so every rank stops after the same step
+            # so every rank sees it at the same step
             out_of_time = tc.max_minutes > 0 and (time.time() - t_start) > tc.max_minutes * 60
             stop_file = env.master and (run_dir / STOP_FILE).exists()
             vote = _STOP["signal"] is not None or (env.master and out_of_time) or stop_file
             faults.before_step(raw)
-            r = train_step(model, optimizer, loader, accum, env, scaler, cfg.optim.grad_clip, vote)
-            if env.device.type == "cuda":
-                torch.cuda.synchronize()
+            stats = train_step(model, optimizer, loader, accum, env, scaler, cfg.optim.grad_clip, vote)
             at.step += 1
             at.tokens_seen += tc.total_batch_tokens
-            dt = time.time() - t0
-            tok_s = tc.total_batch_tokens / dt
-            logger.log(at.step, {"train/loss": r.loss, "train/lr": lr, "train/grad_norm": r.norm,
-                                 "train/step_time": dt, "train/tokens_per_s": tok_s,
-                                 "train/tokens_seen": at.tokens_seen, "train/epoch": loader.epoch,
-                                 **({"train/mfu": flops_per_token * tok_s / peak} if peak else {})})
-            if env.master and (at.step % tc.log_interval == 0 or at.step == 1 or at.step == tc.max_steps):
-                print(f"step {at.step:6d}/{tc.max_steps} | loss {r.loss:.6f} | lr {lr:.3e} | norm "
-                      f"{r.norm:.4f} | {dt * 1000:.1f} ms | {tok_s:,.0f} tok/s", flush=True)
-            verdict = guard.observe(r.loss, r.finite)
-            if verdict == SKIP:
-                event(env, logger, at.step, f"non-finite step skipped (loss {r.loss}, grad norm {r.norm}): no update "
-                      f"applied ({guard.nonfinite}/{cfg.guard.max_nonfinite} before a rollback)")
-            elif verdict == ROLLBACK:
-                at = roll_back(cfg, run_dir, raw, optimizer, loader, scaler, env, guard, logger, at,
-                               "non-finite steps" if not r.finite else "loss spike")
-                continue
+            pending.append((at.step, lr, at.tokens_seen, loader.epoch, stats))
             last = at.step == tc.max_steps
-            if last or (cfg.eval.eval_interval and at.step % cfg.eval.eval_interval == 0):
+            due_eval = last or (cfg.eval.eval_interval and at.step % cfg.eval.eval_interval == 0)
+            due_sample = last or (cfg.eval.sample_interval and at.step % cfg.eval.sample_interval == 0)
+            due_ckpt = at.step % tc.checkpoint_interval == 0
+            if not (last or due_eval or due_sample or due_ckpt or at.step == 1 or at.step % tc.log_interval == 0):
+                continue  # no host sync: the device runs on while the host prepares the next step
+            # the one host sync of these steps (the same steps on every rank): read, log, guard
+            rows = torch.stack([p[-1] for p in pending]).tolist()
+            now = time.time()
+            dt, t_read = (now - t_read) / len(pending), now
+            tok_s = tc.total_batch_tokens / dt
+            verdict, stop, why_bad = OK, False, ""
+            for (step, step_lr, seen, epoch, _), (loss_total, n_bad, n_stop, norm) in zip(pending, rows,
+                                                                                      strict=True):
+                loss, finite = loss_total / env.world, n_bad == 0
+                stop |= n_stop > 0
+                logger.log(step, {"train/loss": loss, "train/lr": step_lr, "train/grad_norm": norm,
+                                  "train/step_time": dt, "train/tokens_per_s": tok_s, "train/tokens_seen": seen,
+                                  "train/epoch": epoch,
+                                  **({"train/mfu": flops_per_token * tok_s / peak} if peak else {})})
+                if verdict != ROLLBACK:
+                    verdict = guard.observe(loss, finite)
+                    why_bad = "non-finite steps" if not finite else "loss spike"
+                    if verdict == SKIP:
+                        event(env, logger, step, f"non-finite step skipped (loss {loss}, grad norm {norm}): no "
+                              f"update applied ({guard.nonfinite}/{cfg.guard.max_nonfinite} before a rollback)")
+            pending.clear()
+            if env.master:
+                print(f"step {at.step:6d}/{tc.max_steps} | loss {loss:.6f} | lr {lr:.3e} | norm "
+                      f"{norm:.4f} | {dt * 1000:.1f} ms | {tok_s:,.0f} tok/s", flush=True)
+            if verdict == ROLLBACK:
+                at = roll_back(cfg, run_dir, raw, optimizer, loader, scaler, env, guard, logger, at, why_bad)
+                t_read = time.time()
+                continue
+            if due_eval:
                 evals.run(model, at.step, last)
-            if env.master and (last or (cfg.eval.sample_interval and at.step % cfg.eval.sample_interval == 0)):
+            if env.master and due_sample:
                 evals.sample(raw, at.step)
             troubled = guard.nonfinite or guard.spiking  # an interval checkpoint waits for a healthy step
-            if last or r.stop or (at.step % tc.checkpoint_interval == 0 and not troubled):
-                save("end" if last else "stop" if r.stop else "interval", r.loss)
-            if r.stop and not last:
+            if last or stop or (due_ckpt and not troubled):
+                save("end" if last else "stop" if stop else "interval", loss)
+            if stop and not last:
                 why = f"signal {_STOP['signal']}" if _STOP["signal"] is not None else \
                     f"{STOP_FILE} file" if stop_file else f"time budget train.max_minutes={tc.max_minutes}"
                 if env.master:
@@ -444,18 +460,12 @@ def roll_back(cfg: RunConfig, run_dir: Path, raw: GPT, optimizer, loader: ShardL
                    "rollback has somewhere to go")
 
 
-@dataclass
-class StepResult:
-    loss: float  # mean over ranks and micro-batches
-    norm: float  # this rank's gradient norm before clipping
-    finite: bool  # False: some rank saw a non-finite loss or gradient; no update was applied
-    stop: bool  # some rank voted to stop after this step
-
-
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loader: ShardLoader, accum: int,
-               env: distributed.Env, scaler=None, grad_clip: float = 1.0, stop_vote: bool = False) -> StepResult:
-    """One optimizer step over `accum` micro-batches, skipped (no update) if any rank's loss or gradient
-    is non-finite. The learning rate is set by the caller. (benchmarks/bench_train.py times exactly this.)"""
+               env: distributed.Env, scaler=None, grad_clip: float = 1.0, stop_vote: bool = False) -> torch.Tensor:
+    """One optimizer step over `accum` micro-batches, with no host sync: returns the device tensor
+    [loss summed over ranks, ranks with a non-finite loss or gradient, stop votes, this rank's gradient
+    norm]. A step that is non-finite on any rank applies no update (the fused optimizer skips it on the
+    device, as GradScaler does). The learning rate is set by the caller. (bench_train times this.)"""
     loss_sum = torch.zeros((), device=env.device)
     for micro in range(accum):
         x, y = loader.next_batch()
@@ -472,20 +482,29 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loader:
     # inf: measure the norm without clipping
     params = [p for g in optimizer.param_groups for p in g["params"]]
     norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
-    # One all-reduce and one host sync per step, before the update: the loss, whether any rank's step is
-    # non-finite (fp16's GradScaler handles overflowing gradients itself, so there only the loss counts),
-    # and the stop vote.
+    # one all-reduce, before the update: the loss, whether any rank's step is non-finite (fp16's GradScaler
+    # handles overflowing gradients itself, so there only the loss counts) and the stop vote
     bad = ~torch.isfinite(loss_sum) if scaler is not None else ~(torch.isfinite(loss_sum) & torch.isfinite(norm))
-    packed = torch.stack([loss_sum.float(), bad.float(), torch.tensor(float(stop_vote), device=env.device)])
+    packed = torch.stack([loss_sum.float(), bad.float(), torch.full((), float(stop_vote), device=env.device)])
     distributed.all_reduce_sum(packed)
-    loss_total, n_bad, stop, norm_val = torch.cat([packed, norm.detach().float().view(1)]).tolist()
     if scaler is not None:
         scaler.step(optimizer)  # skips the update itself when gradients overflowed
         scaler.update()
-    elif n_bad == 0:
-        optimizer.step()
+    else:
+        skip_if_nonfinite(optimizer, packed[1])
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss_total / env.world, norm_val, n_bad == 0, stop > 0)
+    return torch.cat([packed, norm.detach().float().view(1)])
+
+
+def skip_if_nonfinite(optimizer: torch.optim.Optimizer, n_bad: torch.Tensor) -> None:
+    """optimizer.step(), or no update when n_bad > 0. The fused AdamW takes the decision on the device
+    (found_inf: no parameter, moment or step-count change); another optimizer needs a host sync."""
+    if optimizer.defaults.get("fused"):
+        optimizer.found_inf = (n_bad > 0).float()
+        optimizer.step()
+        optimizer.found_inf = None
+    elif n_bad.item() == 0:
+        optimizer.step()
 
 
 class Evals:

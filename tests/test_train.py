@@ -187,3 +187,40 @@ def test_plain_loss_head_trains_the_fused_trajectory(finished, ds, tmp_path):
     plain, fused = losses(run / "metrics.jsonl"), losses(finished / "metrics.jsonl")
     assert sorted(plain) == sorted(fused) == [1, 2, 3, 4, 5, 6]
     assert list(plain.values()) == pytest.approx(list(fused.values()), rel=1e-5)
+
+
+def test_no_host_sync_inside_a_step_except_at_log_eval_and_checkpoint_steps(ds, tmp_path, monkeypatch):
+    """With the loss head CUDA runs (plain), the only host reads of device values between two steps
+    happen after log, eval and checkpoint steps: every Tensor.item/tolist/cpu/numpy/bool/float/int call
+    is counted, per step."""
+    import torch
+
+    import gptcore.train as T
+
+    syncs, steps = [0], []
+    real_step = T.train_step
+
+    def counting_step(*a, **k):
+        steps.append(syncs[0])  # host reads since the previous step began
+        syncs[0] = 0
+        return real_step(*a, **k)
+
+    def counted(name):
+        real = getattr(torch.Tensor, name)
+
+        def f(self, *a, **k):
+            syncs[0] += 1
+            return real(self, *a, **k)
+        monkeypatch.setattr(torch.Tensor, name, f)
+
+    for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__"):
+        counted(name)
+    monkeypatch.setattr(T, "train_step", counting_step)
+    run = tmp_path / "nosync"
+    assert main(args(ds, run, "train.loss=plain", "train.max_steps=12", "train.log_interval=4",
+                     "train.checkpoint_interval=100")) == 0
+    after = dict(enumerate(steps[1:], start=1))  # reads made after step s, before step s + 1
+    assert len(after) == 11
+    assert {s for s, n in after.items() if n} == {1, 4, 8}, after  # log steps (12, the last, ends the run)
+    rows = read_metrics(run / "metrics.jsonl", "train")
+    assert [r["step"] for r in rows] == list(range(1, 13))  # every step still logged, in batches
