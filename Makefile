@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 export GPTPIPE_HOME ?= $(CURDIR)/var
 
-.PHONY: install demo test stop bench lint clean
+.PHONY: install demo test stop bench gpu-check lint clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,10 @@ bench: install
 	$(PY) -m benchmarks.bench_tokenize
 	$(PY) -m benchmarks.bench_train
 	$(PY) -m benchmarks.bench_hellaswag
+
+# on a fresh CUDA machine before a long run (on a machine without CUDA it says so and exits 0)
+gpu-check: install
+	$(PY) -m benchmarks.gpu_check
 
 lint: install
 	$(VENV)/bin/ruff check .

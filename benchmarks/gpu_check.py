@@ -1,0 +1,253 @@
+"""The GPU acceptance run: one command on a fresh CUDA machine before a long run.
+
+    python -m benchmarks.gpu_check                 # all visible GPUs; without CUDA it says so and exits 0
+    python -m benchmarks.gpu_check --device cpu    # the same checks on CPU, small (how the tests run it)
+
+Each check is a row of the table it prints, PASS or FAIL (exit 1 if any fails):
+  train   micro and a GPT-2-shaped model train under torchrun on every device (compile + bf16 on CUDA,
+          as `auto` selects): exit 0, finite losses, the loss falls
+  resume  a run SIGKILLed after its first checkpoint and started again ends with the losses of the
+          uninterrupted run (bf16 tolerance on CUDA, fp32 rounding on CPU)
+  ranks   2 ranks equal 1 rank with twice the accumulation (when there are >= 2 devices)
+  speed   the trainer's train_step against a plain single-file build-nanogpt-style loop (compile on,
+          same shape, batch and precision), measured in this run: tokens/s ratio, MFU, peak memory;
+          on CUDA it must reach 1.0x (on CPU the row is informational)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 12
+
+
+def make_dataset(d: Path) -> Path:
+    """Learnable tokens (a repeating pattern with noise), a val shard and three train shards."""
+    from gptcore.shards import Manifest, ShardInfo, write_shard
+
+    d.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    infos = []
+    for i, n in enumerate((40_000, 200_000, 200_000, 200_000)):
+        base = np.repeat(rng.integers(0, 300, n // 4 + 1), 4)[:n]
+        toks = np.where(rng.random(n) < 0.1, rng.integers(0, 50257, n), base).astype(np.uint16)
+        split = "val" if i == 0 else "train"
+        name = f"check_{split}_{i:06d}.bin"
+        infos.append(ShardInfo(name, split, n, write_shard(d / name, toks)))
+    Manifest(shard_tokens=200_000, source={"gpu_check": 0}, shards=infos).save(d)
+    return d
+
+
+class Trainer:
+    """Runs `torchrun -m gptcore.train` (the launcher's own command) on a shape, in its own session."""
+
+    def __init__(self, work: Path, dataset: Path, device: str, shape: dict, ndev: int):
+        self.work, self.dataset, self.device, self.shape, self.ndev = work, dataset, device, shape, ndev
+
+    def overrides(self, run: Path, nproc: int, **extra) -> dict:
+        B, T = self.shape["B"], self.shape["T"]  # the same step on any rank count: 2 micro-steps per device
+        return {"data.dataset_dir": str(self.dataset), "train.run_dir": str(run), "train.device": self.device,
+                "train.micro_batch": B, "train.seq_len": T, "train.total_batch_tokens": B * T * 2 * self.ndev,
+                "train.max_steps": STEPS, "train.checkpoint_interval": 4, "train.keep_last": 10,
+                "train.log_interval": 1, "optim.warmup_steps": 2, "eval.eval_interval": 0,
+                "eval.sample_interval": 0, "eval.val_tokens": B * T, "eval.hellaswag": False,
+                **{f"model.{k}": v for k, v in self.shape["model"].items()}, **extra}
+
+    def start(self, run: Path, nproc: int, log: Path) -> subprocess.Popen:
+        from tasks.train import torchrun_cmd
+
+        cmd = torchrun_cmd("micro", self.overrides(run, nproc), nproc)
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+    def run(self, name: str, nproc: int) -> tuple[int, dict[int, float], str]:
+        run, log = self.work / name, self.work / f"{name}.log"
+        proc = self.start(run, nproc, log)
+        rc = proc.wait(timeout=3600)
+        return rc, losses(run), log.read_text()[-2000:]
+
+
+def losses(run: Path) -> dict[int, float]:
+    from gptcore.metrics import read_metrics
+
+    return {r["step"]: r["train/loss"] for r in read_metrics(run / "metrics.jsonl", "train")}
+
+
+def kill_session(proc: subprocess.Popen) -> None:
+    """SIGKILL torchrun and its workers (they run in their own sessions: walk /proc for descendants)."""
+    from tasks.train import descendants
+
+    for pid in [proc.pid, *descendants(proc.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait(timeout=60)
+
+
+def worst_gap(a: dict[int, float], b: dict[int, float]) -> float:
+    if sorted(a) != sorted(b) or not a:
+        return math.inf
+    return max(abs(a[s] - b[s]) / max(abs(b[s]), 1e-9) for s in b)
+
+
+# --- the checks ----------------------------------------------------------------------------------------
+
+def check_train(t: Trainer, label: str, nproc: int) -> tuple[bool, str, dict]:
+    rc, got, tail = t.run(f"train-{label}", nproc)
+    ok = rc == 0 and len(got) == STEPS and all(math.isfinite(v) for v in got.values()) and got[STEPS] < got[1]
+    detail = f"{nproc} rank(s), loss {got.get(1, float('nan')):.3f} -> {got.get(STEPS, float('nan')):.3f}"
+    return ok, detail if rc == 0 else f"exit {rc}: {tail[-300:]}", got
+
+
+def check_resume(t: Trainer, nproc: int, reference: dict[int, float], tol: float) -> tuple[bool, str]:
+    run, log = t.work / "resume", t.work / "resume.log"
+    proc = t.start(run, nproc, log)
+    deadline = time.monotonic() + 1800
+    while time.monotonic() < deadline and proc.poll() is None:
+        if (run / "checkpoints" / "step_00000004").is_dir():
+            break
+        time.sleep(0.01)
+    killed = proc.poll() is None
+    kill_session(proc)
+    proc = t.start(run, nproc, t.work / "resume2.log")
+    rc = proc.wait(timeout=3600)
+    gap = worst_gap(losses(run), reference)
+    ok = killed and rc == 0 and gap <= tol
+    return ok, f"killed mid-run: {killed}, resumed exit {rc}, worst loss gap {gap:.2e} (tolerance {tol:.0e})"
+
+
+def check_ranks(t: Trainer, two_ranks: dict[int, float], tol: float) -> tuple[bool, str]:
+    rc, one, tail = t.run("one-rank", 1)
+    gap = worst_gap(one, two_ranks)
+    return rc == 0 and gap <= tol, f"{t.ndev} ranks vs 1 rank with {t.ndev}x the accumulation: worst loss gap {gap:.2e}"
+
+
+def check_speed(device: torch.device, shape: dict, dataset: Path, steps: int) -> tuple[bool | None, str]:
+    """train_step vs the plain loop, in this process, compile on, the precision `auto` picks."""
+    from benchmarks.bench_train import BaseGPT
+    from gptcore.config import ModelConfig, TrainConfig
+    from gptcore.data import ShardLoader
+    from gptcore.distributed import select
+    from gptcore.loss import make_loss
+    from gptcore.model import GPT, peak_flops_guess
+    from gptcore.train import train_step
+
+    env = select(TrainConfig(device=device.type, compile="true"))
+    c, B, T = ModelConfig(**shape["model"]), shape["B"], shape["T"]
+    cuda = device.type == "cuda"
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    def measure(step) -> tuple[float, float]:
+        for _ in range(3):  # compile and warm up
+            step()
+        sync()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        sync()
+        return (time.perf_counter() - t0) / steps, torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
+
+    torch.manual_seed(0)
+    raw = GPT(c).to(device)
+    raw.head_loss = make_loss(env.loss)
+    model = torch.compile(raw)
+    opt = raw.configure_optimizer(0.1, 6e-4, (0.9, 0.95), 1e-8, device.type)
+    loader = ShardLoader(dataset, B, T, B * T, seed=1, device=device)
+    ours_s, ours_mem = measure(lambda: train_step(model, opt, loader, 1, env, None, 1.0))
+    fpt = raw.flops_per_token(T)
+    torch.manual_seed(0)
+    base = BaseGPT(c).to(device)
+    compiled_base = torch.compile(base)
+    bopt = torch.optim.AdamW(base.parameters(), lr=6e-4, betas=(0.9, 0.95), eps=1e-8, fused=True)
+    data = torch.randint(0, 50257, (B, T + 1), device=device)
+    x, y = data[:, :-1].contiguous(), data[:, 1:].contiguous()
+
+    def base_step():
+        with env.autocast():
+            loss = compiled_base(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(base.parameters(), 1.0)
+        bopt.step()
+        bopt.zero_grad(set_to_none=True)
+
+    base_s, base_mem = measure(base_step)
+    ratio = base_s / ours_s
+    peak = peak_flops_guess(device)
+    mfu = f", MFU {fpt * B * T / ours_s / peak:.1%} vs {fpt * B * T / base_s / peak:.1%}" if peak and cuda else ""
+    mem = f", peak memory {ours_mem:.1f} vs {base_mem:.1f} GiB" if cuda else ""
+    detail = (f"{B * T / ours_s:,.0f} vs {B * T / base_s:,.0f} tok/s = {ratio:.2f}x the plain loop "
+              f"({env.dtype}, B={B}, T={T}){mfu}{mem}")
+    return (ratio >= 1.0 if cuda else None), detail
+
+
+# --- the run ---------------------------------------------------------------------------------------
+
+def shapes(device: str) -> dict[str, dict]:
+    if device == "cuda":
+        return {"micro": {"model": {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 64}, "B": 16, "T": 64},
+                "gpt2-124m": {"model": {"n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 1024},
+                              "B": 16, "T": 1024}}
+    return {"micro": {"model": {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 64}, "B": 2, "T": 32},
+            "gpt2-shaped": {"model": {"n_layer": 2, "n_head": 2, "n_embd": 128, "block_size": 64}, "B": 2,
+                            "T": 64}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--work", help="keep the runs here (default: a temp dir)")
+    ap.add_argument("--speed-steps", type=int, default=20)
+    a = ap.parse_args(argv)
+    if a.device == "cuda" and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device is visible on this machine; nothing was checked (run it on the GPU "
+              "machine, or --device cpu to try the checks on CPU)")
+        return 0
+    ndev = torch.cuda.device_count() if a.device == "cuda" else 2
+    tol = 5e-2 if a.device == "cuda" else 1e-4  # bf16 + compiled kernels vs fp32 CPU
+    rows: list[tuple[str, bool | None, str]] = []
+    with tempfile.TemporaryDirectory(dir=a.work) as tmp:
+        work = Path(tmp)
+        dataset = make_dataset(work / "data")
+        all_shapes = shapes(a.device)
+        for label, shape in all_shapes.items():
+            t = Trainer(work / label, dataset, a.device, shape, ndev)
+            (work / label).mkdir()
+            ok, detail, full = check_train(t, label, ndev)
+            rows.append((f"train {label}", ok, detail))
+            if label == "micro" and ok:
+                rows.append(("resume after SIGKILL", *check_resume(t, ndev, full, tol)))
+                if ndev >= 2:
+                    rows.append((f"{ndev} ranks == 1 rank", *check_ranks(t, full, tol)))
+        big = list(all_shapes)[-1]
+        device = torch.device("cuda", 0) if a.device == "cuda" else torch.device("cpu")
+        rows.append((f"speed {big}", *check_speed(device, all_shapes[big], dataset, a.speed_steps)))
+    name = torch.cuda.get_device_name(0) if a.device == "cuda" else "CPU"
+    print(f"\ngpu_check on {ndev} x {name} (torch {torch.__version__})")
+    for check, ok, detail in rows:
+        mark = "PASS" if ok else "info" if ok is None else "FAIL"
+        print(f"  {mark:4s}  {check:22s} {detail}")
+    print(json.dumps({"passed": all(ok is not False for _, ok, _ in rows)}))
+    return 0 if all(ok is not False for _, ok, _ in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,42 @@
+"""The GPU acceptance run (benchmarks/gpu_check.py) runs end to end on CPU here, so only the CUDA kernels
+go unexercised; on a CUDA machine the `gpu` tests run the real thing."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+
+def gpu_check(*args, timeout=1800):
+    return subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_every_check_runs_and_passes_on_cpu(tmp_path):
+    r = gpu_check("--device", "cpu", "--speed-steps", "5", "--work", str(tmp_path))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    table = r.stdout.split("gpu_check on", 1)[1]
+    for row in ("PASS  train micro", "PASS  resume after SIGKILL", "PASS  2 ranks == 1 rank",
+                "PASS  train gpt2-shaped", "info  speed gpt2-shaped"):
+        assert row in table, table
+    assert "killed mid-run: True" in table
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == {"passed": True}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_without_cuda_it_says_so_and_checks_nothing():
+    r = gpu_check(timeout=120)
+    assert r.returncode == 0 and "no CUDA device is visible" in r.stdout and "PASS" not in r.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_acceptance_run():
+    r = gpu_check(timeout=3600)
+    assert r.returncode == 0, r.stdout[-5000:]
