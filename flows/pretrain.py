@@ -58,6 +58,17 @@ def check_config(preset: str, overrides: dict | None, nproc: int) -> RunConfig:
     return cfg
 
 
+def check_params(nproc: int, wait_seconds: float, model_name: str) -> None:
+    """The ranges Prefect's type checks do not cover; ConfigError fails the flow run at once."""
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 0:
+        raise ConfigError(f"nproc must be an integer >= 0 (0 = one per GPU, or 1 on CPU), got {nproc!r}")
+    if not wait_seconds >= 0:
+        raise ConfigError(f"wait_seconds must be >= 0, got {wait_seconds!r}")
+    if model_name and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", model_name):
+        raise ConfigError(f"model_name {model_name!r} is not a usable registered-model name; use letters, "
+                          "digits, '.', '_' and '-'")
+
+
 def _key(*parts: str) -> str:
     """Prefect artifact keys: lowercase letters, digits and dashes."""
     return re.sub(r"[^a-z0-9-]+", "-", "-".join(parts).lower()).strip("-")
@@ -188,6 +199,7 @@ def pretrain(preset: str = "tiny-cpu", overrides: dict | None = None, nproc: int
     wait_seconds: how long to wait for another flow run training the same run before failing
     """
     log = get_run_logger()
+    check_params(nproc, wait_seconds, model_name)
     nproc = resolve_nproc(nproc)
     cfg = check_config(preset, overrides, nproc)
     run_name, ident = cfg.run_name, cfg.identity_hash()

@@ -91,7 +91,19 @@ def evaluate_dir(target: str | Path, cfg_dict: dict | None = None, val: bool = T
     return result
 
 
-@task(name="evaluate", task_run_name="evaluate-{target}")
+def _run_name() -> str:
+    """"evaluate step 120" (a checkpoint) or "evaluate <dir name>": short, for the flow-run graph."""
+    from prefect.runtime import task_run
+
+    return f"evaluate {step_label(task_run.parameters['target'])}"
+
+
+def step_label(path: str | Path) -> str:
+    name = Path(path).name
+    return f"step {int(name[5:])}" if name.startswith("step_") and name[5:].isdigit() else name
+
+
+@task(name="evaluate", task_run_name=_run_name)
 def evaluate_checkpoint(target: str, cfg_dict: dict | None = None, val: bool = True,
                         device: str = "auto") -> dict:
     """Validation loss + HellaSwag of the newest checkpoint of a run dir (or of a checkpoint / HF export

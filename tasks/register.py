@@ -245,7 +245,16 @@ try:  # the Prefect task the flow uses; the plain function above needs no Prefec
     from prefect.cache_policies import NO_CACHE
 
     # no Prefect caching: the registry itself is the idempotency record (sha256 tag)
-    register_task = task(name="register", task_run_name="register-{ckpt_dir}", retries=3,
+    def _run_name() -> str:
+        """"register tiny-cpu step 120": short, for the flow-run graph."""
+        from prefect.runtime import task_run
+
+        from tasks.evaluate import step_label
+
+        p = task_run.parameters
+        return f"register {p.get('model_name') or ''} {step_label(p['ckpt_dir'])}".replace("  ", " ")
+
+    register_task = task(name="register", task_run_name=_run_name, retries=3,
                          retry_delay_seconds=[10, 30, 60], cache_policy=NO_CACHE)(register_checkpoint)
 except ImportError:  # pragma: no cover - prefect is a dependency; keep the module importable anyway
     register_task = None

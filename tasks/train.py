@@ -55,7 +55,9 @@ class TrainError(RuntimeError):
 
 
 def resolve_nproc(nproc: int = 0) -> int:
-    """Processes per node: `nproc` if given, else one per visible GPU, else 1 (CPU)."""
+    """Processes per node: `nproc` if given, else (0) one per visible GPU, else 1 (CPU)."""
+    if nproc < 0:
+        raise TrainError(f"nproc must be >= 0 (0 = one per GPU, or 1 on CPU), got {nproc}")
     if nproc > 0:
         return nproc
     import torch
@@ -221,7 +223,7 @@ def launch(cmd: list[str], run_dir: Path, log, grace: float = GRACE_SECONDS,
     return proc.returncode, list(tail)
 
 
-@task(name="train", cache_policy=NO_CACHE, task_run_name="train-{run_name}")
+@task(name="train", cache_policy=NO_CACHE, task_run_name="train {run_name}")
 def train_task(preset: str, overrides: dict | None, run_name: str, run_dir: str, identity_hash: str,
                nproc: int = 0, wait_seconds: float = 600.0, tracking: bool = True,
                shutdown_seconds: float = SHUTDOWN_SECONDS) -> dict:

@@ -67,7 +67,7 @@ def test_end_to_end_then_rerun_is_a_no_op(prefect_stack):
     assert f"{prefect_stack.mlflow_uri}/#/models/micro-e2e/versions/1" in arts["e2e-mlflow"]
     assert summary["sample"] in arts["e2e-sample"]
     ran = task_runs(fr.id)
-    for prefix in ("download", "train-e2e", "evaluate", "register", "sample"):
+    for prefix in ("download", "train e2e", "evaluate step 8", "register micro-e2e step 8", "sample"):
         assert [n for n in started(ran, prefix) if ran[n] == "Completed"], (prefix, ran)
     # MLflow: the version holds this checkpoint, and the shipper sent the training curve
     mlc = MlflowClient(prefect_stack.mlflow_uri)
@@ -174,7 +174,10 @@ def test_bad_parameters_fail_the_flow_run_early(prefect_stack):
 
     bad = {"unknown preset 'nope'": {"preset": "nope"},
            "does not exist": {"preset": "micro", "overrides": {"data.source": "/nonexistent/corpus"}},
-           "unknown config key 'train.max_stepz'": {"preset": "micro", "overrides": {"train.max_stepz": 3}}}
+           "unknown config key 'train.max_stepz'": {"preset": "micro", "overrides": {"train.max_stepz": 3}},
+           "nproc must be an integer >= 0": {"preset": "micro", "nproc": -1},
+           "wait_seconds must be >= 0": {"preset": "micro", "wait_seconds": -5},
+           "is not a usable registered-model name": {"preset": "micro", "model_name": "bad name/x"}}
     runs = {msg: run_deployment("pretrain/tiny", parameters=p, timeout=0) for msg, p in bad.items()}
     for msg, fr in runs.items():
         fr = wait_final(fr.id, timeout=180)
