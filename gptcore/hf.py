@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 
 from gptcore.config import ModelConfig
 from gptcore.model import GPT, GPT2_VOCAB, clean_state_dict, unwrap
-from gptcore.tokenizer import EOT
+from gptcore.tokenizer import EOT, hf_tokenizer_files
 
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 BUFFERS = (".attn.bias", ".attn.masked_bias")  # causal masks in old checkpoints (not `c_attn.bias`)
@@ -257,6 +257,8 @@ def export_hf(model: torch.nn.Module, out_dir: str | Path, overwrite: bool = Fal
         (tmp / "config.json").write_text(json.dumps(hf_config(m.config, tensors[WTE].dtype), indent=2) + "\n")
         (tmp / "generation_config.json").write_text(
             json.dumps({"bos_token_id": EOT, "eos_token_id": EOT}, indent=2) + "\n")
+        for name, body in hf_tokenizer_files().items():  # AutoTokenizer / pipeline() load offline
+            (tmp / name).write_text(body, encoding="utf-8")
         for f in tmp.iterdir():  # durable before it becomes visible
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())

@@ -62,6 +62,59 @@ def get_encoding() -> tiktoken.Encoding:
     return load_encoding()
 
 
+# --- the same vocabulary as Hugging Face GPT-2 tokenizer files (vocab.json + merges.txt) ----------------
+
+def _byte_to_unicode() -> dict[int, str]:
+    """GPT-2's printable stand-in character for every byte (its vocab.json is written in them)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    out, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return out
+
+
+def _split_at_rank(ranks: dict[bytes, int], token: bytes) -> tuple[bytes, bytes]:
+    """The two parts BPE merged last to make `token`: byte-level BPE with only the merges ranked below
+    the token's own (each token of GPT-2's vocabulary is exactly one merge of two lower-ranked ones)."""
+    parts, limit = [bytes([b]) for b in token], ranks[token]
+    while len(parts) > 2:
+        best = min(((ranks.get(parts[i] + parts[i + 1], limit), i) for i in range(len(parts) - 1)))
+        if best[0] >= limit:
+            break
+        i = best[1]
+        parts[i:i + 2] = [parts[i] + parts[i + 1]]
+    if len(parts) != 2:
+        raise TokenizerError(f"token {token!r} is not one merge of two lower-ranked tokens")
+    return parts[0], parts[1]
+
+
+def hf_tokenizer_files() -> dict[str, str]:
+    """vocab.json, merges.txt, tokenizer_config.json and special_tokens_map.json for Hugging Face's
+    GPT2Tokenizer, derived offline from the verified rank file (no hub download)."""
+    import json
+
+    ranks, b2u = _load_ranks(RANK_FILE), _byte_to_unicode()
+
+    def text(b: bytes) -> str:
+        return "".join(b2u[x] for x in b)
+
+    vocab = {text(t): r for t, r in ranks.items()}
+    vocab["<|endoftext|>"] = EOT
+    merges = [_split_at_rank(ranks, t) for t, _ in sorted(ranks.items(), key=lambda kv: kv[1]) if len(t) > 1]
+    special = {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>"}
+    return {
+        "vocab.json": json.dumps(vocab, ensure_ascii=False),
+        "merges.txt": "#version: 0.2\n" + "".join(f"{text(a)} {text(b)}\n" for a, b in merges),
+        "tokenizer_config.json": json.dumps({"tokenizer_class": "GPT2Tokenizer", "model_max_length": 1024,
+                                             "add_prefix_space": False, **special}, indent=2),
+        "special_tokens_map.json": json.dumps(special, indent=2),
+    }
+
+
 def encode(text: str) -> list[int]:
     """Encode plain text; special-token strings in the text are treated as ordinary text."""
     return get_encoding().encode_ordinary(text)

@@ -264,3 +264,30 @@ def test_from_pretrained_downloads_from_the_hub(tmp_path, monkeypatch, hf_model)
     # an uncached one is retried with backoff for ~25 s before the same HFError, too slow to test here)
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens
     assert_same(from_pretrained("gpt2", cache_dir=cache), hf_model, idx)
+
+
+MULTILINGUAL = ("Hello, I'm a language model! Ça coûte 12,50 €. Größe, naïve café; 東京は日本の首都です。"
+                " Москва — столица России. مرحبا بالعالم 🙂🚀\n\tcode: x += 1  # done <|endoftext|> end")
+
+
+def test_export_holds_a_tokenizer_that_transformers_loads_offline(tmp_path, monkeypatch):
+    """The exported directory carries GPT-2's tokenizer files, derived from the bundled rank file: the
+    Hugging Face tokenizers (slow and fast) and pipeline('text-generation') load it with no network, and
+    give our token ids."""
+    from transformers import AutoTokenizer, pipeline
+
+    from gptcore.tokenizer import encode
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+    torch.manual_seed(0)
+    out = export_hf(GPT(ModelConfig(block_size=64, n_layer=2, n_head=2, n_embd=32)), tmp_path / "hf")
+    ours = encode(MULTILINGUAL)
+    for fast in (False, True):
+        tok = AutoTokenizer.from_pretrained(out, use_fast=fast)
+        assert tok.encode(MULTILINGUAL.replace("<|endoftext|>", "")) == encode(MULTILINGUAL.replace("<|endoftext|>", ""))
+        assert tok.decode(ours) == MULTILINGUAL
+        assert tok.eos_token_id == 50256 and len(tok) == 50257
+    gen = pipeline("text-generation", model=str(out), device="cpu")
+    text = gen("Hello, I'm a language model,", max_new_tokens=5, do_sample=False)[0]["generated_text"]
+    assert text.startswith("Hello, I'm a language model,") and len(text) > len("Hello, I'm a language model,")
