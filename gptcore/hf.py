@@ -11,7 +11,7 @@ The two models are the same network with different parameter layouts:
 - Old HF checkpoints carry the causal-mask buffers `attn.bias` / `attn.masked_bias`: not weights, skipped.
 
     model = from_pretrained("gpt2")            # hub download (cached by huggingface_hub), or a local dir
-    export_hf(model, Path("out/hf"))           # config.json + model.safetensors + generation_config.json
+    export_hf(model, Path("out/hf"))           # config.json, model.safetensors, generation + tokenizer files
 """
 
 from __future__ import annotations

@@ -82,7 +82,7 @@ def _split_at_rank(ranks: dict[bytes, int], token: bytes) -> tuple[bytes, bytes]
     the token's own (each token of GPT-2's vocabulary is exactly one merge of two lower-ranked ones)."""
     parts, limit = [bytes([b]) for b in token], ranks[token]
     while len(parts) > 2:
-        best = min(((ranks.get(parts[i] + parts[i + 1], limit), i) for i in range(len(parts) - 1)))
+        best = min((ranks.get(parts[i] + parts[i + 1], limit), i) for i in range(len(parts) - 1))
         if best[0] >= limit:
             break
         i = best[1]
