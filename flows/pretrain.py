@@ -107,22 +107,6 @@ def eval_done(ckpt: str, cfg: RunConfig) -> dict | None:
     return stored_evaluation(ckpt, cfg, val=True, retry_skipped=False)
 
 
-def registered_version(ckpt: str, name: str) -> dict | None:
-    """The registry version already holding this checkpoint's weights (by sha256), or None."""
-    from gptcore.shards import file_sha256
-    from tasks import tracking
-
-    sha = file_sha256(Path(ckpt) / "model.safetensors")
-    mlc = tracking.client()
-    found = mlc.search_model_versions(f"name = '{name}' and tags.checkpoint_sha256 = '{sha}'")
-    if not found:
-        return None
-    mv = min(found, key=lambda v: int(v.version))
-    return {"name": name, "version": mv.version, "model_uri": f"models:/{name}/{mv.version}",
-            "run_id": mv.run_id, "model_id": mv.model_id, "tracking_uri": tracking.tracking_uri(),
-            "created": False}
-
-
 @task(name="sample", cache_policy=NO_CACHE)
 def sample_task(ckpt: str, model_uri: str | None, prompt: str, max_new_tokens: int) -> dict:
     """Generate text from the registered model version (or straight from the checkpoint when nothing was
@@ -258,6 +242,8 @@ def pretrain(preset: str = "tiny-cpu", overrides: dict | None = None, nproc: int
     name = model_name or cfg.preset
     if register:
         from tasks.register import register_task
+
+        from tasks.register import registered_version
 
         reg = registered_version(ckpt, name)
         if reg is not None:

@@ -108,9 +108,33 @@ def _read_checkpoint(ckpt_dir: Path) -> tuple[dict, str]:
     return meta, sha
 
 
-def _existing_version(mlc, name: str, sha: str):
-    found = mlc.search_model_versions(f"name = '{name}' and tags.checkpoint_sha256 = '{sha}'")
-    return min(found, key=lambda mv: int(mv.version)) if found else None
+def _same_checkpoint(mlc, name: str, sha: str, ident: str | None) -> list:
+    """Versions of `name` registered from this checkpoint: the same weights (sha256) of the same run
+    identity (config_hash), oldest first. Equal weights from another run are another registration."""
+    query = f"name = '{name}' and tags.checkpoint_sha256 = '{sha}'"
+    if ident:
+        query += f" and tags.config_hash = '{ident}'"
+    return sorted(mlc.search_model_versions(query), key=lambda mv: int(mv.version))
+
+
+def _existing_version(mlc, name: str, sha: str, ident: str | None = None):
+    found = _same_checkpoint(mlc, name, sha, ident)
+    return found[0] if found else None
+
+
+def _keep_oldest(mlc, name: str, sha: str, ident: str | None, mine):
+    """After creating `mine`: if a concurrent registration of the same checkpoint created one too, the
+    oldest stays and the others are removed by their creators (each sees every older version, so exactly
+    one survives, whatever the interleaving). Returns the survivor."""
+    oldest = _existing_version(mlc, name, sha, ident)
+    if oldest is None or oldest.version == mine.version:
+        return mine
+    mlc.delete_model_version(name, mine.version)
+    if mine.model_id:
+        mlc.delete_logged_model(mine.model_id)
+    log.info("%s version %s duplicated version %s (a concurrent registration); removed it", name,
+             mine.version, oldest.version)
+    return oldest
 
 
 def _log_model(mlc, uri: str, ckpt_dir: Path, meta: dict, name: str, tags: dict, hf: bool,
@@ -193,7 +217,8 @@ def register_checkpoint(ckpt_dir: str | Path, model_name: str | None = None, tra
         except MlflowException:  # created concurrently
             mlc.get_registered_model(name)
     tags = _version_tags(ckpt_dir, meta, sha, flow_run_id)
-    mv, created = _existing_version(mlc, name, sha), False
+    ident = meta.get("identity_hash")
+    mv, created = _existing_version(mlc, name, sha, ident), False
     if mv is not None:
         # already registered: only fill in what was not known then (e.g. HellaSwag from a later eval)
         for k, v in tags.items():
@@ -204,10 +229,12 @@ def register_checkpoint(ckpt_dir: str | Path, model_name: str | None = None, tra
         model_id = _log_model(mlc, uri, ckpt_dir, meta, name, tags, hf, experiment)
         run_id = mlc.get_logged_model(model_id).source_run_id
         # the sha256 tag (the idempotency key) arrives with the version in one call
-        mv = mlc.create_model_version(name, source=f"models:/{model_id}", run_id=run_id, tags=tags,
-                                      model_id=model_id)
-        created = True
-        log.info("registered %s as %s version %s", ckpt_dir, name, mv.version)
+        mine = mlc.create_model_version(name, source=f"models:/{model_id}", run_id=run_id, tags=tags,
+                                        model_id=model_id)
+        mv = _keep_oldest(mlc, name, sha, ident, mine)
+        created = mv.version == mine.version
+        if created:
+            log.info("registered %s as %s version %s", ckpt_dir, name, mv.version)
     _move_best(mlc, name, mv)
     return _describe(mlc, name, mv.version, created, uri)
 
@@ -234,7 +261,7 @@ def registered_version(ckpt_dir: str | Path, model_name: str | None = None,
     uri = tracking_uri or tracking.tracking_uri()
     mlc = tracking.client(uri)
     try:
-        mv = _existing_version(mlc, name, sha)
+        mv = _existing_version(mlc, name, sha, meta.get("identity_hash"))
     except MlflowException:
         return None
     return None if mv is None else _describe(mlc, name, mv.version, False, uri)

@@ -175,3 +175,34 @@ def test_evaluate_a_registered_model_like_its_checkpoint(mlflow_server, ckpts, c
     assert "cannot fetch models:/micro@nope" in capsys.readouterr().err
     assert task_eval.main(["models:/micro@best", "--tracking-uri"]) == 2
     assert "--tracking-uri needs a value" in capsys.readouterr().err
+
+
+def test_concurrent_registrations_of_one_checkpoint_make_one_version(mlflow_server, tmp_path):  # noqa: F811
+    """Four `python -m tasks.register` processes at once on one checkpoint: one version survives (each
+    creator removes its duplicate of an older version); the same weights from another run (another run
+    identity) are a registration of their own."""
+    ck = save_ckpt(tmp_path / "racer", 7, 8.5, seed=11)
+    name = "race-model"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "GPTPIPE_HOME": str(tmp_path / "home")}
+    cmd = [sys.executable, "-m", "tasks.register", str(ck), "--name", name, "--tracking-uri", mlflow_server.uri,
+           "--no-hf"]
+    procs = [subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(4)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
+    versions = {json.loads(o[0])["version"] for o in outs}
+    mlc = MlflowClient(mlflow_server.uri)
+    alive = mlc.search_model_versions(f"name = '{name}'")
+    assert len(alive) == 1 and versions == {alive[0].version}, (versions, [v.version for v in alive])
+    # the same weights, trained in another run: not "already registered"
+    other_run = tmp_path / "other" / "checkpoints"
+    other_run.mkdir(parents=True)
+    ck2 = other_run / ck.name
+    import shutil
+    shutil.copytree(ck, ck2)
+    meta = json.loads((ck2 / "meta.json").read_text())
+    meta["identity_hash"], meta["run_name"] = "another-identity", "other"
+    (ck2 / "meta.json").write_text(json.dumps(meta))
+    assert register.registered_version(ck2, name, tracking_uri=mlflow_server.uri) is None
+    r = register.register_checkpoint(ck2, name, tracking_uri=mlflow_server.uri, hf=False)
+    assert r["created"] and r["version"] != alive[0].version
