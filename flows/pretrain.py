@@ -241,9 +241,7 @@ def pretrain(preset: str = "tiny-cpu", overrides: dict | None = None, nproc: int
     reg = None
     name = model_name or cfg.preset
     if register:
-        from tasks.register import register_task
-
-        from tasks.register import registered_version
+        from tasks.register import register_task, registered_version
 
         reg = registered_version(ckpt, name)
         if reg is not None:
