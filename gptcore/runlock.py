@@ -26,10 +26,11 @@ class LockHeld(RuntimeError):
 
 
 class RunLock:
-    """An exclusive flock on <run_dir>/train.lock, polled for up to `timeout` seconds (0 = try once)."""
+    """An exclusive flock on <run_dir>/train.lock (or another `name`), polled for up to `timeout` seconds
+    (0 = try once)."""
 
-    def __init__(self, run_dir: Path, timeout: float = 0.0, holder: dict | None = None):
-        self.path = Path(run_dir) / LOCK_FILE
+    def __init__(self, run_dir: Path, timeout: float = 0.0, holder: dict | None = None, name: str = LOCK_FILE):
+        self.path = Path(run_dir) / name
         self.timeout = timeout
         self.holder = {"host": socket.gethostname(), "pid": os.getpid(),
                        "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **(holder or {})}

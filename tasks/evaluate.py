@@ -25,9 +25,12 @@ from prefect import get_run_logger, task
 
 from gptcore import evaluate as ev
 from gptcore.config import RunConfig, from_dict
+from gptcore.runlock import RunLock
 from gptcore.shards import atomic_write_bytes
 
 EVAL_FILE = "eval.json"
+EVAL_LOCK = "eval.lock"  # held while a checkpoint is being evaluated
+EVAL_WAIT_SECONDS = 3600.0  # a second evaluation of the same checkpoint waits this long for the first
 
 
 def resolve_target(target: str | Path) -> Path:
@@ -73,11 +76,18 @@ def evaluate_dir(target: str | Path, cfg_dict: dict | None = None, val: bool = T
     if not cfg_dict and (ckpt / META_FILE).is_file():
         cfg_dict = read_meta(ckpt).get("config")  # the config the checkpoint was trained with
     cfg = from_dict(cfg_dict or {})
-    done = stored_evaluation(ckpt, cfg, val)
-    if done is not None:
-        if log:
-            log.info("%s already evaluated (%s); skipping", ckpt, ckpt / EVAL_FILE)
-        return done
+    # one evaluation per checkpoint: a second caller (e.g. another flow run of the same training run) waits
+    # here for the first, then finds its eval.json
+    with RunLock(ckpt, timeout=EVAL_WAIT_SECONDS, name=EVAL_LOCK):
+        done = stored_evaluation(ckpt, cfg, val)
+        if done is not None:
+            if log:
+                log.info("%s already evaluated (%s); skipping", ckpt, ckpt / EVAL_FILE)
+            return done
+        return _evaluate(ckpt, cfg, val, device, log)
+
+
+def _evaluate(ckpt: Path, cfg, val: bool, device: str, log) -> dict:
     t0 = time.time()
     dev, autocast_ctx = ev.pick_device(device)
     model, info = ev.load_target(ckpt, dev)

@@ -232,3 +232,28 @@ def test_evaluate_stage_reports_unreachable_hellaswag(tmp_path, monkeypatch):
     cfg.eval.hellaswag_path = str(FIXTURE)
     cfg.eval.hellaswag_limit = 0
     assert evaluate_dir(str(run_dir), cfg.to_dict(), device="cpu")["hellaswag"]["n"] == 7
+
+
+EVAL_PROC = """
+import json, logging, sys
+from tasks.evaluate import evaluate_dir
+logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout, force=True)
+print("RESULT", json.dumps(evaluate_dir(sys.argv[1], device="cpu", log=logging.getLogger("x"))), flush=True)
+"""
+
+
+def test_two_evaluations_of_one_checkpoint_at_once_evaluate_it_once(tmp_path):
+    """Two processes (two flow runs of one training run) evaluating the same checkpoint: one evaluates,
+    the other waits on the checkpoint's eval.lock and then returns the stored result."""
+    home = tmp_path / "home"
+    run_dir, _ = make_run(home)
+    env = {**os.environ, "GPTPIPE_HOME": str(home), "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+           "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", EVAL_PROC, str(run_dir)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    assert sum("already evaluated" in o for o in outs) == 1, outs
+    assert sum(o.count("\nevaluated ") + o.startswith("evaluated ") for o in outs) == 1, outs
+    results = [json.loads(o.split("RESULT ", 1)[1]) for o in outs]
+    assert results[0] == results[1]
