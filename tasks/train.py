@@ -185,7 +185,7 @@ def end_group(proc: subprocess.Popen, grace: float, log) -> None:
 
 
 def launch(cmd: list[str], run_dir: Path, log, grace: float = GRACE_SECONDS,
-           env: dict | None = None) -> tuple[int, list[str]]:
+           env: dict | None = None, on_tick=None) -> tuple[int, list[str]]:
     """Run the trainer, streaming its output to `log`; returns (exit code, last lines).
 
     The trainer writes to <run_dir>/train.log (appended), which this thread tails: if the flow run's
@@ -218,6 +218,8 @@ def launch(cmd: list[str], run_dir: Path, log, grace: float = GRACE_SECONDS,
                     break
                 else:
                     time.sleep(0.2)
+                if on_tick is not None:
+                    on_tick()
     finally:  # also on cancellation / termination signals / a failing logger: never leave the group
         end_group(proc, grace, log)
     return proc.returncode, list(tail)
@@ -262,9 +264,15 @@ def train_task(preset: str, overrides: dict | None, run_name: str, run_dir: str,
         # the trainer's lock record names this flow run, so a second trainer's error points at it
         env = dict(os.environ, GPTPIPE_LAUNCHED_BY=json.dumps({"flow_run_id": str(flow_run_id),
                                                                 "pid": os.getpid()}))
+        from gptcore.config import load_config
+        from tasks.progress import TrainProgress
+
+        cfg = load_config(preset, overrides, world_size=nproc)
+        progress = TrainProgress(run_dir, run_name, cfg.train.max_steps, cfg.train.max_minutes * 60, shipper, log)
         try:
             cmd = torchrun_cmd(preset, overrides, nproc, shutdown_seconds)
-            rc, tail = launch(cmd, run_dir, log, shutdown_seconds + 30.0, env)  # torchrun's SIGKILL first
+            rc, tail = launch(cmd, run_dir, log, shutdown_seconds + 30.0, env, on_tick=progress.tick)
+            progress.tick(final=True)
         finally:
             if shipper is not None and not shipper.stop():
                 log.warning("MLflow shipping incomplete (%s); metrics stay in %s/metrics.jsonl and are "

@@ -1,0 +1,131 @@
+"""What an on-call engineer sees in the Prefect UI while a run trains: one progress artifact per train task,
+updated in place from <run_dir>/metrics.jsonl (at most every few seconds, from the task's thread: the
+trainer never waits on it), whose description reads
+
+    step 4,210 / 19,073 · loss 3.41 · val 3.52 · 3.6M tok/s · MFU 41% · this run: ETA 1 h 10 min ·
+    whole run: ETA 5 h 10 min · MLflow run <link>
+
+plus warnings in the flow run's log when metrics shipping to MLflow stalls, and an info line once it
+has caught up.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+METRICS_FILE = "metrics.jsonl"  # the trainer's (gptcore/train.py)
+
+HEALTH_WARN_SECONDS = 30.0  # tracking unreachable this long: say so in the flow run's log
+
+
+def _duration(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    h, m = divmod(seconds // 60, 60)
+    return f"{h} h {m} min" if h else f"{m} min {seconds % 60} s" if m else f"{seconds} s"
+
+
+def artifact_key(run_name: str) -> str:
+    return re.sub(r"[^a-z0-9-]+", "-", f"{run_name}-training".lower()).strip("-")
+
+
+class TrainProgress:
+    """Tails metrics.jsonl from where it was when the train task started and publishes progress."""
+
+    def __init__(self, run_dir: Path, run_name: str, max_steps: int, budget_s: float, shipper, log,
+                 every: float = 5.0):
+        self.path = Path(run_dir) / METRICS_FILE
+        self.run_name, self.max_steps, self.budget_s = run_name, max_steps, budget_s
+        self.shipper, self.log, self.every = shipper, log, every
+        self.offset = self.path.stat().st_size if self.path.is_file() else 0
+        self.t0, self.last_publish = time.time(), 0.0
+        self.first: tuple[float, int] | None = None  # (time, step) of the first step of this invocation
+        self.step, self.loss, self.val, self.tok_s, self.mfu = 0, None, None, None, None
+        self.artifact_id = None
+        self.down_since: float | None = None  # tracking unreachable since
+        self.shipped_then = 0  # rows the shipper had sent when the outage began
+        self.warned = False
+
+    def _read(self) -> None:
+        if not self.path.is_file():
+            return
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            data = f.read()
+        end = data.rfind(b"\n") + 1  # complete lines only
+        self.offset += end
+        for line in data[:end].splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if row.get("kind", "train") == "train":
+                self.step, self.loss = row["step"], row.get("train/loss")
+                self.tok_s, self.mfu = row.get("train/tokens_per_s"), row.get("train/mfu")
+                if self.first is None:
+                    self.first = (time.time(), self.step - 1)
+            elif "val/loss" in row:
+                self.val = row["val/loss"]
+
+    def describe(self) -> str:
+        parts = [f"step {self.step:,} / {self.max_steps:,}"]
+        if self.loss is not None:
+            parts.append(f"loss {self.loss:.3f}")
+        if self.val is not None:
+            parts.append(f"val {self.val:.3f}")
+        if self.tok_s:
+            parts.append(f"{self.tok_s / 1e6:.2f}M tok/s" if self.tok_s >= 1e5 else f"{self.tok_s:,.0f} tok/s")
+        if self.mfu:
+            parts.append(f"MFU {self.mfu:.0%}")
+        if self.first is not None and self.step > self.first[1]:
+            rate = (self.step - self.first[1]) / max(time.time() - self.first[0], 1e-6)  # steps/s
+            to_end = (self.max_steps - self.step) / rate
+            here = min(to_end, self.budget_s - (time.time() - self.t0)) if self.budget_s else to_end
+            parts += [f"this run: ETA {_duration(here)}", f"whole run: ETA {_duration(to_end)}"]
+        if self.shipper is not None and self.shipper.run_id:
+            parts.append(f"MLflow run {self.shipper.run_id}")
+        if self.down_since is not None:
+            parts.append(f"tracking delayed {_duration(time.time() - self.down_since)}")
+        return " · ".join(parts)
+
+    def tick(self, final: bool = False) -> None:
+        """Called often from the launcher's loop; does work at most every `every` seconds."""
+        now = time.time()
+        if not final and now - self.last_publish < self.every:
+            return
+        self.last_publish = now
+        try:
+            self._read()
+            self._health(now)
+            self._publish()
+        except Exception as e:  # noqa: BLE001 -- progress is a convenience: never fail training for it
+            self.log.debug("progress update failed: %s", e)
+
+    def _publish(self) -> None:
+        from prefect.artifacts import create_progress_artifact, update_progress_artifact
+
+        pct = 100.0 * min(self.step, self.max_steps) / max(self.max_steps, 1)
+        if self.artifact_id is None:
+            self.artifact_id = create_progress_artifact(pct, key=artifact_key(self.run_name),
+                                                        description=self.describe())
+        else:
+            update_progress_artifact(self.artifact_id, pct, description=self.describe())
+
+    def _health(self, now: float) -> None:
+        s = self.shipper
+        if s is None:
+            return
+        if s.last_error is not None:
+            if self.down_since is None:
+                self.down_since, self.shipped_then, self.warned = now, s.shipped, False
+            elif now - self.down_since >= HEALTH_WARN_SECONDS and not self.warned:
+                self.log.warning("metrics are not reaching MLflow for %s (%s); they stay in %s and are sent "
+                                 "when it is back", _duration(now - self.down_since), s.last_error, self.path)
+                self.warned = True  # once per outage
+        elif self.down_since is not None:
+            if self.warned:
+                self.log.info("MLflow shipping caught up after %s: %s rows were sent late",
+                              _duration(now - self.down_since), f"{s.shipped - self.shipped_then:,}")
+            self.down_since = None
