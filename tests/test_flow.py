@@ -230,3 +230,43 @@ def test_concurrency_slot_set_up_by_many_flow_runs_at_once(prefect_stack):
     assert errors == []
     with get_client(sync_client=True) as c:
         assert c.read_global_concurrency_limit_by_name(f"train-{run_name}").limit == 1
+
+
+def test_failure_automation_for_the_nightly_deployment_is_created(prefect_stack, tmp_path):
+    """deployments/automations.py creates (then updates, by name) the automation that fires on a Failed or
+    Crashed flow run of pretrain/gpt2-124m, on the real server; with a notification block it sends
+    through it."""
+    import subprocess
+    import sys
+
+    from prefect.automations import Automation
+    from prefect.blocks.notifications import SlackWebhook
+    from prefect.client.orchestration import get_client
+
+    script = Path(__file__).resolve().parents[1] / "deployments" / "automations.py"
+    env = {**os.environ, "PREFECT_API_URL": prefect_stack.prefect_api_url}
+
+    def run(*args):
+        return subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True, text=True,
+                              timeout=120)
+
+    r = run()
+    assert r.returncode == 0, r.stderr[-2000:]
+    with get_client(sync_client=True) as c:
+        dep = c.read_deployment_by_name("pretrain/gpt2-124m")
+    auto = Automation.read(name="pretrain/gpt2-124m: failed or crashed")
+    assert auto.enabled and set(auto.trigger.expect) == {"prefect.flow-run.Failed", "prefect.flow-run.Crashed"}
+    related = auto.trigger.match_related
+    related = related[0] if isinstance(related, list) else related
+    assert related.model_dump() == {"prefect.resource.id": f"prefect.deployment.{dep.id}"}  # a ResourceSpecification
+    assert [a.type for a in auto.actions] == ["do-nothing"]
+    # point it at a notification block (never called here: nothing fails)
+    SlackWebhook(url="http://127.0.0.1:9/hook").save("nightly-alerts", overwrite=True)
+    r = run("--notify-block", "slack-webhook/nightly-alerts")
+    assert r.returncode == 0, r.stderr[-2000:]
+    again = Automation.read(name="pretrain/gpt2-124m: failed or crashed")
+    assert again.id == auto.id and [a.type for a in again.actions] == ["send-notification"]
+    r = run("--notify-block", "slack-webhook/no-such-block")
+    assert r.returncode == 2 and "error: notification block" in r.stderr
+    r = run("--deployment", "nope")
+    assert r.returncode == 2 and "deploy it first" in r.stderr

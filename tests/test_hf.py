@@ -83,7 +83,8 @@ def test_export_loads_in_transformers_same_logits_and_greedy_tokens(tmp_path):
     out = export_hf(ours, tmp_path / "export" / "hf")
     assert out == tmp_path / "export" / "hf"
     files = sorted(p.name for p in out.iterdir())
-    assert files == ["config.json", "generation_config.json", "model.safetensors"]
+    assert files == ["config.json", "generation_config.json", "merges.txt", "model.safetensors",
+                     "special_tokens_map.json", "tokenizer_config.json", "vocab.json"]
     assert [p.name for p in out.parent.iterdir()] == ["hf"]  # no temp dir left behind
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         assert "lm_head.weight" not in set(f.keys())  # tied: stored once, as HF does
