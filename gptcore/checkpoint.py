@@ -69,9 +69,14 @@ def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu").contiguous() for k, v in sd.items()}
 
 
+def non_finite(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """Names of the floating-point tensors holding a NaN or an infinity."""
+    return [k for k, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+
+
 def save_weights(model: torch.nn.Module, path: Path) -> None:
     tensors = model_tensors(model)
-    bad = [k for k, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    bad = non_finite(tensors)
     if bad:
         raise CheckpointError(f"refusing to write {path}: non-finite values in {bad[:5]}")
     save_file(tensors, str(path), metadata={"format": "pt"})
@@ -267,8 +272,7 @@ def load_for_resume(ckpt_dir: Path, model: torch.nn.Module) -> tuple[dict, dict]
     if "trainer_sha256" in meta:  # checkpoints written before it was recorded have only the model hash
         _same_hash(ckpt_dir / TRAINER_FILE, meta["trainer_sha256"], TRAINER_FILE)
     load_weights(model, ckpt_dir / MODEL_FILE)
-    bad = [k for k, v in unwrap(model).state_dict().items()
-           if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    bad = non_finite(unwrap(model).state_dict())
     if bad:
         raise CheckpointError(f"non-finite weights in {bad[:5]}")
     return meta, load_trainer_state(ckpt_dir)

@@ -17,6 +17,7 @@ Shuffling matters: build-nanogpt's periodic loss bumps came from reading shards 
 from __future__ import annotations
 
 import bisect
+import json
 from pathlib import Path
 
 import numpy as np
@@ -49,8 +50,6 @@ def verify_hashes(dataset_dir: Path, manifest: Manifest, cache: Path) -> None:
     repair. Hashes are remembered in `cache` by (size, mtime, inode), so a nightly restart re-hashes only
     files that changed (a 10B-token dataset is ~20 GB: ~28 s to hash at the 0.71 GB/s measured cold here,
     docs/data.md)."""
-    import json
-
     try:
         known = json.loads(Path(cache).read_text())
     except (OSError, ValueError):
