@@ -186,15 +186,19 @@ def _finite(v) -> bool:
     return isinstance(v, (int, float)) and math.isfinite(v)
 
 
+def healthy(meta: dict) -> bool:
+    """Written from a step with a finite train loss (or before the guard recorded one)."""
+    return meta.get("train_loss") is None or _finite(meta["train_loss"])
+
+
 def newest_healthy(ckpts: list[Path]) -> Path | None:
-    """The newest of `ckpts` whose meta records a finite train loss (or none: written before the guard)."""
+    """The newest of `ckpts` that is healthy (see `healthy`)."""
     for c in reversed(ckpts):
         try:
-            loss = read_meta(c).get("train_loss")
+            if healthy(read_meta(c)):
+                return c
         except CheckpointError:
             continue
-        if loss is None or _finite(loss):
-            return c
     return None
 
 

@@ -446,7 +446,7 @@ def roll_back(cfg: RunConfig, run_dir: Path, raw: GPT, optimizer, loader: ShardL
             if env.master:
                 checkpoint.reject(ck, str(e))
             continue
-        if meta.get("train_loss") is not None and not math.isfinite(meta["train_loss"]):
+        if not checkpoint.healthy(meta):
             continue  # written during the trouble
         skipped = loader.position - int(ts["loader"]["position"])
         optimizer.zero_grad(set_to_none=True)
