@@ -137,7 +137,7 @@ def why_incomplete(cfg: RunConfig, full: bool = False) -> str | None:
         return f"shards missing or damaged: {', '.join(bad[:5])}"
     if d.source not in ("builtin", "hf"):
         try:
-            previous = sources.load_listing(pipeline_home() / "raw" / sources.source_id(cfg))[1]
+            previous = sources.load_listing(listing_path(cfg).parent)[1]
         except (sources.SourceError, ValueError, KeyError, TypeError):
             previous = []
         now = sources.local_files(d.source, previous)
@@ -472,7 +472,7 @@ def _tokenize_job(args):
 
 
 def listing_path(cfg: RunConfig) -> Path:
-    return pipeline_home() / "raw" / sources.source_id(cfg) / sources.LISTING
+    return sources.raw_dir(cfg) / sources.LISTING
 
 
 def discard_partial(cfg: RunConfig, listing_existed: bool) -> None:

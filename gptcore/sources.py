@@ -80,10 +80,15 @@ def safe_name(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", name)
 
 
+def raw_dir(cfg: RunConfig) -> Path:
+    """<home>/raw/<source_id>/: the listing (source.json) and any downloaded files."""
+    return pipeline_home() / "raw" / source_id(cfg)
+
+
 def fetch(cfg: RunConfig) -> Path:
     """Make the source available locally and verified; returns the source directory (with source.json).
     A second call with everything in place only checks sizes/mtimes: no network, no re-hashing."""
-    source_dir = pipeline_home() / "raw" / source_id(cfg)
+    source_dir = raw_dir(cfg)
     if cfg.data.source == "builtin":
         files = [_builtin_file()]
     elif cfg.data.source == "hf":
