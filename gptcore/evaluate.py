@@ -148,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         result = evaluate_model(model, cfg, device, autocast_ctx, hellaswag=not args.no_hellaswag,
                                 hellaswag_path=args.hellaswag, limit=args.limit, val=args.val,
                                 manifest_dir=Path(args.data) if args.data else None, rank=rank, world=world)
+        distributed.barrier()  # every rank is done with its collectives before any tears the group down
     except (OSError, ValueError, RuntimeError, ConfigError, ImportError) as e:
         # HellaSwagError / ConfigError are ValueErrors, ShardError / CheckpointError RuntimeErrors
         print(f"error: {e}", file=sys.stderr)
