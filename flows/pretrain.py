@@ -32,7 +32,8 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from gptcore.config import ConfigError, RunConfig, load_config
-from tasks.train import resolve_nproc, run_state, train_task
+from gptcore.run_files import read_meta, run_dir_for, run_state
+from tasks.train import resolve_nproc, train_task
 
 # pydantic notes that the parameter name `register` shadows a BaseModel method; harmless for validation
 warnings.filterwarnings("ignore", message='Field name "register"')
@@ -141,25 +142,27 @@ def sample_done(ckpt: str, model_uri: str | None, prompt: str, max_new_tokens: i
 
 
 def mlflow_links(reg: dict | None, run_name: str) -> str:
-    """Markdown links to the MLflow run and model version (when MLflow is a server with a UI)."""
-    from tasks import tracking
+    """Markdown links to the MLflow run and model version (when MLflow is a server with a UI); read over
+    REST, so a re-run that changes nothing does not import mlflow."""
+    from tasks import mlflow_store as store
 
-    uri = tracking.tracking_uri()
+    uri = store.tracking_uri()
     if not uri.startswith("http"):
         return f"MLflow store: `{uri}` (no UI server); run `mlflow ui --backend-store-uri {uri}` to browse."
     lines = []
     try:
-        mlc = tracking.client(uri)
-        exp = mlc.get_experiment_by_name(tracking.EXPERIMENT)
+        exp = (store.rest_get(uri, "experiments/get-by-name", {"experiment_name": store.EXPERIMENT})
+               or {}).get("experiment")
         run_id = reg["run_id"] if reg else None
         if exp is not None and run_id is None:
-            runs = mlc.search_runs([exp.experiment_id], f"tags.`{tracking.TAG_RUN_NAME}` = '{run_name}'",
-                                   max_results=1)
-            run_id = runs[0].info.run_id if runs else None
+            runs = store.rest_post(uri, "runs/search", {
+                "experiment_ids": [exp["experiment_id"]], "max_results": 1,
+                "filter": f"tags.`{store.TAG_RUN_NAME}` = '{run_name}'"}).get("runs") or []
+            run_id = runs[0]["info"]["run_id"] if runs else None
         if exp is not None and run_id:
-            lines.append(f"- MLflow run: [{run_name}]({uri}/#/experiments/{exp.experiment_id}/runs/{run_id})")
-    except Exception as e:  # noqa: BLE001 -- links are a convenience; never fail the flow for them
-        lines.append(f"- MLflow run: unavailable ({type(e).__name__}: {e})")
+            lines.append(f"- MLflow run: [{run_name}]({uri}/#/experiments/{exp['experiment_id']}/runs/{run_id})")
+    except store.RestUnavailable as e:  # links are a convenience; never fail the flow for them
+        lines.append(f"- MLflow run: unavailable ({e})")
     if reg:
         lines.append(f"- Model version: [{reg['name']} v{reg['version']}]({uri}/#/models/{reg['name']}/versions/"
                      f"{reg['version']}) (`{reg['model_uri']}`)")
@@ -184,10 +187,11 @@ def pretrain(preset: str = "tiny-cpu", overrides: dict | None = None, nproc: int
     """
     log = get_run_logger()
     check_params(nproc, wait_seconds, model_name)
-    nproc = resolve_nproc(nproc)
-    cfg = check_config(preset, overrides, nproc)
+    # nproc=0 (one per GPU) is resolved only when there is training to do: counting GPUs imports torch,
+    # which a re-run that skips everything should not pay for
+    cfg = check_config(preset, overrides, nproc or 1)
     run_name, ident = cfg.run_name, cfg.identity_hash()
-    log.info("run %s (identity %s), preset %s, %d process(es)", run_name, ident, preset, nproc)
+    log.info("run %s (identity %s), preset %s, %s process(es)", run_name, ident, preset, nproc or "auto")
     stages: list[dict] = []
 
     def stage(name: str, status: str, detail: str = "") -> None:
@@ -205,13 +209,13 @@ def pretrain(preset: str = "tiny-cpu", overrides: dict | None = None, nproc: int
                                       "val tokens)")
 
     # 3. train
-    from gptcore.train import run_dir_for
-
     run_dir = run_dir_for(cfg)
     state = run_state(run_dir, ident)
     if state["done"]:
         stage("train", "skipped", f"{run_dir} is DONE at step {state['step']}")
     else:
+        nproc = resolve_nproc(nproc)
+        check_config(preset, overrides, nproc)  # the batch must split over the real number of processes
         state = train_task(preset, overrides, run_name, str(run_dir), ident, nproc, wait_seconds=wait_seconds,
                            tracking=tracking)
         stage("train", "ran", f"steps {state.get('resumed_from') or 0} -> {state['step']}"
@@ -287,8 +291,6 @@ def pretrain(preset: str = "tiny-cpu", overrides: dict | None = None, nproc: int
 
 
 def _tokens_seen(ckpt: str) -> int | None:
-    from gptcore.checkpoint import read_meta
-
     return read_meta(Path(ckpt)).get("tokens_seen")
 
 

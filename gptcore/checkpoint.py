@@ -20,10 +20,8 @@ finite weights); one that fails is moved to `checkpoints/rejected/` with a `why.
 from __future__ import annotations
 
 import json
-import math
 import os
 import pickle
-import re
 import shutil
 import time
 import zipfile
@@ -35,29 +33,29 @@ from safetensors.torch import load_file, save_file
 
 from gptcore.config import ModelConfig
 from gptcore.model import GPT, clean_state_dict, unwrap
+from gptcore.run_files import (  # noqa: F401 -- the torch-free half of this module, used through it too
+    META_FILE,
+    REJECTED_DIR,
+    CheckpointError,
+    best_checkpoint,
+    checkpoints_dir,
+    healthy,
+    latest_checkpoint,
+    list_checkpoints,
+    newest_healthy,
+    read_meta,
+    rejected,
+    step_dir,
+    step_dirs,
+)
 from gptcore.shards import file_sha256
 
 MODEL_FILE = "model.safetensors"
 TRAINER_FILE = "trainer.pt"
-META_FILE = "meta.json"
-REJECTED_DIR = "rejected"  # checkpoints/rejected/step_.../ (+ why.txt): failed verification, kept for a look
 TIED = ("lm_head.weight", "transformer.wte.weight")  # (dropped on save, kept) - the same tensor
-_STEP_DIR = re.compile(r"^step_(\d{8})$")
 # what reading a damaged file can raise (truncated zip or safetensors header, bad pickle, bad JSON, I/O)
 READ_ERRORS = (OSError, ValueError, RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile,
                SafetensorError)
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete, corrupt, or does not fit the model; the message says what."""
-
-
-def checkpoints_dir(run_dir: Path) -> Path:
-    return Path(run_dir) / "checkpoints"
-
-
-def step_dir(run_dir: Path, step: int) -> Path:
-    return checkpoints_dir(run_dir) / f"step_{step:08d}"
 
 
 # --- weights ------------------------------------------------------------------------------------
@@ -173,71 +171,6 @@ def prune(run_dir: Path, keep_last: int) -> list[Path]:
 
 # --- reading ------------------------------------------------------------------------------------
 
-def list_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoints (those with meta.json), oldest step first."""
-    d = checkpoints_dir(run_dir)
-    if not d.is_dir():
-        return []
-    found = [p for p in d.iterdir() if _STEP_DIR.match(p.name) and (p / META_FILE).is_file()]
-    return sorted(found, key=lambda p: p.name)
-
-
-def _finite(v) -> bool:
-    return isinstance(v, (int, float)) and math.isfinite(v)
-
-
-def healthy(meta: dict) -> bool:
-    """Written from a step with a finite train loss (or before the guard recorded one)."""
-    return meta.get("train_loss") is None or _finite(meta["train_loss"])
-
-
-def newest_healthy(ckpts: list[Path]) -> Path | None:
-    """The newest of `ckpts` that is healthy (see `healthy`)."""
-    for c in reversed(ckpts):
-        try:
-            if healthy(read_meta(c)):
-                return c
-        except CheckpointError:
-            continue
-    return None
-
-
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    ckpts = list_checkpoints(run_dir)
-    return ckpts[-1] if ckpts else None
-
-
-def best_checkpoint(run_dir: Path) -> Path | None:
-    """The checkpoint with the lowest recorded val loss (latest step wins ties); the latest checkpoint
-    if none has a val loss; None if there are no checkpoints."""
-    ckpts = list_checkpoints(run_dir)
-    scored = []
-    for c in ckpts:
-        try:
-            v = read_meta(c).get("val_loss")
-        except CheckpointError:
-            continue
-        if _finite(v):  # skip None, NaN and inf
-            scored.append((v, -int(c.name[5:]), c))
-    if scored:
-        return min(scored)[2]
-    return ckpts[-1] if ckpts else None
-
-
-def read_meta(ckpt_dir: Path) -> dict:
-    path = Path(ckpt_dir) / META_FILE
-    if not path.is_file():
-        raise CheckpointError(f"{ckpt_dir} is not a checkpoint: no {META_FILE}; pass a directory like "
-                              "<home>/runs/<run>/checkpoints/step_00001000")
-    try:
-        meta = json.loads(path.read_text())
-    except (ValueError, OSError) as e:
-        raise CheckpointError(f"{path} is not valid JSON ({e}); the checkpoint is corrupt") from e
-    if not isinstance(meta, dict):
-        raise CheckpointError(f"{path} holds no JSON object; the checkpoint is corrupt")
-    return meta
-
-
 def load_trainer_state(ckpt_dir: Path, map_location="cpu") -> dict:
     path = Path(ckpt_dir) / TRAINER_FILE
     if not path.is_file():
@@ -251,12 +184,6 @@ def load_trainer_state(ckpt_dir: Path, map_location="cpu") -> dict:
 
 
 # --- resuming: verify whole, fall back, keep what failed -------------------------------------------
-
-def step_dirs(run_dir: Path) -> list[Path]:
-    """Every step_* directory, complete or not, oldest first (what a resume has to choose from)."""
-    d = checkpoints_dir(run_dir)
-    return sorted(p for p in d.iterdir() if _STEP_DIR.match(p.name)) if d.is_dir() else []
-
 
 def _same_hash(path: Path, expected, what: str) -> None:
     if not isinstance(expected, str) or len(expected) != 64:
@@ -293,11 +220,6 @@ def reject(ckpt_dir: Path, why: str) -> Path:
     os.replace(ckpt_dir, dest)
     (dest / "why.txt").write_text(f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')}: {why}\n")
     return dest
-
-
-def rejected(run_dir: Path) -> list[Path]:
-    d = checkpoints_dir(run_dir) / REJECTED_DIR
-    return sorted(p for p in d.iterdir() if p.is_dir()) if d.is_dir() else []
 
 
 def load_model(ckpt_dir: Path, device="cpu", verify: bool = True) -> tuple[GPT, dict]:

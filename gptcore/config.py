@@ -307,17 +307,25 @@ def _set(cfg: RunConfig, key: str, value) -> None:
     setattr(section, name, _coerce(value, hints[name], key))
 
 
+def flatten(d: dict, prefix: str = "") -> dict[str, object]:
+    """{"train": {"max_steps": 50}, "model.n_layer": 2} -> {"train.max_steps": 50, "model.n_layer": 2}: the
+    one flattener (overrides from Prefect, the torchrun command line, MLflow params)."""
+    out: dict[str, object] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
 def apply_overrides(cfg: RunConfig, overrides: list[str] | dict | None) -> RunConfig:
     """Apply `section.key=value` strings (CLI) or a {"section.key": value} / nested dict (Prefect)."""
     if not overrides:
         return cfg
     items: list[tuple[str, object]] = []
     if isinstance(overrides, dict):
-        for k, v in overrides.items():
-            if isinstance(v, dict):
-                items += [(f"{k}.{kk}", vv) for kk, vv in v.items()]
-            else:
-                items.append((k, v))
+        items = list(flatten(overrides).items())
     else:
         for text in overrides:
             if "=" not in text:

@@ -34,12 +34,13 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gptcore import checkpoint, distributed
-from gptcore.config import ConfigError, RunConfig, load_config, pipeline_home
+from gptcore.config import ConfigError, RunConfig, load_config
 from gptcore.data import ShardLoader, open_dataset, verify_hashes
 from gptcore.guard import OK, ROLLBACK, SKIP, FaultInjector, Guard
 from gptcore.loss import make_loss
 from gptcore.metrics import JsonlLogger, NullLogger
 from gptcore.model import GPT, peak_flops_guess
+from gptcore.run_files import run_dir_for
 from gptcore.runlock import LockHeld, RunLock
 from gptcore.shards import Manifest, ShardError, atomic_write_bytes
 
@@ -65,11 +66,6 @@ def lr_at(it: int, cfg: RunConfig) -> float:
 
 
 # --- where things are -----------------------------------------------------------------------------
-
-def run_dir_for(cfg: RunConfig) -> Path:
-    return Path(cfg.train.run_dir).expanduser().resolve() if cfg.train.run_dir else \
-        pipeline_home() / "runs" / cfg.run_name
-
 
 def dataset_dir_for(cfg: RunConfig) -> Path:
     if cfg.data.dataset_dir:

@@ -23,8 +23,8 @@ from pathlib import Path
 
 from prefect import get_run_logger, task
 
-from gptcore import evaluate as ev
 from gptcore.config import RunConfig, from_dict
+from gptcore.run_files import META_FILE, latest_checkpoint, read_meta
 from gptcore.runlock import RunLock
 from gptcore.shards import atomic_write_bytes
 
@@ -35,8 +35,6 @@ EVAL_WAIT_SECONDS = 3600.0  # a second evaluation of the same checkpoint waits t
 
 def resolve_target(target: str | Path) -> Path:
     """A run dir means its newest checkpoint; a checkpoint or HF export dir is used as is."""
-    from gptcore.checkpoint import latest_checkpoint
-
     path = Path(target)
     if (path / "checkpoints").is_dir():
         ckpt = latest_checkpoint(path)
@@ -70,8 +68,6 @@ def evaluate_dir(target: str | Path, cfg_dict: dict | None = None, val: bool = T
                  device: str = "auto", log=None) -> dict:
     """Evaluate (or return the stored evaluation of) the checkpoint behind `target`. Plain function:
     the Prefect task below wraps it, and tests / other tools can call it directly."""
-    from gptcore.checkpoint import META_FILE, read_meta
-
     ckpt = resolve_target(target)
     if not cfg_dict and (ckpt / META_FILE).is_file():
         cfg_dict = read_meta(ckpt).get("config")  # the config the checkpoint was trained with
@@ -88,6 +84,8 @@ def evaluate_dir(target: str | Path, cfg_dict: dict | None = None, val: bool = T
 
 
 def _evaluate(ckpt: Path, cfg, val: bool, device: str, log) -> dict:
+    from gptcore import evaluate as ev  # torch: only when there is work to do
+
     t0 = time.time()
     dev, autocast_ctx = ev.pick_device(device)
     model, info = ev.load_target(ckpt, dev)
@@ -128,10 +126,10 @@ def fetch_registered(model_uri: str, dst: Path, tracking_uri: str | None = None)
     dir (model.safetensors + meta.json, the layout tasks/register.py logs)."""
     import mlflow
 
-    from tasks import tracking
+    from tasks import mlflow_store as store
     from tasks.register import resolve_model_uri
 
-    tracking.use_store(tracking_uri)
+    store.use_store(tracking_uri)
     path = Path(mlflow.artifacts.download_artifacts(artifact_uri=f"{resolve_model_uri(model_uri)}/artifacts/"
                                                                  "checkpoint", dst_path=str(dst)))
     if not (path / "meta.json").is_file() or not (path / "model.safetensors").is_file():
@@ -141,6 +139,8 @@ def fetch_registered(model_uri: str, dst: Path, tracking_uri: str | None = None)
 
 
 def main(argv: list[str] | None = None) -> int:
+    from gptcore import evaluate as ev
+
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or not argv[0].startswith("models:/"):
         return ev.main(argv)

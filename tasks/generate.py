@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tasks import tracking
+from tasks import mlflow_store as store
 from tasks.mlflow_model import DEFAULT_PARAMS
 from tasks.register import resolve_model_uri
 
@@ -21,7 +21,7 @@ from tasks.register import resolve_model_uri
 def load(model_uri: str, tracking_uri: str | None = None):
     import mlflow
 
-    tracking.use_store(tracking_uri)
+    store.use_store(tracking_uri)
     return mlflow.pyfunc.load_model(resolve_model_uri(model_uri))
 
 

@@ -31,8 +31,13 @@ import tempfile
 from importlib import metadata
 from pathlib import Path
 
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from gptcore.config import flatten
+from gptcore.run_files import read_meta
 from gptcore.shards import file_sha256
-from tasks import tracking
+from tasks import mlflow_store as store
 
 log = logging.getLogger("gptpipe.register")
 
@@ -87,15 +92,13 @@ def _version_tags(ckpt_dir: Path, meta: dict, sha: str, flow_run_id: str | None)
         "step": meta["step"], "tokens_seen": meta.get("tokens_seen"), "val_loss": val,
         "hellaswag_acc": hs.get("acc"), "hellaswag_acc_norm": hs.get("acc_norm"), "hellaswag_n": hs.get("n"),
         "manifest_id": meta.get("manifest_id"), "config_hash": meta.get("identity_hash"),
-        "run_name": meta.get("run_name"), "code_version": tracking.code_version(),
+        "run_name": meta.get("run_name"), "code_version": store.code_version(),
         "flow_run_id": flow_run_id, "checkpoint_sha256": sha, "checkpoint": meta.get("checkpoint_dir"),
     }
     return {k: str(v) for k, v in tags.items() if v is not None}
 
 
 def _read_checkpoint(ckpt_dir: Path) -> tuple[dict, str]:
-    from gptcore.checkpoint import read_meta
-
     if not (ckpt_dir / "meta.json").is_file() or not (ckpt_dir / "model.safetensors").is_file():
         raise RegistryError(f"{ckpt_dir} is not a checkpoint (needs meta.json and model.safetensors); pass a "
                             "directory like <home>/runs/<run>/checkpoints/step_00001000")
@@ -108,13 +111,17 @@ def _read_checkpoint(ckpt_dir: Path) -> tuple[dict, str]:
     return meta, sha
 
 
-def _same_checkpoint(mlc, name: str, sha: str, ident: str | None) -> list:
+def _same_checkpoint_filter(name: str, sha: str, ident: str | None) -> str:
     """Versions of `name` registered from this checkpoint: the same weights (sha256) of the same run
-    identity (config_hash), oldest first. Equal weights from another run are another registration."""
+    identity (config_hash). Equal weights from another run are another registration."""
     query = f"name = '{name}' and tags.checkpoint_sha256 = '{sha}'"
-    if ident:
-        query += f" and tags.config_hash = '{ident}'"
-    return sorted(mlc.search_model_versions(query), key=lambda mv: int(mv.version))
+    return query + (f" and tags.config_hash = '{ident}'" if ident else "")
+
+
+def _same_checkpoint(mlc, name: str, sha: str, ident: str | None) -> list:
+    """The versions of _same_checkpoint_filter, oldest first."""
+    return sorted(mlc.search_model_versions(_same_checkpoint_filter(name, sha, ident)),
+                  key=lambda mv: int(mv.version))
 
 
 def _existing_version(mlc, name: str, sha: str, ident: str | None = None):
@@ -146,10 +153,10 @@ def _log_model(mlc, uri: str, ckpt_dir: Path, meta: dict, name: str, tags: dict,
     from gptcore.checkpoint import load_model
     from tasks.mlflow_model import SIGNATURE
 
-    run_id = tracking.find_or_create_run(mlc, meta["run_name"], meta["identity_hash"], experiment)
+    run_id = store.find_or_create_run(mlc, meta["run_name"], meta["identity_hash"], experiment)
     exp_id = mlc.get_run(run_id).info.experiment_id
-    tracking.use_store(uri)  # the fluent log_model below resolves the store from it
-    params = tracking.flatten({"model": meta.get("model_config") or meta["config"]["model"]})
+    store.use_store(uri)  # the fluent log_model below resolves the store from it
+    params = {k: str(v) for k, v in flatten({"model": meta.get("model_config") or meta["config"]["model"]}).items()}
     lm = mlflow.initialize_logged_model(name=name, source_run_id=run_id, experiment_id=exp_id,
                                         tags=tags, params=params, model_type="gpt2-text-generation")
     try:
@@ -199,15 +206,15 @@ def _move_best(mlc, name: str, mv) -> bool:
 
 def register_checkpoint(ckpt_dir: str | Path, model_name: str | None = None, tracking_uri: str | None = None,
                         flow_run_id: str | None = None, hf: bool = True,
-                        experiment: str = tracking.EXPERIMENT) -> dict:
+                        experiment: str = store.EXPERIMENT) -> dict:
     """Register one checkpoint (idempotent); returns the version's name, number, aliases and tags."""
     from mlflow.exceptions import MlflowException
 
     ckpt_dir = Path(ckpt_dir)
     meta, sha = _read_checkpoint(ckpt_dir)
     name = model_name or meta["config"]["preset"]
-    uri = tracking_uri or tracking.tracking_uri()
-    mlc = tracking.client(uri)
+    uri = tracking_uri or store.tracking_uri()
+    mlc = store.client(uri)
     try:
         mlc.get_registered_model(name)
     except MlflowException:
@@ -251,15 +258,22 @@ def _describe(mlc, name: str, version, created: bool, uri: str) -> dict:
 
 def registered_version(ckpt_dir: str | Path, model_name: str | None = None,
                        tracking_uri: str | None = None) -> dict | None:
-    """The version already holding this checkpoint's weights (as register_checkpoint describes it, with
-    created=False), or None. Read-only: for a flow deciding whether to register."""
+    """The version already holding this checkpoint (as register_checkpoint describes it, with
+    created=False), or None. Read-only, for a flow deciding whether to register: against a tracking server
+    it reads over REST without importing mlflow, and it trusts the sha256 that meta.json records (the
+    register task itself hashes the file)."""
+    ckpt_dir = Path(ckpt_dir)
+    meta = read_meta(ckpt_dir)
+    sha = meta.get("model_sha256") or _read_checkpoint(ckpt_dir)[1]
+    name = model_name or meta["config"]["preset"]
+    uri = tracking_uri or store.tracking_uri()
+    try:
+        return _registered_over_rest(uri, name, sha, meta.get("identity_hash"))
+    except store.RestUnavailable:
+        pass  # the embedded store, or a server the plain REST read cannot use: ask the client
     from mlflow.exceptions import MlflowException
 
-    ckpt_dir = Path(ckpt_dir)
-    meta, sha = _read_checkpoint(ckpt_dir)
-    name = model_name or meta["config"]["preset"]
-    uri = tracking_uri or tracking.tracking_uri()
-    mlc = tracking.client(uri)
+    mlc = store.client(uri)
     try:
         mv = _existing_version(mlc, name, sha, meta.get("identity_hash"))
     except MlflowException:
@@ -267,24 +281,35 @@ def registered_version(ckpt_dir: str | Path, model_name: str | None = None,
     return None if mv is None else _describe(mlc, name, mv.version, False, uri)
 
 
-try:  # the Prefect task the flow uses; the plain function above needs no Prefect server
-    from prefect import task
-    from prefect.cache_policies import NO_CACHE
+def _registered_over_rest(uri: str, name: str, sha: str, ident: str | None) -> dict | None:
+    found = store.rest_versions(uri, _same_checkpoint_filter(name, sha, ident))
+    if not found:
+        return None
+    mv = min(found, key=lambda v: int(v["version"]))
+    full = (store.rest_get(uri, "model-versions/get", {"name": name, "version": mv["version"]}) or {})
+    full = full.get("model_version") or mv
+    newest = store.rest_versions(uri, f"name = '{name}'", order_by="version_number DESC", max_results=1)
+    aliases = sorted(full.get("aliases", [])) + (["latest"] if newest and newest[0]["version"] == mv["version"]
+                                                 else [])
+    return {"name": name, "version": str(mv["version"]), "aliases": aliases, "created": False,
+            "model_uri": f"models:/{name}/{mv['version']}", "run_id": full.get("run_id"),
+            "model_id": full.get("model_id") or full.get("source", "").removeprefix("models:/"),
+            "tags": mv["tags"], "tracking_uri": uri}
 
-    # no Prefect caching: the registry itself is the idempotency record (sha256 tag)
-    def _run_name() -> str:
-        """"register tiny-cpu step 120": short, for the flow-run graph."""
-        from prefect.runtime import task_run
 
-        from tasks.evaluate import step_label
+# no Prefect caching: the registry itself is the idempotency record (checkpoint_sha256 + config_hash tags)
+def _run_name() -> str:
+    """"register tiny-cpu step 120": short, for the flow-run graph."""
+    from prefect.runtime import task_run
 
-        p = task_run.parameters
-        return f"register {p.get('model_name') or ''} {step_label(p['ckpt_dir'])}".replace("  ", " ")
+    from tasks.evaluate import step_label
 
-    register_task = task(name="register", task_run_name=_run_name, retries=3,
-                         retry_delay_seconds=[10, 30, 60], cache_policy=NO_CACHE)(register_checkpoint)
-except ImportError:  # pragma: no cover - prefect is a dependency; keep the module importable anyway
-    register_task = None
+    p = task_run.parameters
+    return f"register {p.get('model_name') or ''} {step_label(p['ckpt_dir'])}".replace("  ", " ")
+
+
+register_task = task(name="register", task_run_name=_run_name, retries=3, retry_delay_seconds=[10, 30, 60],
+                     cache_policy=NO_CACHE)(register_checkpoint)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,26 +28,19 @@ import argparse
 import io
 import json
 import logging
-import os
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-from gptcore.config import from_dict, pipeline_home
+from gptcore.config import flatten, from_dict
 from gptcore.shards import atomic_write_bytes
+from tasks import mlflow_store as store
 
 log = logging.getLogger("gptpipe.tracking")
 
-EXPERIMENT = "gpt2-pretrain"
-TAG_RUN_NAME = "gptpipe.run_name"
-TAG_IDENTITY = "gptpipe.identity_hash"
-TAG_MANIFEST = "gptpipe.manifest_id"
-TAG_CODE = "gptpipe.code_version"
-TAG_FLOW_RUN = "gptpipe.prefect_flow_run_id"
 CURSOR = "mlflow_cursor.json"
 METRICS = "metrics.jsonl"
 MAX_METRICS_PER_BATCH = 1000  # MLflow's log_batch limit
@@ -57,103 +50,6 @@ MAX_READ_BYTES = 4 << 20  # per round, so a long backlog goes out in bounded pie
 
 class TrackingError(RuntimeError):
     """A tracking problem the user must fix (bad run directory, bad configuration)."""
-
-
-# --- where MLflow lives --------------------------------------------------------------------------
-
-def tracking_uri() -> str:
-    """MLFLOW_TRACKING_URI if set (a local `mlflow server`, or a team server), else the embedded
-    SQLite store under the pipeline home."""
-    uri = os.environ.get("MLFLOW_TRACKING_URI")
-    if uri:
-        return uri
-    root = pipeline_home() / "mlflow"
-    root.mkdir(parents=True, exist_ok=True)
-    return f"sqlite:///{root / 'mlflow.db'}"
-
-
-_default_uri = tracking_uri  # for code where a parameter named tracking_uri shadows the function
-
-
-def use_store(uri: str | None = None) -> str:
-    """Point MLflow's fluent API (tracking and model registry) at `uri`, default tracking_uri(); returns it.
-    For the calls that take no client: log_model, pyfunc.load_model, artifacts.download_artifacts."""
-    import mlflow
-
-    uri = uri or tracking_uri()
-    mlflow.set_tracking_uri(uri)
-    mlflow.set_registry_uri(uri)
-    return uri
-
-
-def _artifact_location(uri: str) -> str | None:
-    """For the embedded SQLite store, keep artifacts beside the database (MLflow would otherwise use
-    ./mlruns relative to wherever the process happens to run). A server decides for itself."""
-    if uri.startswith("sqlite:///"):
-        return (Path(uri[len("sqlite:///"):]).parent / "artifacts").resolve().as_uri()
-    return None
-
-
-def client(uri: str | None = None):
-    from mlflow import MlflowClient
-
-    return MlflowClient(tracking_uri=uri or tracking_uri(), registry_uri=uri or tracking_uri())
-
-
-def experiment_id(mlc, name: str = EXPERIMENT) -> str:
-    exp = mlc.get_experiment_by_name(name)
-    if exp is not None:
-        return exp.experiment_id
-    from mlflow.exceptions import MlflowException
-
-    try:
-        return mlc.create_experiment(name, artifact_location=_artifact_location(mlc.tracking_uri))
-    except MlflowException:  # created concurrently by another process
-        exp = mlc.get_experiment_by_name(name)
-        if exp is None:
-            raise
-        return exp.experiment_id
-
-
-def find_or_create_run(mlc, run_name: str, identity_hash: str, experiment: str = EXPERIMENT) -> str:
-    """The MLflow run id of this training run identity, creating the run the first time."""
-    exp_id = experiment_id(mlc, experiment)
-    found = mlc.search_runs(
-        [exp_id], filter_string=f"tags.`{TAG_RUN_NAME}` = '{run_name}' and "
-                                f"tags.`{TAG_IDENTITY}` = '{identity_hash}'",
-        order_by=["attributes.start_time ASC"], max_results=1)
-    if found:
-        return found[0].info.run_id
-    run = mlc.create_run(exp_id, run_name=run_name,
-                         tags={TAG_RUN_NAME: run_name, TAG_IDENTITY: identity_hash})
-    return run.info.run_id
-
-
-def code_version() -> str:
-    """GPTPIPE_CODE_VERSION if set (e.g. by CI or a container build), else the git commit of this
-    checkout (+"-dirty" with uncommitted changes to tracked files), else "unknown"."""
-    if os.environ.get("GPTPIPE_CODE_VERSION"):
-        return os.environ["GPTPIPE_CODE_VERSION"]
-    repo = Path(__file__).resolve().parent.parent
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True,
-                                timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        return commit + ("-dirty" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
-def flatten(d: dict, prefix: str = "") -> dict[str, str]:
-    """{"model": {"n_layer": 12}} -> {"model.n_layer": "12"} (MLflow params are flat strings)."""
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = str(v)
-    return out
 
 
 # --- reading the run directory ---------------------------------------------------------------------
@@ -260,11 +156,11 @@ class Shipper:
     that is not yet acknowledged; `start()`/`stop()` run it every `interval` seconds in a daemon thread
     that swallows (and logs) tracking-server errors, backing off while the server is down."""
 
-    def __init__(self, run_dir: str | Path, tracking_uri: str | None = None, experiment: str = EXPERIMENT,
+    def __init__(self, run_dir: str | Path, tracking_uri: str | None = None, experiment: str = store.EXPERIMENT,
                  flow_run_id: str | None = None, interval: float = 5.0, plot_interval: float = 60.0,
                  max_backoff: float = 30.0):
         self.run_dir = Path(run_dir)
-        self.uri = tracking_uri or _default_uri()
+        self.uri = tracking_uri or store.tracking_uri()
         self.experiment = experiment
         self.flow_run_id = flow_run_id
         self.interval = interval
@@ -305,7 +201,7 @@ class Shipper:
         from mlflow.entities import Param, RunTag
         from mlflow.exceptions import MlflowException
 
-        mlc = self._client = self._client or client(self.uri)
+        mlc = self._client = self._client or store.client(self.uri)
         run = None
         if cur.get("run_id"):
             try:
@@ -317,22 +213,22 @@ class Shipper:
                             cur["run_id"], self.uri, self.run_dir)
                 cur["offset"] = 0
         if run is None:
-            run = mlc.get_run(find_or_create_run(mlc, ident["run_name"], ident["identity_hash"],
-                                                 self.experiment))
+            run = mlc.get_run(store.find_or_create_run(mlc, ident["run_name"], ident["identity_hash"],
+                                                       self.experiment))
         run_id = run.info.run_id
         # Params are immutable in MLflow: the first invocation's values stay; settings that may change
         # between invocations (time budget, device, cadence) are in each invocation's config artifact.
-        params = flatten(ident["config"])
+        params = {k: str(v) for k, v in flatten(ident["config"]).items()}
         params["data.manifest_id"] = ident["manifest_id"]
-        params["code_version"] = code_version()
+        params["code_version"] = store.code_version()
         if self.flow_run_id:
             params["prefect.flow_run_id"] = self.flow_run_id
         new = [Param(k, v) for k, v in sorted(params.items()) if k not in run.data.params]
         for i in range(0, len(new), MAX_PARAMS_PER_BATCH):
             mlc.log_batch(run_id, params=new[i:i + MAX_PARAMS_PER_BATCH], synchronous=True)
-        tags = {TAG_MANIFEST: ident["manifest_id"], TAG_CODE: params["code_version"]}
+        tags = {store.TAG_MANIFEST: ident["manifest_id"], store.TAG_CODE: params["code_version"]}
         if self.flow_run_id:
-            tags[TAG_FLOW_RUN] = self.flow_run_id
+            tags[store.TAG_FLOW_RUN] = self.flow_run_id
         mlc.log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()], synchronous=True)
         mlc.log_dict(run_id, ident["config"], "config.json")
         if run.info.status != "RUNNING" and not (self.run_dir / "DONE").exists():
@@ -456,7 +352,7 @@ class Shipper:
         return max(0, size - self._load_cursor()["offset"])
 
 
-def ship(run_dir: str | Path, tracking_uri: str | None = None, experiment: str = EXPERIMENT,
+def ship(run_dir: str | Path, tracking_uri: str | None = None, experiment: str = store.EXPERIMENT,
          flow_run_id: str | None = None) -> dict:
     """Ship once (e.g. after a run, or to catch up after an outage): {"run_id", "shipped"}."""
     s = Shipper(run_dir, tracking_uri, experiment, flow_run_id)
@@ -469,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("run_dir", help="a training run directory, e.g. var/runs/tiny-cpu")
     p.add_argument("--follow", action="store_true", help="keep shipping until the run is DONE (or SIGTERM)")
     p.add_argument("--interval", type=float, default=5.0)
-    p.add_argument("--experiment", default=EXPERIMENT)
+    p.add_argument("--experiment", default=store.EXPERIMENT)
     p.add_argument("--tracking-uri", default=None, help="default: $MLFLOW_TRACKING_URI or the embedded store")
     p.add_argument("--flow-run-id", default=None)
     args = p.parse_args(argv)

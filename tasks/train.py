@@ -32,6 +32,8 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from gptcore.run_files import run_state
+
 TRAIN_LOG = "train.log"  # the trainer's stdout/stderr, appended per invocation
 # SIGTERM -> SIGKILL, for torchrun's workers: a 124M stop checkpoint (1.5 GB with optimizer state) took
 # 6.7-8.9 s to write, hash and fsync on local disk (benchmarks/bench_checkpoint.py); 300 s covers shared
@@ -65,31 +67,11 @@ def resolve_nproc(nproc: int = 0) -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 1
 
 
-def run_state(run_dir: Path, identity_hash: str | None = None) -> dict:
-    """What is on disk: newest checkpoint and its step, and whether the run is DONE (for this identity,
-    when given: a DONE left by a different trajectory does not count)."""
-    from gptcore.checkpoint import latest_checkpoint, read_meta
-
-    ckpt = latest_checkpoint(run_dir)
-    step = read_meta(ckpt).get("step") if ckpt else None
-    done = (run_dir / "DONE").exists() and ckpt is not None
-    if done and identity_hash:
-        try:
-            done = json.loads((run_dir / "run.json").read_text()).get("identity_hash") == identity_hash
-        except (OSError, ValueError):
-            done = False
-    return {"run_dir": str(run_dir), "checkpoint": str(ckpt) if ckpt else None, "step": step, "done": done}
-
-
 def override_args(overrides: dict | None) -> list[str]:
     """{"train.max_steps": 50, "model": {"n_layer": 2}} -> ["train.max_steps=50", "model.n_layer=2"]."""
-    out = []
-    for k, v in (overrides or {}).items():
-        if isinstance(v, dict):
-            out += override_args({f"{k}.{kk}": vv for kk, vv in v.items()})
-        else:
-            out.append(f"{k}={str(v).lower() if isinstance(v, bool) else v}")
-    return out
+    from gptcore.config import flatten
+
+    return [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in flatten(overrides or {}).items()]
 
 
 def torchrun_cmd(preset: str, overrides: dict | None, nproc: int,
@@ -229,7 +211,7 @@ def launch(cmd: list[str], run_dir: Path, log, grace: float = GRACE_SECONDS,
 def train_task(preset: str, overrides: dict | None, run_name: str, run_dir: str, identity_hash: str,
                nproc: int = 0, wait_seconds: float = 600.0, tracking: bool = True,
                shutdown_seconds: float = SHUTDOWN_SECONDS) -> dict:
-    """Train (or continue) run `run_name` (in `run_dir`, gptcore.train.run_dir_for(cfg)) to max_steps or
+    """Train (or continue) run `run_name` (in `run_dir`, gptcore.run_files.run_dir_for(cfg)) to max_steps or
     its time budget; returns the run's state."""
     from prefect.runtime import flow_run
 

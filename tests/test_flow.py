@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -94,6 +96,18 @@ def test_end_to_end_then_rerun_is_a_no_op(prefect_stack):
     assert after == before, "the re-run changed files in the run directory"
     assert len(mlc.search_model_versions("name = 'micro-e2e'")) == 1
     print(f"re-run took {time.monotonic() - t0:.1f}s wall, {fr2.total_run_time} in the flow")
+
+    # the skip decisions read files and MLflow's REST API: the flow process imports neither torch (~3 s)
+    # nor mlflow (~1.3 s); this runs the real flow (nproc=0, i.e. "count the GPUs" unless skipped)
+    probe = ("import json, sys\nfrom flows.pretrain import pretrain\n"
+             f"s = pretrain(**json.loads({json.dumps(json.dumps(params))}))\n"
+             "heavy = [m for m in ('torch', 'mlflow') if m in sys.modules]\n"
+             "print(json.dumps({'stages': s['stages'], 'heavy': heavy}))")
+    r = subprocess.run([sys.executable, "-c", probe], env=prefect_stack.env(), capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert set(out["stages"].values()) == {"skipped"} and out["heavy"] == [], out
 
 
 def test_killed_flow_run_resumes_from_its_checkpoint(prefect_stack):

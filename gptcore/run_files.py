@@ -1,0 +1,127 @@
+"""What a run directory holds, read without torch: the flow decides what to skip in milliseconds, and
+only the stages that do work import torch.
+
+    <run_dir>/run.json                      the run's identity (config hash, manifest id), written at start
+    <run_dir>/DONE                          written when the run reached max_steps
+    <run_dir>/checkpoints/step_00001000/    one checkpoint (gptcore.checkpoint writes and verifies them)
+    <run_dir>/checkpoints/rejected/         checkpoints that failed verification, each with a why.txt
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+from gptcore.config import RunConfig, pipeline_home
+
+RUN_FILE = "run.json"
+DONE_FILE = "DONE"
+META_FILE = "meta.json"
+REJECTED_DIR = "rejected"
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, corrupt, or does not fit the model; the message says what."""
+
+
+def run_dir_for(cfg: RunConfig) -> Path:
+    return Path(cfg.train.run_dir).expanduser().resolve() if cfg.train.run_dir else \
+        pipeline_home() / "runs" / cfg.run_name
+
+
+def checkpoints_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def step_dir(run_dir: Path, step: int) -> Path:
+    return checkpoints_dir(run_dir) / f"step_{step:08d}"
+
+
+def step_dirs(run_dir: Path) -> list[Path]:
+    """Every step_* directory, complete or not, oldest first (what a resume has to choose from)."""
+    d = checkpoints_dir(run_dir)
+    return sorted(p for p in d.iterdir() if _STEP_DIR.match(p.name)) if d.is_dir() else []
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints (those with meta.json), oldest step first."""
+    return [p for p in step_dirs(run_dir) if (p / META_FILE).is_file()]
+
+
+def rejected(run_dir: Path) -> list[Path]:
+    d = checkpoints_dir(run_dir) / REJECTED_DIR
+    return sorted(p for p in d.iterdir() if p.is_dir()) if d.is_dir() else []
+
+
+def read_meta(ckpt_dir: Path) -> dict:
+    path = Path(ckpt_dir) / META_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{ckpt_dir} is not a checkpoint: no {META_FILE}; pass a directory like "
+                              "<home>/runs/<run>/checkpoints/step_00001000")
+    try:
+        meta = json.loads(path.read_text())
+    except (ValueError, OSError) as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e}); the checkpoint is corrupt") from e
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path} holds no JSON object; the checkpoint is corrupt")
+    return meta
+
+
+def finite(v) -> bool:
+    return isinstance(v, (int, float)) and math.isfinite(v)
+
+
+def healthy(meta: dict) -> bool:
+    """Written from a step with a finite train loss (or before the guard recorded one)."""
+    return meta.get("train_loss") is None or finite(meta["train_loss"])
+
+
+def newest_healthy(ckpts: list[Path]) -> Path | None:
+    """The newest of `ckpts` that is healthy (see `healthy`)."""
+    for c in reversed(ckpts):
+        try:
+            if healthy(read_meta(c)):
+                return c
+        except CheckpointError:
+            continue
+    return None
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    ckpts = list_checkpoints(run_dir)
+    return ckpts[-1] if ckpts else None
+
+
+def best_checkpoint(run_dir: Path) -> Path | None:
+    """The checkpoint with the lowest recorded val loss (latest step wins ties); the latest checkpoint
+    if none has a val loss; None if there are no checkpoints."""
+    ckpts = list_checkpoints(run_dir)
+    scored = []
+    for c in ckpts:
+        try:
+            v = read_meta(c).get("val_loss")
+        except CheckpointError:
+            continue
+        if finite(v):  # skip None, NaN and inf
+            scored.append((v, -int(c.name[5:]), c))
+    if scored:
+        return min(scored)[2]
+    return ckpts[-1] if ckpts else None
+
+
+def run_state(run_dir: Path, identity_hash: str | None = None) -> dict:
+    """What is on disk: newest checkpoint and its step, and whether the run is DONE (for this identity,
+    when given: a DONE left by a different trajectory does not count)."""
+    run_dir = Path(run_dir)
+    ckpt = latest_checkpoint(run_dir)
+    step = read_meta(ckpt).get("step") if ckpt else None
+    done = (run_dir / DONE_FILE).exists() and ckpt is not None
+    if done and identity_hash:
+        try:
+            done = json.loads((run_dir / RUN_FILE).read_text()).get("identity_hash") == identity_hash
+        except (OSError, ValueError):
+            done = False
+    return {"run_dir": str(run_dir), "checkpoint": str(ckpt) if ckpt else None, "step": step, "done": done}
