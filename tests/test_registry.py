@@ -109,6 +109,12 @@ def test_register_versions_tags_aliases_idempotent(mlflow_server, ckpts, monkeyp
     assert mlc.get_model_version_by_alias("micro", "best").version == "3"
     assert [m.name for m in mlc.search_registered_models()] == ["micro"]  # never one model per run
 
+    # the flow's read-only lookup (REST, no mlflow import) describes a version exactly as the client does
+    for ck, version in ((a, "1"), (c, "3"), (d, "4")):
+        over_rest = register.registered_version(ck, tracking_uri=uri)
+        by_client = register._describe(mlc, "micro", version, False, uri)
+        assert over_rest == by_client, (over_rest, by_client)
+
 
 def test_load_by_alias_generates_the_checkpoints_tokens(mlflow_server, ckpts):  # noqa: F811
     _, _, c = ckpts

@@ -12,6 +12,7 @@ from mlflow import MlflowClient
 
 from gptcore.config import load_config
 from gptcore.metrics import read_metrics
+from tasks import mlflow_store as store
 from tasks import tracking
 from tests.mlflow_server import free_port, mlflow_server  # noqa: F401  (fixture)
 from tests.test_train_utils import make_dataset, python_cmd, start
@@ -99,8 +100,8 @@ def test_ship_values_steps_params_artifacts_and_no_duplicates(mlflow_server, tmp
     assert run.data.params["prefect.flow_run_id"] == "flow-123"
     assert run.data.params["code_version"]
     ident = load_config("micro", ["train.run_name=ship-basic"]).identity_hash()
-    assert run.data.tags[tracking.TAG_IDENTITY] == ident
-    assert run.data.tags[tracking.TAG_FLOW_RUN] == "flow-123"
+    assert run.data.tags[store.TAG_IDENTITY] == ident
+    assert run.data.tags[store.TAG_FLOW_RUN] == "flow-123"
     arts = {a.path for a in mlc.list_artifacts(run_id)}
     assert {"config.json", "curves.png", "samples"} <= arts
     samples = sorted(a.path for a in mlc.list_artifacts(run_id, "samples"))
@@ -143,7 +144,7 @@ def test_ship_values_steps_params_artifacts_and_no_duplicates(mlflow_server, tmp
         assert history(mlc, run_id, key) == expected(recs + rest, key), key
     run = mlc.get_run(run_id)
     assert run.data.params["prefect.flow_run_id"] == "flow-123"
-    assert run.data.tags[tracking.TAG_FLOW_RUN] == "flow-456"
+    assert run.data.tags[store.TAG_FLOW_RUN] == "flow-456"
     assert run.info.status == "FINISHED"  # DONE was written
 
     # Another training run identity gets its own MLflow run, found again on the next ship
@@ -222,7 +223,7 @@ def test_embedded_sqlite_store(tmp_path, monkeypatch):
     """Without MLFLOW_TRACKING_URI everything lands under the pipeline home: <home>/mlflow/."""
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.setenv("GPTPIPE_HOME", str(tmp_path / "home"))
-    uri = tracking.tracking_uri()
+    uri = store.tracking_uri()
     assert uri == f"sqlite:///{tmp_path / 'home' / 'mlflow' / 'mlflow.db'}"
     rd = make_run_dir(tmp_path / "home", "embedded")
     recs = records(range(1, 11))
