@@ -33,6 +33,7 @@ from prefect.cache_policies import NO_CACHE
 
 from gptcore.config import ConfigError, RunConfig, load_config
 from gptcore.run_files import read_meta, run_dir_for, run_state
+from tasks.progress import artifact_key
 from tasks.train import resolve_nproc, train_task
 
 # pydantic notes that the parameter name `register` shadows a BaseModel method; harmless for validation
@@ -68,11 +69,6 @@ def check_params(nproc: int, wait_seconds: float, model_name: str) -> None:
     if model_name and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", model_name):
         raise ConfigError(f"model_name {model_name!r} is not a usable registered-model name; use letters, "
                           "digits, '.', '_' and '-'")
-
-
-def _key(*parts: str) -> str:
-    """Prefect artifact keys: lowercase letters, digits and dashes."""
-    return re.sub(r"[^a-z0-9-]+", "-", "-".join(parts).lower()).strip("-")
 
 
 # --- stage helpers -----------------------------------------------------------------------------------
@@ -204,7 +200,7 @@ def pretrain(preset: str = "tiny-cpu", overrides: dict | None = None, nproc: int
     tokens = {"train": sum(r["tokens"] for r in rows if r["split"] == "train"),
               "val": sum(r["tokens"] for r in rows if r["split"] == "val")}
     stage("data", status, f"{dataset_dir}: {len(rows)} shards, {tokens['train']:,} train tokens")
-    create_table_artifact(rows, key=_key(run_name, "shards"),
+    create_table_artifact(rows, key=artifact_key(run_name, "shards"),
                           description=f"Shards of {dataset_dir} ({tokens['train']:,} train / {tokens['val']:,} "
                                       "val tokens)")
 
@@ -238,7 +234,7 @@ def pretrain(preset: str = "tiny-cpu", overrides: dict | None = None, nproc: int
                      {"metric": "val_tokens", "value": result.get("val_tokens")}]
         eval_rows += ([{"metric": f"hellaswag_{k}", "value": hs[k]} for k in ("acc", "acc_norm", "n") if k in hs]
                       or [{"metric": "hellaswag", "value": f"skipped: {hs.get('skipped', 'disabled')}"}])
-        create_table_artifact(eval_rows, key=_key(run_name, "eval"),
+        create_table_artifact(eval_rows, key=artifact_key(run_name, "eval"),
                               description=f"Evaluation of {ckpt} (step {result.get('step')})")
 
     # 5. register
@@ -256,7 +252,7 @@ def pretrain(preset: str = "tiny-cpu", overrides: dict | None = None, nproc: int
             reg = register_task(ckpt, name, flow_run_id=flow_run.get_id())
             stage("register", "ran", f"{reg['model_uri']}")
     create_markdown_artifact("\n".join([f"### MLflow ({run_name})", mlflow_links(reg, run_name)]),
-                             key=_key(run_name, "mlflow"), description="MLflow run and model version")
+                             key=artifact_key(run_name, "mlflow"), description="MLflow run and model version")
 
     # 6. a text sample from what was registered
     model_uri = reg["model_uri"] if reg else None
@@ -268,9 +264,9 @@ def pretrain(preset: str = "tiny-cpu", overrides: dict | None = None, nproc: int
         sample = sample_task(ckpt, model_uri, prompt, n_new)
         stage("sample", "ran", "")
     create_markdown_artifact(f"### Sample from {model_uri or ckpt}\n\n```\n{sample['text']}\n```",
-                             key=_key(run_name, "sample"), description="Generated text")
+                             key=artifact_key(run_name, "sample"), description="Generated text")
 
-    create_table_artifact(stages, key=_key(run_name, "stages"), description="What this flow run did or skipped")
+    create_table_artifact(stages, key=artifact_key(run_name, "stages"), description="What this flow run did or skipped")
     hs = (result or {}).get("hellaswag") or {}
     summary = {
         "run_name": run_name, "run_dir": str(run_dir), "dataset_dir": dataset_dir,

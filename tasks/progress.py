@@ -1,4 +1,6 @@
-"""What an on-call engineer sees in the Prefect UI while a run trains: one progress artifact per train task,
+"""What an on-call engineer sees in the Prefect UI while the pipeline works.
+
+Training: one progress artifact per train task,
 updated in place from <run_dir>/metrics.jsonl (at most every few seconds, from the task's thread: the
 trainer never waits on it), whose description reads
 
@@ -6,7 +8,7 @@ trainer never waits on it), whose description reads
     whole run: ETA 5 h 10 min · MLflow run <link>
 
 plus warnings in the flow run's log when metrics shipping to MLflow stalls, and an info line once it
-has caught up.
+has caught up. Tokenizing: a progress artifact `<dataset>-tokenize` for the pieces done (PieceProgress).
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ def _duration(seconds: float) -> str:
     return f"{h} h {m} min" if h else f"{m} min {seconds % 60} s" if m else f"{seconds} s"
 
 
-def artifact_key(run_name: str) -> str:
-    return re.sub(r"[^a-z0-9-]+", "-", f"{run_name}-training".lower()).strip("-")
+def artifact_key(*parts: str) -> str:
+    """Prefect artifact keys allow lowercase letters, digits and dashes: ("tiny-cpu", "training") ->
+    "tiny-cpu-training"."""
+    return re.sub(r"[^a-z0-9-]+", "-", "-".join(parts).lower()).strip("-")
 
 
 class TrainProgress:
@@ -108,7 +112,7 @@ class TrainProgress:
 
         pct = 100.0 * min(self.step, self.max_steps) / max(self.max_steps, 1)
         if self.artifact_id is None:
-            self.artifact_id = create_progress_artifact(pct, key=artifact_key(self.run_name),
+            self.artifact_id = create_progress_artifact(pct, key=artifact_key(self.run_name, "training"),
                                                         description=self.describe())
         else:
             update_progress_artifact(self.artifact_id, pct, description=self.describe())
@@ -129,3 +133,29 @@ class TrainProgress:
                 self.log.info("MLflow shipping caught up after %s: %s rows were sent late",
                               _duration(now - self.down_since), f"{s.shipped - self.shipped_then:,}")
             self.down_since = None
+
+
+class PieceProgress:
+    """Pieces tokenized so far, as a progress artifact; updated at most every `every` seconds."""
+
+    def __init__(self, dataset: str, todo: int, planned: int, every: float = 2.0):
+        from prefect.artifacts import create_progress_artifact
+
+        self.todo, self.planned, self.every = todo, planned, every
+        self.done, self.tokens, self.t0, self.last = 0, 0, time.time(), 0.0
+        self.artifact_id = create_progress_artifact(100.0 if not todo else 0.0, key=artifact_key(dataset, "tokenize"),
+                                                    description=self.describe())
+
+    def describe(self) -> str:
+        rate = self.tokens / max(time.time() - self.t0, 1e-6)
+        return (f"{self.done:,} / {self.todo:,} pieces tokenized ({self.planned - self.todo:,} of "
+                f"{self.planned:,} were already done) · {self.tokens:,} tokens · {rate:,.0f} tok/s")
+
+    def piece_done(self, tokens: int) -> None:
+        from prefect.artifacts import update_progress_artifact
+
+        self.done, self.tokens = self.done + 1, self.tokens + tokens
+        if self.done == self.todo or time.time() - self.last >= self.every:
+            self.last = time.time()
+            update_progress_artifact(self.artifact_id, 100.0 * self.done / max(self.todo, 1),
+                                     description=self.describe())

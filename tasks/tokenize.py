@@ -6,7 +6,8 @@ The `tokenize` flow plans the pieces (gptcore.sharding.plan_pieces), maps `token
 the ones not yet done on the task runner (by default a ProcessPoolTaskRunner with data.num_workers
 processes; pass a DaskTaskRunner / RayTaskRunner from prefect-dask / prefect-ray to spread pieces over
 machines sharing GPTPIPE_HOME), then cuts the shards in order. The result does not depend on how many
-workers ran or in which order pieces finished. A finished dataset is verified and skipped.
+workers ran or in which order pieces finished. A finished dataset is verified and skipped. While it
+works, the progress artifact `<dataset>-tokenize` counts the pieces done (tasks/progress.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
+from prefect.futures import as_completed
 from prefect.task_runners import ProcessPoolTaskRunner, TaskRunner
 from prefect.utilities.annotations import unmapped
 
@@ -22,6 +24,7 @@ from gptcore import sharding, sources
 from gptcore.config import RunConfig
 from gptcore.shards import ShardError
 from tasks.download import as_config
+from tasks.progress import PieceProgress
 
 
 @task(name="tokenize-piece", retries=1, cache_policy=NO_CACHE)
@@ -54,8 +57,10 @@ def tokenize_flow(cfg: dict) -> str:
         pieces = sharding.plan_pieces(c, sources.fetch(c))
         todo = sharding.pieces_to_tokenize(c, pieces)
         logger.info("%d pieces planned, %d to tokenize", len(pieces), len(todo))
-        tokens = tokenize_piece_task.map(unmapped(c.to_dict()), todo).result()
-        logger.info("tokenized %s tokens", f"{sum(tokens):,}")
+        progress = PieceProgress(out.name, len(todo), len(pieces))
+        for future in as_completed(tokenize_piece_task.map(unmapped(c.to_dict()), todo)):
+            progress.piece_done(future.result())  # a failed piece raises here
+        logger.info("tokenized %s tokens", f"{progress.tokens:,}")
         manifest_id = build_shards_task(c.to_dict(), pieces)
     except (sources.SourceError, sharding.DataError, ShardError):
         sharding.discard_partial(c, existed)  # bad input leaves nothing half-made

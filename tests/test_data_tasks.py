@@ -90,6 +90,13 @@ def test_tokenize_flow_maps_pieces_and_matches_cli(prefect_api, tmp_path):
     runs = json.loads(urllib.request.urlopen(req, timeout=10).read())
     pieces = [t for t in runs if t["name"].startswith("tokenize-piece")]
     assert len(pieces) == 4 and all(t["state_type"] == "COMPLETED" for t in pieces)
+    # the data stage's progress artifact counted every piece
+    body = json.dumps({"artifacts": {"key": {"any_": ["shakespeare-8docs-20k-tokenize"]}}}).encode()
+    req_art = urllib.request.Request(f"{api}/artifacts/filter", data=body, method="POST",
+                                     headers={"Content-Type": "application/json"})
+    arts = json.loads(urllib.request.urlopen(req_art, timeout=10).read())
+    assert len(arts) == 1 and arts[0]["type"] == "progress" and arts[0]["data"] == 100, arts
+    assert arts[0]["description"].startswith("4 / 4 pieces tokenized"), arts[0]["description"]
 
     # second run: complete and verified -> returns at once, no new task runs
     t0 = time.perf_counter()
