@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -23,6 +22,9 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from tasks import processes
+from tasks.processes import start_time
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_PREFECT_PORT = 4200
@@ -59,17 +61,6 @@ def http_ok(url: str, timeout: float = 2.0) -> bool:
         return False
 
 
-def _start_time(pid: int) -> str | None:
-    """The kernel's start time of a process (field 22 of /proc/<pid>/stat), or None if it is gone.
-    A zombie counts as gone: a killed child of ours keeps its /proc entry (and start time) until reaped."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat.rsplit(")", 1)[1].split()
-    return None if fields[0] in ("Z", "X") else fields[19]
-
-
 @dataclass
 class Service:
     """One background process with a pid file and a log under <home>/services/."""
@@ -93,7 +84,7 @@ class Service:
     def alive(self) -> bool:
         self._reap()
         st = self.state()
-        return bool(st) and _start_time(st["pid"]) == st["start_time"]
+        return bool(st) and start_time(st["pid"]) == st["start_time"]
 
     def spawn(self, cmd: list[str], env: dict, **extra) -> dict:
         self.state_dir.mkdir(parents=True, exist_ok=True)
@@ -103,7 +94,7 @@ class Service:
             # Own session: stopping the service signals its whole group (uvicorn workers, flow runs).
             proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=env, cwd=REPO, start_new_session=True)
-        st = {"pid": proc.pid, "start_time": _start_time(proc.pid), "cmd": cmd, **extra}
+        st = {"pid": proc.pid, "start_time": start_time(proc.pid), "cmd": cmd, **extra}
         tmp = self.state_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(st))
         tmp.replace(self.state_path)
@@ -121,28 +112,14 @@ class Service:
             return ""
 
     def stop(self, grace: float = 15.0) -> bool:
-        """SIGTERM the process group, SIGKILL after `grace` s. True if something was stopped."""
+        """SIGTERM the process group and the processes below the leader, SIGKILL after `grace` s. True
+        if something was stopped."""
         st = self.state()
         if not st:
             return False
-        pid, stopped = st["pid"], False
-        if _start_time(pid) == st["start_time"]:
-            stopped = True
-            for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
-                try:
-                    os.killpg(pid, sig)
-                except ProcessLookupError:
-                    break
-                end = time.monotonic() + wait
-                while time.monotonic() < end and _start_time(pid) == st["start_time"]:
-                    self._reap()
-                    time.sleep(0.1)
-                if _start_time(pid) != st["start_time"]:
-                    break
-            try:  # children that outlived the leader
-                os.killpg(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        stopped = start_time(st["pid"]) == st["start_time"]
+        if stopped:
+            processes.stop_tree(st["pid"], processes.tree_of(st["pid"]), grace, poll=self._reap)
         self._reap()
         self.state_path.unlink(missing_ok=True)
         return stopped

@@ -10,7 +10,7 @@ A checkpoint is a directory `<run_dir>/checkpoints/step_{step:08d}/` holding
     meta.json           step, tokens seen, val and train loss, config, model config, manifest id, run
                         identity, sha256 of model.safetensors and of trainer.pt
 
-It is written into `checkpoints/.tmp-step_...` and renamed into place, so a reader (or a resume after
+It is written into a temp dir beside it and renamed into place (shards.atomic_dir), so a reader (or a resume after
 SIGKILL) sees either a complete checkpoint or none; it is never written from non-finite weights.
 Retention keeps the last `keep_last`, the best one by validation loss and the newest one whose train loss
 was finite. Before a resume, `load_for_resume` checks a checkpoint whole (files, both hashes, loadable,
@@ -48,7 +48,7 @@ from gptcore.run_files import (  # noqa: F401 -- the torch-free half of this mod
     step_dir,
     step_dirs,
 )
-from gptcore.shards import file_sha256
+from gptcore.shards import atomic_dir, file_sha256
 
 MODEL_FILE = "model.safetensors"
 TRAINER_FILE = "trainer.pt"
@@ -110,11 +110,7 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, trainer_st
                     keep_last: int = 3) -> Path:
     """Write one checkpoint atomically and apply retention; returns its directory.
     `meta` supplies the run fields (config, manifest_id, ...); step, model_sha256 and time are added."""
-    final = step_dir(run_dir, step)
-    tmp = final.with_name(f".tmp-{final.name}-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with atomic_dir(step_dir(run_dir, step)) as tmp:
         save_weights(model, tmp / MODEL_FILE)
         torch.save(trainer_state, tmp / TRAINER_FILE)
         _slow_storage_for_tests()
@@ -122,20 +118,8 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, trainer_st
                 "model_sha256": file_sha256(tmp / MODEL_FILE),
                 "trainer_sha256": file_sha256(tmp / TRAINER_FILE), "time": time.time()}
         (tmp / META_FILE).write_text(json.dumps(meta, indent=1, default=str))
-        for f in tmp.iterdir():  # data on disk before the rename makes it visible
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-        if final.exists():  # the same step saved again (e.g. SIGTERM right after a periodic save)
-            old = final.with_name(f".old-{final.name}-{os.getpid()}")
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     prune(run_dir, keep_last)
-    return final
+    return step_dir(run_dir, step)
 
 
 def _slow_storage_for_tests() -> None:

@@ -20,15 +20,10 @@ import torch
 from gptcore import distributed
 from gptcore.config import ConfigError, RunConfig, TrainConfig, apply_overrides, from_dict, load_config
 from gptcore.data import val_batches
+from gptcore.model import without_ddp
 from gptcore.shards import Manifest
 
 log = logging.getLogger(__name__)
-
-
-def _unwrap_ddp(model: torch.nn.Module) -> torch.nn.Module:
-    # Evaluation does no backward pass; calling the inner module avoids DDP's forward bookkeeping
-    # (ranks may run different numbers of forwards here). A torch.compile wrapper is kept.
-    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
 @torch.no_grad()
@@ -36,7 +31,7 @@ def validation_loss(model: torch.nn.Module, cfg: RunConfig, manifest_dir: Path, 
                     autocast_ctx=None, rank: int = 0, world: int = 1) -> float:
     """Mean next-token loss over the first cfg.eval.val_tokens val tokens (same batches every call)."""
     B, T = cfg.train.micro_batch, cfg.train.seq_len
-    inner = _unwrap_ddp(model)
+    inner = without_ddp(model)
     was_training = inner.training
     inner.eval()
     total = torch.zeros(2, dtype=torch.float64, device=device)  # [sum of batch losses, batch count]

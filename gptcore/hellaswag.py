@@ -28,7 +28,7 @@ from torch.nn import functional as F
 
 from gptcore import distributed
 from gptcore.config import RunConfig, pipeline_home
-from gptcore.model import unwrap
+from gptcore.model import unwrap, without_ddp
 from gptcore.shards import atomic_write_bytes
 from gptcore.tokenizer import encode
 
@@ -220,7 +220,7 @@ def default_batch_tokens(device) -> int:
 def score(model: torch.nn.Module, examples: list[Example], device, autocast_ctx=None,
           batch_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed loss, ending token count), each (len(examples), 4) float64 on the CPU."""
-    inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    inner = without_ddp(model)
     block = unwrap(inner).config.block_size
     buckets = bucket_lengths(block)
     batch_tokens = batch_tokens or default_batch_tokens(device)

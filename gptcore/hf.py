@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -27,6 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from gptcore.config import ModelConfig
 from gptcore.model import GPT, GPT2_VOCAB, clean_state_dict, unwrap
+from gptcore.shards import atomic_dir
 from gptcore.tokenizer import EOT, hf_tokenizer_files
 
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -250,26 +249,11 @@ def export_hf(model: torch.nn.Module, out_dir: str | Path, overwrite: bool = Fal
         raise FileExistsError(f"{out_dir} exists and is not empty; pass overwrite=True or choose a new dir")
     m = unwrap(model)
     tensors = hf_state_dict(m)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out_dir.name}-", dir=out_dir.parent))
-    try:
+    with atomic_dir(out_dir) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(hf_config(m.config, tensors[WTE].dtype), indent=2) + "\n")
         (tmp / "generation_config.json").write_text(
             json.dumps({"bos_token_id": EOT, "eos_token_id": EOT}, indent=2) + "\n")
         for name, body in hf_tokenizer_files().items():  # AutoTokenizer / pipeline() load offline
             (tmp / name).write_text(body, encoding="utf-8")
-        for f in tmp.iterdir():  # durable before it becomes visible
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-        if out_dir.exists():  # empty, or overwrite=True: move the old one aside, then swap
-            old = out_dir.with_name(f".old-{out_dir.name}-{os.getpid()}")
-            out_dir.rename(old)
-            tmp.rename(out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir

@@ -13,13 +13,12 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Protocol
+
+METRICS_FILE = "metrics.jsonl"
 
 
-class MetricsLogger(Protocol):
-    def log(self, step: int, metrics: dict, kind: str = "train") -> None: ...
-
-    def close(self) -> None: ...
+class MetricsError(ValueError):
+    """metrics.jsonl cannot be read as lines of JSON (e.g. one line longer than the read limit)."""
 
 
 def _plain(v):
@@ -85,3 +84,25 @@ def read_metrics(path: Path, kind: str | None = None) -> list[dict]:
         if kind is None or row.get("kind") == kind:
             rows.append(row)
     return rows
+
+
+def read_new_lines(path: Path, offset: int, max_bytes: int = 4 << 20) -> list[tuple[int, bytes]]:
+    """The complete lines after byte `offset`, at most ~max_bytes of them, each with the offset just past
+    it (where a reader that has handled it continues): how the MLflow shipper and the Prefect progress
+    artifact tail the file while the trainer appends to it."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    with open(path, "rb") as f:
+        f.seek(offset)
+        data = f.read(max_bytes)
+    end = data.rfind(b"\n")
+    if end < 0:
+        if len(data) == max_bytes:
+            raise MetricsError(f"{path}: a line longer than {max_bytes} bytes at offset {offset}")
+        return []
+    out, pos = [], 0
+    for line in data[:end + 1].splitlines(keepends=True):
+        pos += len(line)
+        out.append((offset + pos, line))
+    return out

@@ -203,6 +203,12 @@ def clean_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def without_ddp(model: nn.Module) -> nn.Module:
+    """The module inside DDP, a torch.compile wrapper kept: for evaluation, which does no backward pass,
+    so DDP's forward bookkeeping is waste (and ranks may run different numbers of forwards)."""
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
+
 def unwrap(model: nn.Module) -> GPT:
     """The plain GPT inside DDP and/or torch.compile wrappers."""
     # no `a or b` here: truthiness of a compiled module calls len(), which raises

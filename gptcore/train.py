@@ -38,7 +38,7 @@ from gptcore.config import ConfigError, RunConfig, load_config
 from gptcore.data import ShardLoader, open_dataset, verify_hashes
 from gptcore.guard import OK, ROLLBACK, SKIP, FaultInjector, Guard
 from gptcore.loss import make_loss
-from gptcore.metrics import JsonlLogger, NullLogger
+from gptcore.metrics import METRICS_FILE, JsonlLogger, NullLogger
 from gptcore.model import GPT, peak_flops_guess
 from gptcore.run_files import run_dir_for
 from gptcore.runlock import LockHeld, RunLock
@@ -313,7 +313,7 @@ def train(cfg: RunConfig, prep: Prepared, t_start: float) -> int:
                 "preset": cfg.preset, "dataset_dir": str(data_dir), "created": time.time()})
         write_json(run_dir / "config.json", cfg.to_dict())
         (run_dir / STOP_FILE).unlink(missing_ok=True)  # a stop request was for the previous invocation
-        logger = JsonlLogger(run_dir / "metrics.jsonl")
+        logger = JsonlLogger(run_dir / METRICS_FILE)
         how = f"resuming from {prep.ckpt.name}" if prep.ckpt else "starting"
         print(f"run {cfg.run_name} ({run_dir}): {how} at step {at.step}/{tc.max_steps}; world={env.world} "
               f"accum={accum} device={env.device} dtype={env.dtype} compile={env.compile} loss={env.loss} "
@@ -321,7 +321,6 @@ def train(cfg: RunConfig, prep: Prepared, t_start: float) -> int:
 
     peak_one = float(os.environ.get(PEAK_ENV) or 0) or peak_flops_guess(env.device)  # None: unknown GPU
     peak = peak_one * env.world if peak_one else None
-    flops_per_token = raw.flops_per_token(T)
     evals = Evals(cfg, env, data_dir, logger)
     guard, faults = Guard(cfg.guard), FaultInjector()
     meta_base = {"config": cfg.to_dict(), "manifest_id": manifest.id, "run_name": cfg.run_name,
@@ -380,7 +379,7 @@ def train(cfg: RunConfig, prep: Prepared, t_start: float) -> int:
                 logger.log(step, {"train/loss": loss, "train/lr": step_lr, "train/grad_norm": norm,
                                   "train/step_time": dt, "train/tokens_per_s": tok_s, "train/tokens_seen": seen,
                                   "train/epoch": epoch,
-                                  **({"train/mfu": flops_per_token * tok_s / peak} if peak else {})})
+                                  **({"train/mfu": raw.estimate_mfu(tok_s, peak, T)} if peak else {})})
                 if verdict != ROLLBACK:
                     verdict = guard.observe(loss, finite)
                     why_bad = "non-finite steps" if not finite else "loss spike"

@@ -18,7 +18,7 @@ import re
 import time
 from pathlib import Path
 
-METRICS_FILE = "metrics.jsonl"  # the trainer's (gptcore/train.py)
+from gptcore.metrics import METRICS_FILE, read_new_lines
 
 HEALTH_WARN_SECONDS = 30.0  # tracking unreachable this long: say so in the flow run's log
 
@@ -53,25 +53,23 @@ class TrainProgress:
         self.warned = False
 
     def _read(self) -> None:
-        if not self.path.is_file():
+        while lines := read_new_lines(self.path, self.offset):
+            self.offset = lines[-1][0]
+            for _, line in lines:
+                self._take(line)
+
+    def _take(self, line: bytes) -> None:
+        try:
+            row = json.loads(line)
+        except ValueError:
             return
-        with open(self.path, "rb") as f:
-            f.seek(self.offset)
-            data = f.read()
-        end = data.rfind(b"\n") + 1  # complete lines only
-        self.offset += end
-        for line in data[:end].splitlines():
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue
-            if row.get("kind", "train") == "train":
-                self.step, self.loss = row["step"], row.get("train/loss")
-                self.tok_s, self.mfu = row.get("train/tokens_per_s"), row.get("train/mfu")
-                if self.first is None:
-                    self.first = (time.time(), self.step - 1)
-            elif "val/loss" in row:
-                self.val = row["val/loss"]
+        if row.get("kind", "train") == "train":
+            self.step, self.loss = row["step"], row.get("train/loss")
+            self.tok_s, self.mfu = row.get("train/tokens_per_s"), row.get("train/mfu")
+            if self.first is None:
+                self.first = (time.time(), self.step - 1)
+        elif "val/loss" in row:
+            self.val = row["val/loss"]
 
     def describe(self) -> str:
         parts = [f"step {self.step:,} / {self.max_steps:,}"]

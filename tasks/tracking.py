@@ -25,31 +25,24 @@ continuing.
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import logging
 import signal
 import sys
-import tempfile
 import threading
-import time
 from pathlib import Path
 
 from gptcore.config import flatten, from_dict
+from gptcore.metrics import METRICS_FILE, read_new_lines
 from gptcore.shards import atomic_write_bytes
 from tasks import mlflow_store as store
 
 log = logging.getLogger("gptpipe.tracking")
 
 CURSOR = "mlflow_cursor.json"
-METRICS = "metrics.jsonl"
 MAX_METRICS_PER_BATCH = 1000  # MLflow's log_batch limit
 MAX_PARAMS_PER_BATCH = 100
 MAX_READ_BYTES = 4 << 20  # per round, so a long backlog goes out in bounded pieces
-
-
-class TrackingError(RuntimeError):
-    """A tracking problem the user must fix (bad run directory, bad configuration)."""
 
 
 # --- reading the run directory ---------------------------------------------------------------------
@@ -73,26 +66,6 @@ def run_identity(run_dir: Path) -> dict | None:
     return ident
 
 
-def read_new_lines(path: Path, offset: int, max_bytes: int = MAX_READ_BYTES) -> list[tuple[int, bytes]]:
-    """Complete lines after `offset` as (end_offset, line). A trailing partial line (the trainer is
-    mid-write) is left for the next round."""
-    if not path.is_file():
-        return []
-    with open(path, "rb") as f:
-        f.seek(offset)
-        data = f.read(max_bytes)
-    end = data.rfind(b"\n")
-    if end < 0:
-        if len(data) == max_bytes:
-            raise TrackingError(f"{path}: a line longer than {max_bytes} bytes at offset {offset}")
-        return []
-    out, pos = [], 0
-    for line in data[:end + 1].splitlines(keepends=True):
-        pos += len(line)
-        out.append((offset + pos, line))
-    return out
-
-
 def to_metrics(rec: dict) -> list:
     """The numeric entries of one train/eval record as MLflow Metrics, stamped with the record's time
     (so a resend is an exact duplicate)."""
@@ -104,51 +77,6 @@ def to_metrics(rec: dict) -> list:
             if k not in ("step", "time", "kind") and isinstance(v, int | float) and not isinstance(v, bool)]
 
 
-def read_records(path: Path) -> list[dict]:
-    recs = []
-    if path.is_file():
-        for line in path.read_bytes().splitlines():
-            try:
-                recs.append(json.loads(line))
-            except ValueError:
-                continue
-    return recs
-
-
-def plot_curves(records: list[dict], out_png: Path) -> bool:
-    """Train/val loss and HellaSwag accuracy against step, as one PNG. False if nothing to plot."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    def series(key):
-        pts = [(r["step"], r[key]) for r in records if isinstance(r.get(key), int | float)]
-        return [p[0] for p in pts], [p[1] for p in pts]
-
-    train, val = series("train/loss"), series("val/loss")
-    acc, acc_norm = series("hellaswag/acc"), series("hellaswag/acc_norm")
-    if not (train[0] or val[0]):
-        return False
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    axes[0].plot(*train, label="train loss", lw=0.8)
-    axes[0].plot(*val, "o-", label="val loss")
-    axes[0].set_xlabel("step")
-    axes[0].set_ylabel("loss")
-    axes[0].legend()
-    axes[1].plot(*acc, "o-", label="acc")
-    axes[1].plot(*acc_norm, "o-", label="acc_norm")
-    axes[1].set_xlabel("step")
-    axes[1].set_title("HellaSwag")
-    axes[1].legend()
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
-    plt.close(fig)
-    atomic_write_bytes(out_png, [buf.getvalue()])
-    return True
-
-
 # --- the shipper -----------------------------------------------------------------------------------
 
 class Shipper:
@@ -157,21 +85,18 @@ class Shipper:
     that swallows (and logs) tracking-server errors, backing off while the server is down."""
 
     def __init__(self, run_dir: str | Path, tracking_uri: str | None = None, experiment: str = store.EXPERIMENT,
-                 flow_run_id: str | None = None, interval: float = 5.0, plot_interval: float = 60.0,
+                 flow_run_id: str | None = None, interval: float = 5.0,
                  max_backoff: float = 30.0):
         self.run_dir = Path(run_dir)
         self.uri = tracking_uri or store.tracking_uri()
         self.experiment = experiment
         self.flow_run_id = flow_run_id
         self.interval = interval
-        self.plot_interval = plot_interval
         self.max_backoff = max_backoff  # longest pause between attempts while the server is down
         self.shipped = 0  # records acknowledged by this Shipper
         self.last_error: str | None = None
         self._client = None
         self._run_id: str | None = None  # set once this session has set the run up
-        self._last_plot = 0.0
-        self._plot_due = False
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -245,12 +170,12 @@ class Shipper:
             if self._run_id is None or cur.get("run_id") != self._run_id:
                 if not self._setup(cur):
                     return 0
-            mlc, path, n = self._client, self.run_dir / METRICS, 0
+            mlc, path, n = self._client, self.run_dir / METRICS_FILE, 0
             if path.is_file() and path.stat().st_size < cur["offset"]:
                 log.warning("%s is shorter than the shipped offset %d (rewritten?); re-shipping it from the "
                             "start (duplicates are skipped by the server)", path, cur["offset"])
                 cur["offset"] = 0
-            while lines := read_new_lines(path, cur["offset"]):
+            while lines := read_new_lines(path, cur["offset"], MAX_READ_BYTES):
                 n += self._ship_lines(mlc, cur, lines)
             self._finish_round(mlc, final)
             return n
@@ -272,7 +197,7 @@ class Shipper:
                 kind = rec.get("kind", "train")
                 metrics = to_metrics(rec) if kind != "sample" else []
             except (ValueError, KeyError, TypeError):
-                log.warning("skipping a malformed line in %s at byte %d: %.80r", METRICS, end, line)
+                log.warning("skipping a malformed line in %s at byte %d: %.80r", METRICS_FILE, end, line)
                 end = line_end
                 continue
             if len(batch) + len(metrics) > MAX_METRICS_PER_BATCH:
@@ -281,7 +206,6 @@ class Shipper:
                 flush()  # keep acknowledgements in file order
                 mlc.log_text(self._run_id, rec["text"], f"samples/step_{int(rec['step']):08d}.txt")
             batch += metrics
-            self._plot_due |= kind == "eval" or "val/loss" in rec
             end, n = line_end, n + 1
         flush()
         self.shipped += n
@@ -289,13 +213,6 @@ class Shipper:
 
     def _finish_round(self, mlc, final: bool) -> None:
         done = (self.run_dir / "DONE").exists()
-        now = time.monotonic()
-        if (final or done or self._plot_due) and (final or now - self._last_plot >= self.plot_interval):
-            with tempfile.TemporaryDirectory() as tmp:
-                png = Path(tmp) / "curves.png"
-                if plot_curves(read_records(self.run_dir / METRICS), png):
-                    mlc.log_artifact(self._run_id, str(png))
-            self._last_plot, self._plot_due = now, False
         if final and done and mlc.get_run(self._run_id).info.status != "FINISHED":
             mlc.set_terminated(self._run_id, "FINISHED")
 
@@ -327,7 +244,7 @@ class Shipper:
         except Exception as e:  # noqa: BLE001 -- never let tracking take the caller down
             if self.last_error is None:
                 log.warning("MLflow shipping paused (%s: %s); metrics stay in %s and are sent when the "
-                            "server is back", type(e).__name__, e, self.run_dir / METRICS)
+                            "server is back", type(e).__name__, e, self.run_dir / METRICS_FILE)
             self.last_error = f"{type(e).__name__}: {e}"
             return False
 
@@ -342,12 +259,12 @@ class Shipper:
         if self._thread.is_alive():
             log.warning("MLflow shipping did not finish within %.0fs (%s); the rest stays in %s and is "
                         "sent by the next shipper", timeout, self.last_error or "server slow",
-                        self.run_dir / METRICS)
+                        self.run_dir / METRICS_FILE)
             return False
         return self._final_ok
 
     def pending_bytes(self) -> int:
-        path = self.run_dir / METRICS
+        path = self.run_dir / METRICS_FILE
         size = path.stat().st_size if path.is_file() else 0
         return max(0, size - self._load_cursor()["offset"])
 
@@ -389,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         ok = s._try_ship(final=True)
     if not ok:
         print(f"error: could not ship to {s.uri}: {s.last_error}. Nothing is lost: the unsent lines stay "
-              f"in {run_dir / METRICS}; run this command again when the server is reachable.",
+              f"in {run_dir / METRICS_FILE}; run this command again when the server is reachable.",
               file=sys.stderr)
         return 1
     print(json.dumps({"run_id": s.run_id, "shipped": s.shipped}))

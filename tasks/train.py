@@ -23,7 +23,6 @@ from __future__ import annotations
 import collections
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -33,6 +32,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from gptcore.run_files import run_state
+from tasks import processes
 
 TRAIN_LOG = "train.log"  # the trainer's stdout/stderr, appended per invocation
 # SIGTERM -> SIGKILL, for torchrun's workers: a 124M stop checkpoint (1.5 GB with optimizer state) took
@@ -102,67 +102,15 @@ def prefect_slot(run_name: str, timeout: float):
 
 # --- the child process -------------------------------------------------------------------------------
 
-def _proc_table() -> dict[int, tuple[int, str]]:
-    """pid -> (parent pid, start time) of every process, from /proc."""
-    out = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            out[int(d.name)] = (int(fields[1]), fields[19])
-    return out
-
-
-def descendants(pid: int) -> dict[int, str]:
-    """All processes below `pid` (pid -> start time). torchrun starts each trainer in its own session,
-    so signalling torchrun's process group alone would miss them."""
-    table, found, todo = _proc_table(), {}, [pid]
-    while todo:
-        parent = todo.pop()
-        for child, (ppid, started) in table.items():
-            if ppid == parent and child not in found:
-                found[child] = started
-                todo.append(child)
-    return found
-
-
-def _signal_tree(tree: dict[int, str], sig: int) -> int:
-    """Send `sig` to the processes of `tree` that are still the same processes; how many were alive."""
-    table, alive = _proc_table(), 0
-    for pid, started in tree.items():
-        if table.get(pid, (None, None))[1] == started:
-            alive += 1
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-    return alive
-
-
 def end_group(proc: subprocess.Popen, grace: float, log) -> None:
     """SIGTERM torchrun's process group and its trainers (they checkpoint and exit); SIGKILL whatever is
     left after `grace` seconds."""
-    tree = descendants(proc.pid)
-    if proc.poll() is None or _signal_tree(tree, 0):
+    tree = processes.tree_of(proc.pid)
+    if processes.alive(tree):
         log.warning("stopping the trainer (SIGTERM to torchrun %d and %d child process(es); SIGKILL after "
-                    "%.0fs)", proc.pid, len(tree), grace)
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        _signal_tree(tree, signal.SIGTERM)
-        end = time.monotonic() + grace
-        while time.monotonic() < end and (proc.poll() is None or _signal_tree(tree, 0)):
-            time.sleep(0.2)
-        if proc.poll() is None or _signal_tree(tree, 0):
-            log.error("trainer did not exit within %.0fs of SIGTERM; sending SIGKILL", grace)
-    try:  # whatever is left of the group and the trees
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    _signal_tree(tree, signal.SIGKILL)
+                    "%.0fs)", proc.pid, len(tree) - 1, grace)
+    if not processes.stop_tree(proc.pid, tree, grace, poll=proc.poll):
+        log.error("trainer did not exit within %.0fs of SIGTERM; sent SIGKILL", grace)
     proc.wait()
 
 

@@ -1,4 +1,5 @@
 import json
+import os
 
 import pytest
 import torch
@@ -118,6 +119,28 @@ def test_partial_directory_is_not_a_checkpoint(tmp_path):
     (tmp_path / "checkpoints" / ".tmp-step_00000009-123").mkdir(parents=True)
     (tmp_path / "checkpoints" / "step_00000009").mkdir()  # no meta.json: never completed
     assert C.list_checkpoints(tmp_path) == []
+
+
+def test_a_killed_writers_temp_dir_is_removed_by_the_next_save(tmp_path):
+    """SIGKILL mid-save leaves a full-size temp dir (1.5 GB at 124M); the next save removes it, but not
+    a live writer's or another host's (shared storage)."""
+    import subprocess
+
+    from gptcore.shards import _HOST
+
+    proc = subprocess.Popen(["true"])  # a pid that has exited
+    proc.wait()
+    ckdir = tmp_path / "checkpoints"
+    stale = ckdir / f".step_00000009.tmp-{_HOST}-{proc.pid}"
+    live = ckdir / f".step_00000011.tmp-{_HOST}-{os.getpid()}"
+    other = ckdir / f".step_00000012.tmp-otherhost-{proc.pid}"
+    for d in (stale, live, other):
+        (d / "sub").mkdir(parents=True)
+        (d / "model.safetensors").write_bytes(b"x" * 1000)
+    m, opt = trained_model()
+    save(tmp_path, 10, m, opt)
+    assert not stale.exists() and live.is_dir() and other.is_dir()
+    assert [p.name for p in C.list_checkpoints(tmp_path)] == ["step_00000010"]
 
 
 def test_load_errors_are_clear(tmp_path):

@@ -103,13 +103,11 @@ def test_ship_values_steps_params_artifacts_and_no_duplicates(mlflow_server, tmp
     assert run.data.tags[store.TAG_IDENTITY] == ident
     assert run.data.tags[store.TAG_FLOW_RUN] == "flow-123"
     arts = {a.path for a in mlc.list_artifacts(run_id)}
-    assert {"config.json", "curves.png", "samples"} <= arts
+    assert {"config.json", "samples"} <= arts
     samples = sorted(a.path for a in mlc.list_artifacts(run_id, "samples"))
     assert samples == ["samples/step_00000010.txt", "samples/step_00000020.txt", "samples/step_00000030.txt"]
     dl = Path(mlc.download_artifacts(run_id, "samples/step_00000020.txt", str(tmp_path)))
     assert dl.read_text() == "sample at step 20"
-    png = Path(mlc.download_artifacts(run_id, "curves.png", str(tmp_path)))
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     cursor = json.loads((rd / tracking.CURSOR).read_text())
     assert cursor["run_id"] == run_id
     assert cursor["offset"] == sum(len(json.dumps(r)) + 1 for r in recs)  # stops before the partial line
@@ -167,7 +165,7 @@ def test_training_run_survives_server_restart(mlflow_server, tmp_path):  # noqa:
                       "train.checkpoint_interval=100000", "optim.warmup_steps=10",
                       "eval.eval_interval=10", "eval.sample_interval=10", "eval.val_tokens=128"])
     proc = start(cmd, tmp_path, tmp_path / "train.log")
-    shipper = tracking.Shipper(rd, mlflow_server.uri, interval=0.2, plot_interval=3600, max_backoff=1.0)
+    shipper = tracking.Shipper(rd, mlflow_server.uri, interval=0.2, max_backoff=1.0)
     shipper.start()
     try:
         deadline = time.monotonic() + 120
