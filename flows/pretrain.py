@@ -167,6 +167,95 @@ def mlflow_links(reg: dict | None, run_name: str) -> str:
 
 # --- the flow -----------------------------------------------------------------------------------------
 
+class Stages:
+    """What each stage did ("ran" / "skipped" and why): logged as it happens, and an artifact at the end."""
+
+    def __init__(self, log):
+        self.log, self.rows = log, []
+
+    def __call__(self, name: str, status: str, detail: str = "") -> None:
+        self.rows.append({"stage": name, "status": status, "detail": detail})
+        self.log.info("stage %s: %s %s", name, status, detail)
+
+
+def data_stage(cfg: RunConfig, stage: Stages) -> tuple[str, dict]:
+    """(dataset dir, {"train": tokens, "val": tokens}); the shard table artifact."""
+    dataset_dir, status = dataset_stage(cfg, stage.log)
+    rows = shard_rows(dataset_dir)
+    tokens = {split: sum(r["tokens"] for r in rows if r["split"] == split) for split in ("train", "val")}
+    stage("data", status, f"{dataset_dir}: {len(rows)} shards, {tokens['train']:,} train tokens")
+    create_table_artifact(rows, key=artifact_key(cfg.run_name, "shards"),
+                          description=f"Shards of {dataset_dir} ({tokens['train']:,} train / {tokens['val']:,} "
+                                      "val tokens)")
+    return dataset_dir, tokens
+
+
+def train_stage(cfg: RunConfig, preset: str, overrides: dict | None, nproc: int, wait_seconds: float,
+                tracking: bool, stage: Stages) -> dict:
+    """The run's state after training it (or finding it DONE)."""
+    run_dir, ident = run_dir_for(cfg), cfg.identity_hash()
+    state = run_state(run_dir, ident)
+    if state["done"]:
+        stage("train", "skipped", f"{run_dir} is DONE at step {state['step']}")
+        return state
+    # nproc=0 (one per GPU) is resolved only here: counting GPUs imports torch, which a re-run that skips
+    # everything should not pay for
+    nproc = resolve_nproc(nproc)
+    check_config(preset, overrides, nproc)  # the batch must split over the real number of processes
+    state = train_task(preset, overrides, cfg.run_name, str(run_dir), ident, nproc, wait_seconds=wait_seconds,
+                       tracking=tracking)
+    stage("train", "ran", f"steps {state.get('resumed_from') or 0} -> {state['step']}"
+                          f"{'' if state['done'] else ' (time budget reached; continues next run)'}")
+    return state
+
+
+def evaluate_stage(ckpt: str, cfg: RunConfig, stage: Stages) -> dict:
+    from tasks.evaluate import evaluate_checkpoint
+
+    result = eval_done(ckpt, cfg)
+    if result is not None:
+        stage("evaluate", "skipped", f"{ckpt}/eval.json exists")
+    else:
+        result = evaluate_checkpoint(ckpt, cfg.to_dict())
+        stage("evaluate", "ran", f"val loss {result.get('val_loss')}")
+    hs = result.get("hellaswag") or {}
+    rows = [{"metric": "val_loss", "value": result.get("val_loss")},
+            {"metric": "val_tokens", "value": result.get("val_tokens")}]
+    rows += ([{"metric": f"hellaswag_{k}", "value": hs[k]} for k in ("acc", "acc_norm", "n") if k in hs]
+             or [{"metric": "hellaswag", "value": f"skipped: {hs.get('skipped', 'disabled')}"}])
+    create_table_artifact(rows, key=artifact_key(cfg.run_name, "eval"),
+                          description=f"Evaluation of {ckpt} (step {result.get('step')})")
+    return result
+
+
+def register_stage(ckpt: str, name: str, stage: Stages) -> dict:
+    from tasks.register import register_task, registered_version
+
+    reg = registered_version(ckpt, name)
+    if reg is not None:
+        stage("register", "skipped", f"{reg['model_uri']} holds this checkpoint")
+        return reg
+    from prefect.runtime import flow_run
+
+    reg = register_task(ckpt, name, flow_run_id=flow_run.get_id())
+    stage("register", "ran", f"{reg['model_uri']}")
+    return reg
+
+
+def sample_stage(ckpt: str, model_uri: str | None, cfg: RunConfig, stage: Stages) -> dict:
+    """A text sample from what was registered (or from the checkpoint)."""
+    prompt, n_new = cfg.eval.sample_prompt, cfg.eval.sample_tokens
+    sample = sample_done(ckpt, model_uri, prompt, n_new)
+    if sample is not None:
+        stage("sample", "skipped", f"{ckpt}/{SAMPLE_FILE} exists")
+    else:
+        sample = sample_task(ckpt, model_uri, prompt, n_new)
+        stage("sample", "ran", "")
+    create_markdown_artifact(f"### Sample from {model_uri or ckpt}\n\n```\n{sample['text']}\n```",
+                             key=artifact_key(cfg.run_name, "sample"), description="Generated text")
+    return sample
+
+
 @flow(name="pretrain", log_prints=True)
 def pretrain(preset: str = "tiny-cpu", overrides: dict | None = None, nproc: int = 0, register: bool = True,
              model_name: str = "", evaluate: bool = True, tracking: bool = True,
@@ -183,93 +272,24 @@ def pretrain(preset: str = "tiny-cpu", overrides: dict | None = None, nproc: int
     """
     log = get_run_logger()
     check_params(nproc, wait_seconds, model_name)
-    # nproc=0 (one per GPU) is resolved only when there is training to do: counting GPUs imports torch,
-    # which a re-run that skips everything should not pay for
     cfg = check_config(preset, overrides, nproc or 1)
-    run_name, ident = cfg.run_name, cfg.identity_hash()
-    log.info("run %s (identity %s), preset %s, %s process(es)", run_name, ident, preset, nproc or "auto")
-    stages: list[dict] = []
-
-    def stage(name: str, status: str, detail: str = "") -> None:
-        stages.append({"stage": name, "status": status, "detail": detail})
-        log.info("stage %s: %s %s", name, status, detail)
-
-    # 1-2. data
-    dataset_dir, status = dataset_stage(cfg, log)
-    rows = shard_rows(dataset_dir)
-    tokens = {"train": sum(r["tokens"] for r in rows if r["split"] == "train"),
-              "val": sum(r["tokens"] for r in rows if r["split"] == "val")}
-    stage("data", status, f"{dataset_dir}: {len(rows)} shards, {tokens['train']:,} train tokens")
-    create_table_artifact(rows, key=artifact_key(run_name, "shards"),
-                          description=f"Shards of {dataset_dir} ({tokens['train']:,} train / {tokens['val']:,} "
-                                      "val tokens)")
-
-    # 3. train
-    run_dir = run_dir_for(cfg)
-    state = run_state(run_dir, ident)
-    if state["done"]:
-        stage("train", "skipped", f"{run_dir} is DONE at step {state['step']}")
-    else:
-        nproc = resolve_nproc(nproc)
-        check_config(preset, overrides, nproc)  # the batch must split over the real number of processes
-        state = train_task(preset, overrides, run_name, str(run_dir), ident, nproc, wait_seconds=wait_seconds,
-                           tracking=tracking)
-        stage("train", "ran", f"steps {state.get('resumed_from') or 0} -> {state['step']}"
-                              f"{'' if state['done'] else ' (time budget reached; continues next run)'}")
+    run_name = cfg.run_name
+    log.info("run %s (identity %s), preset %s, %s process(es)", run_name, cfg.identity_hash(), preset,
+             nproc or "auto")
+    stage = Stages(log)
+    dataset_dir, tokens = data_stage(cfg, stage)
+    state = train_stage(cfg, preset, overrides, nproc, wait_seconds, tracking, stage)
     ckpt = state["checkpoint"]
-
-    # 4. evaluate
-    result = None
-    if evaluate:
-        from tasks.evaluate import evaluate_checkpoint
-
-        result = eval_done(ckpt, cfg)
-        if result is not None:
-            stage("evaluate", "skipped", f"{ckpt}/eval.json exists")
-        else:
-            result = evaluate_checkpoint(ckpt, cfg.to_dict())
-            stage("evaluate", "ran", f"val loss {result.get('val_loss')}")
-        hs = result.get("hellaswag") or {}
-        eval_rows = [{"metric": "val_loss", "value": result.get("val_loss")},
-                     {"metric": "val_tokens", "value": result.get("val_tokens")}]
-        eval_rows += ([{"metric": f"hellaswag_{k}", "value": hs[k]} for k in ("acc", "acc_norm", "n") if k in hs]
-                      or [{"metric": "hellaswag", "value": f"skipped: {hs.get('skipped', 'disabled')}"}])
-        create_table_artifact(eval_rows, key=artifact_key(run_name, "eval"),
-                              description=f"Evaluation of {ckpt} (step {result.get('step')})")
-
-    # 5. register
-    reg = None
-    name = model_name or cfg.preset
-    if register:
-        from tasks.register import register_task, registered_version
-
-        reg = registered_version(ckpt, name)
-        if reg is not None:
-            stage("register", "skipped", f"{reg['model_uri']} holds this checkpoint")
-        else:
-            from prefect.runtime import flow_run
-
-            reg = register_task(ckpt, name, flow_run_id=flow_run.get_id())
-            stage("register", "ran", f"{reg['model_uri']}")
+    result = evaluate_stage(ckpt, cfg, stage) if evaluate else None
+    reg = register_stage(ckpt, model_name or cfg.preset, stage) if register else None
     create_markdown_artifact("\n".join([f"### MLflow ({run_name})", mlflow_links(reg, run_name)]),
                              key=artifact_key(run_name, "mlflow"), description="MLflow run and model version")
-
-    # 6. a text sample from what was registered
-    model_uri = reg["model_uri"] if reg else None
-    prompt, n_new = cfg.eval.sample_prompt, cfg.eval.sample_tokens
-    sample = sample_done(ckpt, model_uri, prompt, n_new)
-    if sample is not None:
-        stage("sample", "skipped", f"{ckpt}/{SAMPLE_FILE} exists")
-    else:
-        sample = sample_task(ckpt, model_uri, prompt, n_new)
-        stage("sample", "ran", "")
-    create_markdown_artifact(f"### Sample from {model_uri or ckpt}\n\n```\n{sample['text']}\n```",
-                             key=artifact_key(run_name, "sample"), description="Generated text")
-
-    create_table_artifact(stages, key=artifact_key(run_name, "stages"), description="What this flow run did or skipped")
+    sample = sample_stage(ckpt, reg["model_uri"] if reg else None, cfg, stage)
+    create_table_artifact(stage.rows, key=artifact_key(run_name, "stages"),
+                          description="What this flow run did or skipped")
     hs = (result or {}).get("hellaswag") or {}
     summary = {
-        "run_name": run_name, "run_dir": str(run_dir), "dataset_dir": dataset_dir,
+        "run_name": run_name, "run_dir": state["run_dir"], "dataset_dir": dataset_dir,
         "train_tokens": tokens["train"], "val_tokens_in_dataset": tokens["val"],
         "step": state["step"], "done": state["done"], "checkpoint": ckpt,
         "tokens_seen": _tokens_seen(ckpt),
@@ -279,7 +299,7 @@ def pretrain(preset: str = "tiny-cpu", overrides: dict | None = None, nproc: int
         "model_version": reg["model_uri"] if reg else None,
         "mlflow_uri": reg["tracking_uri"] if reg else None,
         "sample": sample["text"],
-        "stages": {s["stage"]: s["status"] for s in stages},
+        "stages": {s["stage"]: s["status"] for s in stage.rows},
     }
     create_table_artifact([{"key": k, "value": json.dumps(v)} for k, v in summary.items()], key=SUMMARY_KEY,
                           description=f"Summary of run {run_name}")

@@ -265,7 +265,7 @@ class Stack:
                                + self.worker.log_tail())
 
     def up(self, timeout: float = 180.0) -> Stack:
-        # both servers boot at once (each takes ~20 s of imports on a small machine)
+        # both servers boot at once (each spends most of its start-up importing)
         self.start_mlflow(wait=False)
         self.start_prefect(wait=False)
         self._wait(self.mlflow, self.mlflow_healthy, timeout)

@@ -21,7 +21,8 @@ from gptcore import distributed
 from gptcore.config import ConfigError, RunConfig, TrainConfig, apply_overrides, from_dict, load_config
 from gptcore.data import val_batches
 from gptcore.model import without_ddp
-from gptcore.shards import Manifest
+from gptcore.run_files import CheckpointError
+from gptcore.shards import Manifest, ShardError
 
 log = logging.getLogger(__name__)
 
@@ -144,8 +145,9 @@ def main(argv: list[str] | None = None) -> int:
                                 hellaswag_path=args.hellaswag, limit=args.limit, val=args.val,
                                 manifest_dir=Path(args.data) if args.data else None, rank=rank, world=world)
         distributed.barrier()  # every rank is done with its collectives before any tears the group down
-    except (OSError, ValueError, RuntimeError, ConfigError, ImportError) as e:
-        # HellaSwagError / ConfigError are ValueErrors, ShardError / CheckpointError RuntimeErrors
+    except (OSError, ValueError, ShardError, CheckpointError, ConfigError, ImportError) as e:
+        # bad input (HellaSwagError and ConfigError are ValueErrors); a RuntimeError such as CUDA out of
+        # memory is not, and keeps its traceback and exit 1
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:

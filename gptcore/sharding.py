@@ -43,6 +43,7 @@ from gptcore.shards import (
     ShardInfo,
     atomic_write_bytes,
     file_sha256,
+    free_disk,
     read_shard,
     remove_stale_temps,
     write_shard_chunks,
@@ -206,9 +207,8 @@ def plan_pieces(cfg: RunConfig, source_dir: Path) -> list[Piece]:
 def check_disk(cfg: RunConfig, pieces: list[Piece]) -> None:
     """Fail before any work if the estimated output (piece files + shards) does not fit."""
     out = dataset_dir(cfg)
-    probe = next(p for p in [out, *out.parents] if p.exists())
     need = int(sum(p.est_bytes for p in pieces) / BYTES_PER_TOKEN * 2 * 2 * 1.05)  # uint16, pieces + shards
-    free = shutil.disk_usage(probe).free
+    free = free_disk(out)
     if need > free:
         raise DataError(f"not enough free disk for the tokenized dataset in {out}: need ~{need / 1e9:.2f} GB "
                         f"(pieces + shards), {free / 1e9:.2f} GB free. Free space, point GPTPIPE_HOME at a "

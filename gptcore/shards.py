@@ -59,6 +59,12 @@ def atomic_write_bytes(path: Path, chunks) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def free_disk(path: Path) -> int:
+    """Free bytes on the filesystem that holds `path` (or would: its nearest existing ancestor)."""
+    path = Path(path).resolve()
+    return shutil.disk_usage(next(p for p in [path, *path.parents] if p.exists())).free
+
+
 def remove_stale_temps(directory: Path, recursive: bool = True) -> list[Path]:
     """Delete the temp files and directories (`.<name>.tmp-<host>-<pid>`) that killed writers on this host
     left in `directory` (and its subdirectories): a killed checkpoint save leaves 1.5 GB at 124M. On

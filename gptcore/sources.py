@@ -24,7 +24,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -32,7 +31,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from gptcore.config import RunConfig, pipeline_home
-from gptcore.shards import atomic_write_bytes, file_sha256
+from gptcore.shards import atomic_write_bytes, file_sha256, free_disk
 
 BUILTIN = Path(__file__).parent / "assets" / "corpus" / "shakespeare.parquet"
 BUILTIN_SHA256 = "2db4ec02cd015044806362430773d64ca4be9030c573aa55d0afe047b3e76c7c"
@@ -234,8 +233,7 @@ def _fetch_hub(cfg: RunConfig, source_dir: Path) -> list[SourceFile]:
 
 
 def _check_disk(source_dir: Path, need: int, max_docs: int) -> None:
-    probe = next(p for p in [Path(source_dir), *Path(source_dir).parents] if p.exists())
-    free = shutil.disk_usage(probe).free
+    free = free_disk(source_dir)
     if need > free and not max_docs:
         raise SourceError(f"not enough free disk to download the dataset into {source_dir}: need "
                           f"{need / 1e9:.1f} GB, {free / 1e9:.1f} GB free. Free space, point GPTPIPE_HOME at "

@@ -272,24 +272,48 @@ def restore(ts: dict, optimizer, loader: ShardLoader, scaler, env: distributed.E
     return Progress(int(ts["step"]), int(ts["tokens_seen"]))
 
 
-def train(cfg: RunConfig, prep: Prepared, t_start: float) -> int:
-    env = prep.env
-    distributed.init_process_group(env)
-    run_dir, data_dir, manifest, raw = prep.run_dir, prep.data_dir, prep.manifest, prep.model
-    raw.head_loss = make_loss(env.loss)  # train.loss; the trainer owns the fused loss's reusable buffers
-    tc, B, T = cfg.train, cfg.train.micro_batch, cfg.train.seq_len
-    accum = cfg.grad_accum_steps(env.world)
+@dataclass
+class Loop:
+    """What the training loop works with, set up once per invocation (see `set_up`)."""
+    cfg: RunConfig
+    env: distributed.Env
+    run_dir: Path
+    raw: GPT  # the plain model: checkpoints, sampling, rollback
+    model: torch.nn.Module  # what trains: raw, wrapped in DDP and/or torch.compile
+    optimizer: torch.optim.Optimizer
+    loader: ShardLoader
+    scaler: torch.amp.GradScaler | None
+    logger: JsonlLogger | NullLogger
+    evals: Evals
+    guard: Guard
+    at: Progress
+    peak_flops: float | None  # all devices together, for MFU (None: unknown hardware)
+    meta: dict  # what every checkpoint of this invocation records about the run
 
+
+@dataclass
+class Read:
+    """What the host learned at one sync point about the steps since the previous one."""
+    loss: float
+    verdict: str  # guard verdict: OK, SKIP or ROLLBACK
+    why_bad: str
+    stop: bool  # some rank voted to stop
+
+
+def set_up(cfg: RunConfig, prep: Prepared) -> Loop:
+    """Optimizer, data loader, restored state, DDP / compile wrappers, run records and the metrics log."""
+    env, run_dir, manifest, raw = prep.env, prep.run_dir, prep.manifest, prep.model
+    raw.head_loss = make_loss(env.loss)  # train.loss; the trainer owns the fused loss's reusable buffers
+    tc = cfg.train
     optimizer = raw.configure_optimizer(cfg.optim.weight_decay, cfg.optim.max_lr,
                                         (cfg.optim.beta1, cfg.optim.beta2), cfg.optim.eps, env.device.type)
     scaler = torch.amp.GradScaler(env.device.type) if env.dtype == torch.float16 else None
-    loader = ShardLoader(data_dir, B, T, tc.total_batch_tokens, tc.seed, env.rank, env.world, env.device,
-                         manifest=manifest)
+    loader = ShardLoader(prep.data_dir, tc.micro_batch, tc.seq_len, tc.total_batch_tokens, tc.seed, env.rank,
+                         env.world, env.device, manifest=manifest)
     torch.manual_seed(tc.seed + env.rank)  # per-rank randomness (dropout) from here on
     at = Progress()
     if prep.trainer_state is not None:
         at = restore(prep.trainer_state, optimizer, loader, scaler, env)
-
     seen = distributed.all_gather_object(at.step)  # every rank must resume from the same checkpoint
     if len(set(seen)) > 1:
         raise RunError(f"ranks found different checkpoints in {run_dir} (steps {seen}); the run directory "
@@ -304,104 +328,130 @@ def train(cfg: RunConfig, prep: Prepared, t_start: float) -> int:
         # each bucket's all-reduce starts while the rest of backward still runs (compiled-then-wrapped,
         # the hooks would fire only after the whole compiled backward)
         model = torch.compile(model)
-
-    logger = NullLogger()
+    logger = JsonlLogger(run_dir / METRICS_FILE) if env.master else NullLogger()
     if env.master:
-        if prep.record is None:
-            write_json(run_dir / "run.json", {
-                "run_name": cfg.run_name, "identity_hash": cfg.identity_hash(), "manifest_id": manifest.id,
-                "preset": cfg.preset, "dataset_dir": str(data_dir), "created": time.time()})
-        write_json(run_dir / "config.json", cfg.to_dict())
-        (run_dir / STOP_FILE).unlink(missing_ok=True)  # a stop request was for the previous invocation
-        logger = JsonlLogger(run_dir / METRICS_FILE)
-        how = f"resuming from {prep.ckpt.name}" if prep.ckpt else "starting"
-        print(f"run {cfg.run_name} ({run_dir}): {how} at step {at.step}/{tc.max_steps}; world={env.world} "
-              f"accum={accum} device={env.device} dtype={env.dtype} compile={env.compile} loss={env.loss} "
-              f"params={raw.num_params():,} dataset={data_dir} ({manifest.id})", flush=True)
-
+        write_records(cfg, prep, at)
     peak_one = float(os.environ.get(PEAK_ENV) or 0) or peak_flops_guess(env.device)  # None: unknown GPU
-    peak = peak_one * env.world if peak_one else None
-    evals = Evals(cfg, env, data_dir, logger)
-    guard, faults = Guard(cfg.guard), FaultInjector()
-    meta_base = {"config": cfg.to_dict(), "manifest_id": manifest.id, "run_name": cfg.run_name,
-                 "identity_hash": cfg.identity_hash()}
+    meta = {"config": cfg.to_dict(), "manifest_id": manifest.id, "run_name": cfg.run_name,
+            "identity_hash": cfg.identity_hash()}
+    return Loop(cfg, env, run_dir, raw, model, optimizer, loader, scaler, logger,
+                Evals(cfg, env, prep.data_dir, logger), Guard(cfg.guard), at,
+                peak_one * env.world if peak_one else None, meta)
 
-    def save(reason: str, train_loss: float) -> None:  # collective: every rank contributes its RNG state
-        rngs = distributed.all_gather_object(rng_state(env.device))
-        if env.master:
-            state = {"optimizer": optimizer.state_dict(), "loader": loader.state_dict(), "rng": rngs,
-                     "scaler": scaler.state_dict() if scaler is not None else {}, "step": at.step,
-                     "tokens_seen": at.tokens_seen, "world": env.world}
-            val, hs = evals.results_at(at.step)
-            try:
-                path = checkpoint.save_checkpoint(run_dir, at.step, raw, state, {
-                    **meta_base, "tokens_seen": at.tokens_seen, "val_loss": val, "hellaswag": hs,
-                    "train_loss": train_loss, "reason": reason}, keep_last=tc.keep_last)
-                print(f"checkpoint {path} ({reason})", flush=True)
-            except checkpoint.CheckpointError as e:  # non-finite weights are never written
-                event(env, logger, at.step, f"checkpoint not written: {e}")
-        guard.checkpointed()
-        distributed.barrier()
 
+def write_records(cfg: RunConfig, prep: Prepared, at: Progress) -> None:
+    """run.json (the run's identity, once), config.json (this invocation's) and the start line (rank 0)."""
+    run_dir, env = prep.run_dir, prep.env
+    if prep.record is None:
+        write_json(run_dir / "run.json", {
+            "run_name": cfg.run_name, "identity_hash": cfg.identity_hash(), "manifest_id": prep.manifest.id,
+            "preset": cfg.preset, "dataset_dir": str(prep.data_dir), "created": time.time()})
+    write_json(run_dir / "config.json", cfg.to_dict())
+    (run_dir / STOP_FILE).unlink(missing_ok=True)  # a stop request was for the previous invocation
+    how = f"resuming from {prep.ckpt.name}" if prep.ckpt else "starting"
+    print(f"run {cfg.run_name} ({run_dir}): {how} at step {at.step}/{cfg.train.max_steps}; world={env.world} "
+          f"accum={cfg.grad_accum_steps(env.world)} device={env.device} dtype={env.dtype} compile={env.compile} "
+          f"loss={env.loss} params={prep.model.num_params():,} dataset={prep.data_dir} ({prep.manifest.id})",
+          flush=True)
+
+
+def stop_vote(loop: Loop, t_start: float) -> tuple[bool, bool]:
+    """(this rank votes to stop, rank 0 saw a STOP file). The vote (a signal on any rank, rank 0's clock
+    or STOP file) is reduced with the loss, so every rank sees it at the same step."""
+    tc, master = loop.cfg.train, loop.env.master
+    out_of_time = tc.max_minutes > 0 and (time.time() - t_start) > tc.max_minutes * 60
+    stop_file = master and (loop.run_dir / STOP_FILE).exists()
+    return _STOP["signal"] is not None or (master and out_of_time) or stop_file, stop_file
+
+
+def read_and_log(loop: Loop, pending: list, dt: float) -> Read:
+    """The one host sync of the steps in `pending` (the same steps on every rank): log each, and let the
+    guard judge each."""
+    cfg, env, guard = loop.cfg, loop.env, loop.guard
+    rows = torch.stack([p[-1] for p in pending]).tolist()
+    tok_s = cfg.train.total_batch_tokens / dt
+    mfu = {"train/mfu": loop.raw.estimate_mfu(tok_s, loop.peak_flops, cfg.train.seq_len)} if loop.peak_flops else {}
+    read = Read(math.nan, OK, "", False)
+    for (step, lr, seen, epoch, _), (loss_total, n_bad, n_stop, norm) in zip(pending, rows, strict=True):
+        loss, finite = loss_total / env.world, n_bad == 0
+        read.loss, read.stop = loss, read.stop or n_stop > 0
+        loop.logger.log(step, {"train/loss": loss, "train/lr": lr, "train/grad_norm": norm, "train/step_time": dt,
+                               "train/tokens_per_s": tok_s, "train/tokens_seen": seen, "train/epoch": epoch, **mfu})
+        if read.verdict != ROLLBACK:
+            read.verdict = guard.observe(loss, finite)
+            read.why_bad = "non-finite steps" if not finite else "loss spike"
+            if read.verdict == SKIP:
+                event(env, loop.logger, step, f"non-finite step skipped (loss {loss}, grad norm {norm}): no "
+                      f"update applied ({guard.nonfinite}/{cfg.guard.max_nonfinite} before a rollback)")
+    if env.master:
+        step, lr = pending[-1][0], pending[-1][1]
+        print(f"step {step:6d}/{cfg.train.max_steps} | loss {read.loss:.6f} | lr {lr:.3e} | norm {norm:.4f} | "
+              f"{dt * 1000:.1f} ms | {tok_s:,.0f} tok/s", flush=True)
+    return read
+
+
+def save(loop: Loop, step: int, tokens_seen: int, reason: str, train_loss: float) -> None:
+    """Checkpoint the state after `step`. Collective: every rank contributes its RNG state."""
+    env = loop.env
+    rngs = distributed.all_gather_object(rng_state(env.device))
+    if env.master:
+        state = {"optimizer": loop.optimizer.state_dict(), "loader": loop.loader.state_dict(), "rng": rngs,
+                 "scaler": loop.scaler.state_dict() if loop.scaler is not None else {}, "step": step,
+                 "tokens_seen": tokens_seen, "world": env.world}
+        val, hs = loop.evals.results_at(step)
+        try:
+            path = checkpoint.save_checkpoint(loop.run_dir, step, loop.raw, state, {
+                **loop.meta, "tokens_seen": tokens_seen, "val_loss": val, "hellaswag": hs,
+                "train_loss": train_loss, "reason": reason}, keep_last=loop.cfg.train.keep_last)
+            print(f"checkpoint {path} ({reason})", flush=True)
+        except checkpoint.CheckpointError as e:  # non-finite weights are never written
+            event(env, loop.logger, step, f"checkpoint not written: {e}")
+    loop.guard.checkpointed()
+    distributed.barrier()
+
+
+def train(cfg: RunConfig, prep: Prepared, t_start: float) -> int:
+    distributed.init_process_group(prep.env)
+    loop = set_up(cfg, prep)
+    tc, ev, env = cfg.train, cfg.eval, loop.env
+    faults = FaultInjector()
     pending: list[tuple[int, float, int, int, torch.Tensor]] = []  # steps whose stats the host has not read
     t_read = time.time()
     try:
-        while at.step < tc.max_steps:
+        while loop.at.step < tc.max_steps:
+            at = loop.at
             lr = lr_at(at.step, cfg)
-            for group in optimizer.param_groups:
+            for group in loop.optimizer.param_groups:
                 group["lr"] = lr
-            # the stop vote (a signal on any rank, rank 0's clock or STOP file) is reduced with the loss,
-            # so every rank sees it at the same step
-            out_of_time = tc.max_minutes > 0 and (time.time() - t_start) > tc.max_minutes * 60
-            stop_file = env.master and (run_dir / STOP_FILE).exists()
-            vote = _STOP["signal"] is not None or (env.master and out_of_time) or stop_file
-            faults.before_step(raw)
-            stats = train_step(model, optimizer, loader, accum, env, scaler, cfg.optim.grad_clip, vote)
+            vote, stop_file = stop_vote(loop, t_start)
+            faults.before_step(loop.raw)
+            stats = train_step(loop.model, loop.optimizer, loop.loader, cfg.grad_accum_steps(env.world), env,
+                               loop.scaler, cfg.optim.grad_clip, vote)
             at.step += 1
             at.tokens_seen += tc.total_batch_tokens
-            pending.append((at.step, lr, at.tokens_seen, loader.epoch, stats))
+            pending.append((at.step, lr, at.tokens_seen, loop.loader.epoch, stats))
             last = at.step == tc.max_steps
-            due_eval = last or (cfg.eval.eval_interval and at.step % cfg.eval.eval_interval == 0)
-            due_sample = last or (cfg.eval.sample_interval and at.step % cfg.eval.sample_interval == 0)
+            due_eval = last or (ev.eval_interval and at.step % ev.eval_interval == 0)
+            due_sample = last or (ev.sample_interval and at.step % ev.sample_interval == 0)
             due_ckpt = at.step % tc.checkpoint_interval == 0
             if not (last or due_eval or due_sample or due_ckpt or at.step == 1 or at.step % tc.log_interval == 0):
                 continue  # no host sync: the device runs on while the host prepares the next step
-            # the one host sync of these steps (the same steps on every rank): read, log, guard
-            rows = torch.stack([p[-1] for p in pending]).tolist()
             now = time.time()
-            dt, t_read = (now - t_read) / len(pending), now
-            tok_s = tc.total_batch_tokens / dt
-            verdict, stop, why_bad = OK, False, ""
-            for (step, step_lr, seen, epoch, _), (loss_total, n_bad, n_stop, norm) in zip(pending, rows,
-                                                                                      strict=True):
-                loss, finite = loss_total / env.world, n_bad == 0
-                stop |= n_stop > 0
-                logger.log(step, {"train/loss": loss, "train/lr": step_lr, "train/grad_norm": norm,
-                                  "train/step_time": dt, "train/tokens_per_s": tok_s, "train/tokens_seen": seen,
-                                  "train/epoch": epoch,
-                                  **({"train/mfu": raw.estimate_mfu(tok_s, peak, T)} if peak else {})})
-                if verdict != ROLLBACK:
-                    verdict = guard.observe(loss, finite)
-                    why_bad = "non-finite steps" if not finite else "loss spike"
-                    if verdict == SKIP:
-                        event(env, logger, step, f"non-finite step skipped (loss {loss}, grad norm {norm}): no "
-                              f"update applied ({guard.nonfinite}/{cfg.guard.max_nonfinite} before a rollback)")
+            read = read_and_log(loop, pending, (now - t_read) / len(pending))
             pending.clear()
-            if env.master:
-                print(f"step {at.step:6d}/{tc.max_steps} | loss {loss:.6f} | lr {lr:.3e} | norm "
-                      f"{norm:.4f} | {dt * 1000:.1f} ms | {tok_s:,.0f} tok/s", flush=True)
-            if verdict == ROLLBACK:
-                at = roll_back(cfg, run_dir, raw, optimizer, loader, scaler, env, guard, logger, at, why_bad)
+            t_read = now
+            if read.verdict == ROLLBACK:
+                loop.at = roll_back(loop, read.why_bad)
                 t_read = time.time()
                 continue
             if due_eval:
-                evals.run(model, at.step, last)
+                loop.evals.run(loop.model, at.step, last)
             if env.master and due_sample:
-                evals.sample(raw, at.step)
-            troubled = guard.nonfinite or guard.spiking  # an interval checkpoint waits for a healthy step
-            if last or stop or (due_ckpt and not troubled):
-                save("end" if last else "stop" if stop else "interval", loss)
-            if stop and not last:
+                loop.evals.sample(loop.raw, at.step)
+            troubled = loop.guard.nonfinite or loop.guard.spiking  # an interval checkpoint waits for a healthy step
+            if last or read.stop or (due_ckpt and not troubled):
+                save(loop, at.step, at.tokens_seen, "end" if last else "stop" if read.stop else "interval", read.loss)
+            if read.stop and not last:
                 why = f"signal {_STOP['signal']}" if _STOP["signal"] is not None else \
                     f"{STOP_FILE} file" if stop_file else f"time budget train.max_minutes={tc.max_minutes}"
                 if env.master:
@@ -409,11 +459,12 @@ def train(cfg: RunConfig, prep: Prepared, t_start: float) -> int:
                           "continue", flush=True)
                 return EXIT_OK
         if env.master:
-            write_json(run_dir / "DONE", {"step": at.step, "tokens_seen": at.tokens_seen, "time": time.time()})
-            print(f"RUN_DONE run={cfg.run_name} step={at.step} dir={run_dir}", flush=True)
+            write_json(loop.run_dir / "DONE", {"step": loop.at.step, "tokens_seen": loop.at.tokens_seen,
+                                               "time": time.time()})
+            print(f"RUN_DONE run={cfg.run_name} step={loop.at.step} dir={loop.run_dir}", flush=True)
         return EXIT_OK
     finally:
-        logger.close()
+        loop.logger.close()
 
 
 def event(env: distributed.Env, logger, step: int, text: str, **values) -> None:
@@ -423,11 +474,12 @@ def event(env: distributed.Env, logger, step: int, text: str, **values) -> None:
         print(f"step {step:6d} | guard: {text}", flush=True)
 
 
-def roll_back(cfg: RunConfig, run_dir: Path, raw: GPT, optimizer, loader: ShardLoader, scaler,
-              env: distributed.Env, guard: Guard, logger, at: Progress, why: str) -> Progress:
+def roll_back(loop: Loop, why: str) -> Progress:
     """Reload the newest good checkpoint (weights, optimizer, RNG) but keep the data position, so the
     batches since that checkpoint, which led into the trouble, are skipped. Raises Diverged when there is
     nothing to roll back to or it happened too often in a row."""
+    cfg, run_dir, raw, loader, env, guard, at = (loop.cfg, loop.run_dir, loop.raw, loop.loader, loop.env,
+                                                 loop.guard, loop.at)
     if not guard.rolled_back():
         raise Diverged(f"the run diverged again ({why} at step {at.step}) after {cfg.guard.max_rollbacks} "
                        "rollbacks with no checkpoint written in between; the checkpoints are intact. Lower "
@@ -444,9 +496,9 @@ def roll_back(cfg: RunConfig, run_dir: Path, raw: GPT, optimizer, loader: ShardL
         if not checkpoint.healthy(meta):
             continue  # written during the trouble
         skipped = loader.position - int(ts["loader"]["position"])
-        optimizer.zero_grad(set_to_none=True)
-        back = restore(ts, optimizer, loader, scaler, env, data=False)
-        event(env, logger, at.step, f"{why}: rolled back to {ck.name}; the {skipped} sequences since it are "
+        loop.optimizer.zero_grad(set_to_none=True)
+        back = restore(ts, loop.optimizer, loader, loop.scaler, env, data=False)
+        event(env, loop.logger, at.step, f"{why}: rolled back to {ck.name}; the {skipped} sequences since it are "
               f"skipped (rollback {guard.rollbacks}/{cfg.guard.max_rollbacks})",
               **{"guard/rollback_from": at.step, "guard/rollback_to": back.step, "guard/skipped_sequences": skipped})
         return back

@@ -35,9 +35,8 @@ from gptcore.run_files import run_state
 from tasks import processes
 
 TRAIN_LOG = "train.log"  # the trainer's stdout/stderr, appended per invocation
-# SIGTERM -> SIGKILL, for torchrun's workers: a 124M stop checkpoint (1.5 GB with optimizer state) took
-# 6.7-8.9 s to write, hash and fsync on local disk (benchmarks/bench_checkpoint.py); 300 s covers shared
-# storage down to ~10 MB/s with margin (torchrun's own default is 30 s).
+# SIGTERM -> SIGKILL, for torchrun's workers: time for a 124M stop checkpoint (1.5 GB with optimizer state)
+# even on slow shared storage; torchrun's own default of 30 s is not (measured: docs/training.md).
 SHUTDOWN_SECONDS = 300
 GRACE_SECONDS = SHUTDOWN_SECONDS + 30.0  # this task's SIGKILL comes only after torchrun's has had its turn
 LEASE_SECONDS = 60  # Prefect's minimum; a killed holder's slot is reclaimed this long after its death
