@@ -93,7 +93,7 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    max_lr: float = 6e-4
+    max_lr: float = 6e-4  # with name=muon: the AdamW part's (embeddings, biases, LayerNorms)
     min_lr: float = 6e-5
     warmup_steps: int = 715
     weight_decay: float = 0.1
@@ -101,12 +101,42 @@ class OptimConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0  # 0 disables clipping
+    name: str = "adamw"  # adamw | muon (Muon for the blocks' 2-D weights, AdamW for the rest: gptcore/optim.py)
+    schedule: str = "cosine"  # cosine (build-nanogpt) | wsd (warmup, constant, linear decay to min_lr)
+    decay_frac: float = 0.2  # wsd: the last fraction of max_steps decays linearly
+    muon_lr: float = 0.02  # peak lr of the Muon part; follows the same schedule (scaled by muon_lr/max_lr)
+    muon_momentum: float = 0.95
+    muon_weight_decay: float = 0.0
+    muon_ns_dtype: str = "auto"  # Newton-Schulz precision: auto = bfloat16 on CUDA, float32 elsewhere
 
     def validate(self) -> None:
         if not 0 <= self.min_lr <= self.max_lr:
             raise ConfigError(f"optim.min_lr={self.min_lr} must be in [0, optim.max_lr={self.max_lr}]")
         if self.warmup_steps < 0:
             raise ConfigError("optim.warmup_steps must be >= 0")
+        if self.name not in ("adamw", "muon"):
+            raise ConfigError(f"optim.name={self.name!r}: choose adamw or muon")
+        if self.schedule not in ("cosine", "wsd"):
+            raise ConfigError(f"optim.schedule={self.schedule!r}: choose cosine or wsd")
+        if not 0 < self.decay_frac <= 1:
+            raise ConfigError(f"optim.decay_frac={self.decay_frac} must be in (0, 1]")
+        if self.muon_lr <= 0 or not 0 <= self.muon_momentum < 1 or self.muon_weight_decay < 0:
+            raise ConfigError("optim.muon_lr must be > 0, optim.muon_momentum in [0, 1), "
+                              "optim.muon_weight_decay >= 0")
+        if self.muon_ns_dtype not in ("auto", "float32", "bfloat16"):
+            raise ConfigError(f"optim.muon_ns_dtype={self.muon_ns_dtype!r}: choose auto, float32 or bfloat16")
+
+    def identity(self) -> dict:
+        """The fields that shape the trajectory: a recipe's own settings only when it is chosen, so that
+        runs of the default recipe keep the identity they had before these settings existed."""
+        d = asdict(self)
+        d.pop("muon_ns_dtype")  # precision, like train.dtype: may differ between invocations (GPU, CPU)
+        if self.name == "adamw":
+            for k in ("name", "muon_lr", "muon_momentum", "muon_weight_decay"):
+                d.pop(k)
+        if self.schedule == "cosine":
+            d.pop("schedule"), d.pop("decay_frac")
+        return d
 
 
 @dataclass
@@ -227,7 +257,7 @@ class RunConfig:
         """Hash of what defines a training trajectory (model, data, optimizer, batch, seed, length).
         Budget, device, logging and eval cadence may change between invocations of the same run."""
         t = self.train
-        ident = {"model": asdict(self.model), "optim": asdict(self.optim),
+        ident = {"model": asdict(self.model), "optim": self.optim.identity(),
                  "data": {"source": self.data.source, "shard_tokens": self.data.shard_tokens,
                           "dataset_name": self.data.dataset_name},
                  "train": {"total_batch_tokens": t.total_batch_tokens, "seq_len": t.seq_len,
@@ -241,6 +271,18 @@ def _gpt2_124m() -> RunConfig:
     # build-nanogpt's recipe: 0.5M-token batches, 6e-4 cosine to 6e-5, 715 warmup, 19,073 steps ~ 10B tokens.
     return RunConfig(preset="gpt2-124m", model=model_preset("gpt2"),
                      data=DataConfig(source="hf"), optim=OptimConfig(), train=TrainConfig(), eval=EvalConfig())
+
+
+def _gpt2_124m_muon() -> RunConfig:
+    # The same GPT-2 and data with Muon + warmup-stable-decay at half the token budget (~5.0B tokens).
+    # Values from modded-nanogpt's first Muon records (Oct 2024; sources in docs/training.md "Recipes").
+    cfg = _gpt2_124m()
+    cfg.preset = "gpt2-124m-muon"
+    cfg.optim = OptimConfig(name="muon", schedule="wsd", max_lr=0.0036, min_lr=0.0, warmup_steps=250,
+                            decay_frac=0.3, weight_decay=0.0, muon_lr=0.02, muon_momentum=0.95,
+                            muon_weight_decay=0.0)
+    cfg.train.max_steps = 9_537  # 5.0B tokens at 0.5M tokens/step
+    return cfg
 
 
 def _tiny_cpu() -> RunConfig:
@@ -269,7 +311,7 @@ def _micro() -> RunConfig:
                         sample_tokens=8))
 
 
-PRESETS = {"gpt2-124m": _gpt2_124m, "tiny-cpu": _tiny_cpu, "micro": _micro}
+PRESETS = {"gpt2-124m": _gpt2_124m, "gpt2-124m-muon": _gpt2_124m_muon, "tiny-cpu": _tiny_cpu, "micro": _micro}
 
 
 # --- loading and overrides ----------------------------------------------------------------------

@@ -40,6 +40,7 @@ from gptcore.guard import OK, ROLLBACK, SKIP, FaultInjector, Guard
 from gptcore.loss import make_loss
 from gptcore.metrics import METRICS_FILE, JsonlLogger, NullLogger
 from gptcore.model import GPT, peak_flops_guess
+from gptcore.optim import build_optimizer, lr_at, set_lr
 from gptcore.run_files import run_dir_for
 from gptcore.runlock import LockHeld, RunLock
 from gptcore.shards import Manifest, ShardError, atomic_write_bytes
@@ -52,17 +53,6 @@ PEAK_ENV = "GPTPIPE_PEAK_FLOPS"  # peak FLOP/s per device for MFU (default: a ta
 
 class RunError(RuntimeError):
     """The run directory does not fit this invocation; the message says why and what to do."""
-
-
-def lr_at(it: int, cfg: RunConfig) -> float:
-    """Linear warmup to max_lr, then cosine decay to min_lr at max_steps (build-nanogpt)."""
-    o, max_steps = cfg.optim, cfg.train.max_steps
-    if it < o.warmup_steps:
-        return o.max_lr * (it + 1) / o.warmup_steps
-    if it >= max_steps:
-        return o.min_lr
-    ratio = (it - o.warmup_steps) / max(1, max_steps - o.warmup_steps)
-    return o.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (o.max_lr - o.min_lr)
 
 
 # --- where things are -----------------------------------------------------------------------------
@@ -305,8 +295,7 @@ def set_up(cfg: RunConfig, prep: Prepared) -> Loop:
     env, run_dir, manifest, raw = prep.env, prep.run_dir, prep.manifest, prep.model
     raw.head_loss = make_loss(env.loss)  # train.loss; the trainer owns the fused loss's reusable buffers
     tc = cfg.train
-    optimizer = raw.configure_optimizer(cfg.optim.weight_decay, cfg.optim.max_lr,
-                                        (cfg.optim.beta1, cfg.optim.beta2), cfg.optim.eps, env.device.type)
+    optimizer = build_optimizer(raw, cfg.optim, env.device.type)
     scaler = torch.amp.GradScaler(env.device.type) if env.dtype == torch.float16 else None
     loader = ShardLoader(prep.data_dir, tc.micro_batch, tc.seq_len, tc.total_batch_tokens, tc.seed, env.rank,
                          env.world, env.device, manifest=manifest)
@@ -421,8 +410,7 @@ def train(cfg: RunConfig, prep: Prepared, t_start: float) -> int:
         while loop.at.step < tc.max_steps:
             at = loop.at
             lr = lr_at(at.step, cfg)
-            for group in loop.optimizer.param_groups:
-                group["lr"] = lr
+            set_lr(loop.optimizer, lr)
             vote, stop_file = stop_vote(loop, t_start)
             faults.before_step(loop.raw)
             stats = train_step(loop.model, loop.optimizer, loop.loader, cfg.grad_accum_steps(env.world), env,
@@ -524,8 +512,10 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loader:
             loss = loss / accum  # the mean over the whole step's micro-batches
             loss_sum += loss.detach()
             (scaler.scale(loss) if scaler is not None else loss).backward()
+    parts = getattr(optimizer, "optimizers", (optimizer,))  # optim.name=muon: AdamW + Muon
     if scaler is not None:
-        scaler.unscale_(optimizer)
+        for part in parts:
+            scaler.unscale_(part)
     # inf: measure the norm without clipping
     params = [p for g in optimizer.param_groups for p in g["params"]]
     norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
@@ -535,7 +525,8 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loader:
     packed = torch.stack([loss_sum.float(), bad.float(), torch.full((), float(stop_vote), device=env.device)])
     distributed.all_reduce_sum(packed)
     if scaler is not None:
-        scaler.step(optimizer)  # skips the update itself when gradients overflowed
+        for part in parts:
+            scaler.step(part)  # skips the update itself when gradients overflowed
         scaler.update()
     else:
         skip_if_nonfinite(optimizer, packed[1])

@@ -9,7 +9,8 @@ What a registration does:
   tasks/mlflow_model.py with the checkpoint's weights, plus the Hugging Face export under `hf/`;
 - creates a version of the registered model `<preset>` (e.g. `gpt2-124m`: one stable model, never one
   per run) from it, tagged with step, tokens_seen, val_loss, hellaswag, manifest id, config hash, code
-  version, flow run id and the weights' sha256, all set in the creating call;
+  version, flow run id, the weights' sha256 and the recipe (optimizer, schedule), all set in the creating
+  call;
 - moves the aliases: `best` only when the version's val loss beats the current holder's. "latest" is
   MLflow's own `models:/<name>/latest` (newest version; MLflow reserves `latest` as an alias name, so
   `resolve_model_uri` maps `@latest` to it).
@@ -88,12 +89,15 @@ def _scores(ckpt_dir: Path, meta: dict) -> tuple[float | None, dict]:
 
 def _version_tags(ckpt_dir: Path, meta: dict, sha: str, flow_run_id: str | None) -> dict[str, str]:
     val, hs = _scores(ckpt_dir, meta)
+    optim = (meta.get("config") or {}).get("optim") or {}
     tags = {
         "step": meta["step"], "tokens_seen": meta.get("tokens_seen"), "val_loss": val,
         "hellaswag_acc": hs.get("acc"), "hellaswag_acc_norm": hs.get("acc_norm"), "hellaswag_n": hs.get("n"),
         "manifest_id": meta.get("manifest_id"), "config_hash": meta.get("identity_hash"),
         "run_name": meta.get("run_name"), "code_version": store.code_version(),
         "flow_run_id": flow_run_id, "checkpoint_sha256": sha, "checkpoint": meta.get("checkpoint_dir"),
+        # the recipe, so versions trained either way stay comparable in the registry
+        "optimizer": optim.get("name", "adamw"), "schedule": optim.get("schedule", "cosine"),
     }
     return {k: str(v) for k, v in tags.items() if v is not None}
 

@@ -68,6 +68,7 @@ def test_register_versions_tags_aliases_idempotent(mlflow_server, ckpts, monkeyp
     assert mv.tags["manifest_id"] == "manifest-xyz" and mv.tags["config_hash"] == meta["identity_hash"]
     assert mv.tags["code_version"] == "test-commit" and mv.tags["flow_run_id"] == "flow-1"
     assert mv.tags["checkpoint_sha256"] == meta["model_sha256"]
+    assert (mv.tags["optimizer"], mv.tags["schedule"]) == ("adamw", "cosine")  # the recipe, for comparisons
     # MLflow 3: the version comes from a LoggedModel linked to the training run's MLflow run
     lm = mlc.get_logged_model(r1["model_id"])
     assert mv.source == f"models:/{lm.model_id}" and lm.status == LoggedModelStatus.READY

@@ -10,7 +10,8 @@ import pytest
 from gptcore import checkpoint as C
 from gptcore.config import load_config
 from gptcore.metrics import read_metrics
-from gptcore.train import lr_at, main
+from gptcore.optim import lr_at
+from gptcore.train import main
 from tests.test_train_utils import kill_tree, losses, make_dataset, python_cmd, start, wait_for_step
 
 
