@@ -5,6 +5,7 @@ equal to 1, the divergence guard."""
 from __future__ import annotations
 
 import math
+import subprocess
 
 import pytest
 import torch
@@ -14,9 +15,21 @@ from gptcore.config import ConfigError, load_config, model_preset
 from gptcore.metrics import read_metrics
 from gptcore.model import GPT
 from gptcore.optim import Combined, Muon, build_optimizer, lr_at, newton_schulz_dtype, orthogonalize, set_lr
-from tests.test_train_utils import kill_tree, losses, make_dataset, python_cmd, start, torchrun_cmd, wait_for_step
+from tests.test_ddp import STEPS as DDP_STEPS
+from tests.test_ddp import args as ddp_args
+from tests.test_ddp import assert_same_run
+from tests.test_train_utils import (
+    env,
+    kill_tree,
+    losses,
+    make_dataset,
+    python_cmd,
+    start,
+    torchrun_cmd,
+    wait_for_step,
+)
 
-STEPS = 12
+STEPS = DDP_STEPS  # tests/test_ddp.assert_same_run compares runs of this length
 MUON = ["optim.name=muon", "optim.schedule=wsd", "optim.decay_frac=0.25", "optim.muon_lr=0.02"]
 
 
@@ -102,25 +115,7 @@ def test_combined_state_round_trips_and_refuses_an_adamw_state():
 # --- real trainer processes --------------------------------------------------------------------------
 
 def args(ds, run, *extra):
-    return ["micro", f"data.dataset_dir={ds}", f"train.run_dir={run}", "train.micro_batch=2",
-            "train.seq_len=32", "train.total_batch_tokens=256", f"train.max_steps={STEPS}",
-            "train.checkpoint_interval=4", "train.keep_last=10", "optim.warmup_steps=3",
-            "eval.eval_interval=0", "eval.sample_interval=0", "eval.val_tokens=128", *MUON, *extra]
-
-
-def final(run):
-    model, meta = C.load_model(C.step_dir(run, STEPS))
-    assert meta["step"] == STEPS and (run / "DONE").is_file()
-    return model.state_dict()
-
-
-def same_run(run, ref, tol):
-    got, want = losses(run / "metrics.jsonl"), losses(ref / "metrics.jsonl")
-    assert sorted(got) == sorted(want) == list(range(1, STEPS + 1))
-    assert max(abs(got[s] - want[s]) for s in want) <= tol
-    a, b = final(run), final(ref)
-    for k in b:
-        torch.testing.assert_close(a[k], b[k], atol=tol, rtol=0, msg=k)
+    return ddp_args(ds, run, *MUON, *extra)  # tests/test_ddp.py's small run, with the new recipe
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +141,7 @@ def test_muon_sigkill_then_same_command_resumes_exactly(ds, reference, tmp_path)
     proc = start(cmd, tmp_path, tmp_path / "log2")
     assert proc.wait(timeout=300) == 0, (tmp_path / "log2").read_text()
     assert "resuming from step_" in (tmp_path / "log2").read_text()
-    same_run(run, reference, 0.0)  # bit-exact: both optimizers' states came back from the checkpoint
+    assert_same_run(run, reference, 0.0)  # bit-exact: both optimizers' states came back from the checkpoint
 
 
 @pytest.mark.slow
@@ -155,15 +150,11 @@ def test_muon_on_two_ranks_trains_the_one_rank_trajectory(ds, reference, tmp_pat
     proc = start(torchrun_cmd(args(ds, run)), tmp_path, tmp_path / "log")
     assert proc.wait(timeout=300) == 0, (tmp_path / "log").read_text()
     assert "world=2 accum=2" in (tmp_path / "log").read_text()
-    same_run(run, reference, 1e-5)
+    assert_same_run(run, reference, 1e-5)
 
 
 @pytest.mark.slow
 def test_the_guard_skips_and_rolls_back_with_muon(ds, tmp_path):
-    import subprocess
-
-    from tests.test_train_utils import env
-
     run = tmp_path / "nan"
     r = subprocess.run(python_cmd(args(ds, run, "train.max_steps=16")), cwd=tmp_path, capture_output=True,
                        text=True, timeout=300, env={**env(), "GPTPIPE_TEST_FAULT": "nan@7"})
