@@ -88,7 +88,7 @@ def losses(run: Path) -> dict[int, float]:
 
 def kill_session(proc: subprocess.Popen) -> None:
     """SIGKILL torchrun and its workers (they run in their own sessions: walk /proc for descendants)."""
-    from tasks.train import descendants
+    from tasks.processes import descendants
 
     for pid in [proc.pid, *descendants(proc.pid)]:
         try:

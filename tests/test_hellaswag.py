@@ -264,6 +264,7 @@ try:
     examples, _ = hellaswag.shared_examples(load_config("micro"), mine, 0, master=rank == 0)
 except hellaswag.HellaSwagError as e:  # rank 0 could not read it either: every rank says so, none hangs
     open(sys.argv[2] + f".error{rank}", "w").write(str(e))
+    dist.destroy_process_group()  # exiting with a live gloo group can abort at interpreter shutdown
     sys.exit(0)
 res = hellaswag.evaluate(model, examples, "cpu", rank=rank, world=world)
 sums, _ = hellaswag.score(model, examples[rank::world], "cpu")

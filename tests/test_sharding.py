@@ -247,9 +247,7 @@ def test_token_ids_beyond_uint16_rejected():
 
 
 def test_not_enough_disk(monkeypatch):
-    real = sharding.shutil.disk_usage
-    monkeypatch.setattr(sharding.shutil, "disk_usage",
-                        lambda p: real(p)._replace(free=1000))  # a nearly full disk
+    monkeypatch.setattr(sharding, "free_disk", lambda path: 1000)  # a nearly full disk
     cfg = cfg_of()
     with pytest.raises(sharding.DataError, match="not enough free disk"):
         sharding.run(cfg)
