@@ -53,27 +53,40 @@ def newton_schulz_dtype(setting: str, device_type: str) -> torch.dtype:
 
 class Muon(torch.optim.Muon):
     """torch.optim.Muon (same hyperparameters, same state: one momentum buffer per matrix) with the
-    Newton-Schulz iteration's precision chosen by the caller; torch's runs it in bfloat16 always."""
+    Newton-Schulz iteration's precision chosen by the caller (torch's runs it in bfloat16 always), and a
+    `found_inf` like the fused AdamW's: a tensor that, when non-zero, makes the step change nothing,
+    decided on the device (no host sync per step)."""
 
     def __init__(self, params, ns_dtype: torch.dtype = torch.bfloat16, **kw):
         super().__init__(params, **kw)
         self.ns_dtype = ns_dtype
+        self.found_inf: torch.Tensor | None = None
 
     @torch.no_grad()
     def step(self, closure=None):
         assert closure is None, "Muon here takes no closure"
+        keep = None if self.found_inf is None else (self.found_inf == 0)
         for g in self.param_groups:
             a, b, c = g["ns_coefficients"]
             for p in g["params"]:
                 if p.grad is None:
                     continue
                 buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
-                buf.lerp_(p.grad, 1 - g["momentum"])
-                update = p.grad.lerp(buf, g["momentum"]) if g["nesterov"] else buf
-                update = orthogonalize(update, a, b, c, g["ns_steps"], g["eps"], self.ns_dtype)
+                # a skipped step: the gradient is replaced by the buffer itself, so nothing moves (and a
+                # NaN gradient reaches neither the buffer nor the weights)
+                grad = p.grad if keep is None else torch.where(keep, p.grad, buf)
+                buf.lerp_(grad, 1 - g["momentum"])
+                update = grad.lerp(buf, g["momentum"]) if g["nesterov"] else buf
+                update = orthogonalize(update, a, b, c, g["ns_steps"], g["eps"], self.ns_dtype).to(p.dtype)
                 # torch.optim.Muon's "original" scaling: sqrt(max(1, rows / cols))
-                p.mul_(1 - g["lr"] * g["weight_decay"])
-                p.add_(update.to(p.dtype), alpha=-g["lr"] * math.sqrt(max(1.0, p.size(0) / p.size(1))))
+                lr = g["lr"] * math.sqrt(max(1.0, p.size(0) / p.size(1)))
+                if keep is None:
+                    p.mul_(1 - g["lr"] * g["weight_decay"])
+                    p.add_(update, alpha=-lr)
+                else:
+                    on = keep.to(p.dtype)
+                    p.mul_(1 - g["lr"] * g["weight_decay"] * on)
+                    p.sub_(update * (lr * on))
 
 
 def orthogonalize(g: torch.Tensor, a: float, b: float, c: float, steps: int, eps: float,
@@ -97,7 +110,7 @@ class Combined:
 
     def __init__(self, *optimizers: torch.optim.Optimizer):
         self.optimizers = optimizers
-        self.defaults: dict = {}  # not fused as a whole: the non-finite skip decides on the host
+        self.found_inf: torch.Tensor | None = None  # passed on to both (see skips_on_device)
 
     @property
     def param_groups(self) -> list[dict]:
@@ -105,7 +118,9 @@ class Combined:
 
     def step(self) -> None:
         for o in self.optimizers:
+            o.found_inf = self.found_inf
             o.step()
+            o.found_inf = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for o in self.optimizers:
@@ -120,6 +135,13 @@ class Combined:
                              "optimizer it was trained with")
         for o, s in zip(self.optimizers, state["combined"], strict=True):
             o.load_state_dict(s)
+
+
+def skips_on_device(optimizer) -> bool:
+    """True if `optimizer.found_inf` (a device tensor) can veto a step without a host sync: the fused
+    AdamW, this module's Muon, or both together."""
+    parts = getattr(optimizer, "optimizers", (optimizer,))
+    return all(isinstance(o, Muon) or o.defaults.get("fused") for o in parts)
 
 
 def build_optimizer(model, o: OptimConfig, device_type: str):

@@ -40,7 +40,7 @@ from gptcore.guard import OK, ROLLBACK, SKIP, FaultInjector, Guard
 from gptcore.loss import make_loss
 from gptcore.metrics import METRICS_FILE, JsonlLogger, NullLogger
 from gptcore.model import GPT, peak_flops_guess
-from gptcore.optim import build_optimizer, lr_at, set_lr
+from gptcore.optim import build_optimizer, lr_at, set_lr, skips_on_device
 from gptcore.run_files import run_dir_for
 from gptcore.runlock import LockHeld, RunLock
 from gptcore.shards import Manifest, ShardError, atomic_write_bytes
@@ -535,9 +535,10 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loader:
 
 
 def skip_if_nonfinite(optimizer: torch.optim.Optimizer, n_bad: torch.Tensor) -> None:
-    """optimizer.step(), or no update when n_bad > 0. The fused AdamW takes the decision on the device
-    (found_inf: no parameter, moment or step-count change); another optimizer needs a host sync."""
-    if optimizer.defaults.get("fused"):
+    """optimizer.step(), or no update when n_bad > 0. The fused AdamW and the Muon of gptcore.optim take
+    the decision on the device (found_inf: no parameter, moment or step-count change); another optimizer
+    needs a host sync."""
+    if skips_on_device(optimizer):
         optimizer.found_inf = (n_bad > 0).float()
         optimizer.step()
         optimizer.found_inf = None

@@ -96,6 +96,24 @@ def test_muon_step_is_torch_muon_in_the_chosen_precision():
     assert newton_schulz_dtype("bfloat16", "cpu") == torch.bfloat16
 
 
+def test_a_vetoed_muon_step_changes_nothing_and_needs_no_host_sync():
+    torch.manual_seed(0)
+    w = torch.randn(32, 16)
+    a, b = w.clone().requires_grad_(), w.clone().requires_grad_()
+    oa, ob = Muon([a], ns_dtype=torch.float32, lr=0.02), Muon([b], ns_dtype=torch.float32, lr=0.02)
+    g1, g2 = torch.randn_like(w), torch.randn_like(w)
+    a.grad, b.grad = g1.clone(), g1.clone()
+    oa.step(), ob.step()
+    a.grad = torch.full_like(w, float("nan"))  # a diverged step on `a` only, vetoed on the device
+    oa.found_inf = torch.ones(())
+    oa.step()
+    oa.found_inf = None
+    a.grad, b.grad = g2.clone(), g2.clone()
+    oa.step(), ob.step()
+    torch.testing.assert_close(a, b, atol=0, rtol=0)  # as if the vetoed step never happened
+    torch.testing.assert_close(oa.state[a]["momentum_buffer"], ob.state[b]["momentum_buffer"], atol=0, rtol=0)
+
+
 def test_combined_state_round_trips_and_refuses_an_adamw_state():
     model = GPT(model_preset("micro"))
     opt = build_optimizer(model, load_config("micro", MUON).optim, "cpu")

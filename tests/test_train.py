@@ -190,7 +190,8 @@ def test_plain_loss_head_trains_the_fused_trajectory(finished, ds, tmp_path):
     assert list(plain.values()) == pytest.approx(list(fused.values()), rel=1e-5)
 
 
-def test_no_host_sync_inside_a_step_except_at_log_eval_and_checkpoint_steps(ds, tmp_path, monkeypatch):
+@pytest.mark.parametrize("recipe", [[], ["optim.name=muon", "optim.schedule=wsd"]], ids=["adamw", "muon"])
+def test_no_host_sync_inside_a_step_except_at_log_eval_and_checkpoint_steps(ds, tmp_path, monkeypatch, recipe):
     """With the loss head CUDA runs (plain), the only host reads of device values between two steps
     happen after log, eval and checkpoint steps: every Tensor.item/tolist/cpu/numpy/bool/float/int call
     is counted, per step."""
@@ -219,7 +220,7 @@ def test_no_host_sync_inside_a_step_except_at_log_eval_and_checkpoint_steps(ds, 
     monkeypatch.setattr(T, "train_step", counting_step)
     run = tmp_path / "nosync"
     assert main(args(ds, run, "train.loss=plain", "train.max_steps=12", "train.log_interval=4",
-                     "train.checkpoint_interval=100")) == 0
+                     "train.checkpoint_interval=100", *recipe)) == 0
     after = dict(enumerate(steps[1:], start=1))  # reads made after step s, before step s + 1
     assert len(after) == 11
     assert {s for s, n in after.items() if n} == {1, 4, 8}, after  # log steps (12, the last, ends the run)
