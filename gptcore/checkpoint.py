@@ -48,7 +48,7 @@ from gptcore.run_files import (  # noqa: F401 -- the torch-free half of this mod
     step_dir,
     step_dirs,
 )
-from gptcore.shards import atomic_dir, file_sha256
+from gptcore.shards import atomic_dir, file_sha256, temp_name
 
 MODEL_FILE = "model.safetensors"
 TRAINER_FILE = "trainer.pt"
@@ -147,7 +147,7 @@ def prune(run_dir: Path, keep_last: int) -> list[Path]:
     deleted = [c for c in ckpts if c not in keep]
     for c in deleted:
         # rename first so a half-deleted directory is never mistaken for a checkpoint
-        trash = c.with_name(f".del-{c.name}-{os.getpid()}")
+        trash = temp_name(c.with_name(f"{c.name}.del"))  # removed by the next save if this one is killed
         os.replace(c, trash)
         shutil.rmtree(trash, ignore_errors=True)
     return deleted

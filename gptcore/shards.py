@@ -47,7 +47,7 @@ def atomic_write_bytes(path: Path, chunks) -> None:
     """Write byte chunks to `path` via a temp file + fsync + rename: readers see all or nothing."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{_HOST}-{os.getpid()}")
+    tmp = temp_name(path)
     try:
         with open(tmp, "wb") as f:
             for chunk in chunks:
@@ -57,6 +57,11 @@ def atomic_write_bytes(path: Path, chunks) -> None:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def temp_name(path: Path) -> Path:
+    """`.<name>.tmp-<host>-<pid>` beside `path`: what remove_stale_temps removes once its writer is dead."""
+    return path.with_name(f".{path.name}.tmp-{_HOST}-{os.getpid()}")
 
 
 def free_disk(path: Path) -> int:
@@ -87,7 +92,7 @@ def atomic_dir(final: Path):
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(final.parent, recursive=False)
-    tmp = final.with_name(f".{final.name}.tmp-{_HOST}-{os.getpid()}")
+    tmp = temp_name(final)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
@@ -96,7 +101,7 @@ def atomic_dir(final: Path):
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
         if final.exists():  # replaced (e.g. the same step saved again): move the old one aside, then swap
-            old = final.with_name(f".{final.name}.old-{_HOST}-{os.getpid()}")
+            old = temp_name(final.with_name(f"{final.name}.old"))
             os.replace(final, old)
             os.replace(tmp, final)
             shutil.rmtree(old, ignore_errors=True)

@@ -134,12 +134,13 @@ def test_a_killed_writers_temp_dir_is_removed_by_the_next_save(tmp_path):
     stale = ckdir / f".step_00000009.tmp-{_HOST}-{proc.pid}"
     live = ckdir / f".step_00000011.tmp-{_HOST}-{os.getpid()}"
     other = ckdir / f".step_00000012.tmp-otherhost-{proc.pid}"
-    for d in (stale, live, other):
+    trash = ckdir / f".step_00000002.del.tmp-{_HOST}-{proc.pid}"  # retention killed mid-delete
+    for d in (stale, live, other, trash):
         (d / "sub").mkdir(parents=True)
         (d / "model.safetensors").write_bytes(b"x" * 1000)
     m, opt = trained_model()
     save(tmp_path, 10, m, opt)
-    assert not stale.exists() and live.is_dir() and other.is_dir()
+    assert not stale.exists() and not trash.exists() and live.is_dir() and other.is_dir()
     assert [p.name for p in C.list_checkpoints(tmp_path)] == ["step_00000010"]
 
 
