@@ -549,10 +549,20 @@ def test_docker_job_variables_are_accepted_by_docker_py():
     assert props["volumes"]["default"] == [f"{names['data']}:/data", f"{names['runs']}:/data/runs"]
 
 
-def test_k8s_template_renders_a_gpu_job():
+def test_k8s_template_renders_a_gpu_job(tmp_path):
     from prefect.utilities.templating import apply_values
 
-    t = template_vars(DEPLOY / "k8s-gpu-job-template.json")
+    sys.path.insert(0, str(DEPLOY))
+    from job_templates import default_template, template
+
+    r = run([sys.executable, str(DEPLOY / "job_templates.py"), "kubernetes"], env=clean_env())
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == template("kubernetes")
+    (tmp_path / "k8s.json").write_text(r.stdout)  # what `prefect work-pool create --base-job-template` gets
+    t = template_vars(tmp_path / "k8s.json")
+    # everything of Prefect's default is kept; the overlay only adds and changes
+    base = default_template("kubernetes")
+    assert set(base["variables"]["properties"]) <= set(t["variables"]["properties"])
     props = t["variables"]["properties"]
     _, d = load_deployment(DEPLOY / "prefect-k8s.yaml")
     jv = d["work_pool"]["job_variables"]
