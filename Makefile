@@ -34,6 +34,7 @@ bench: install
 	$(PY) -m benchmarks.bench_train
 	$(PY) -m benchmarks.bench_hellaswag
 	$(PY) -m benchmarks.bench_rerun
+	$(PY) -m benchmarks.bench_recipe --steps 160
 
 # on a fresh CUDA machine before a long run (on a machine without CUDA it says so and exits 0)
 gpu-check: install

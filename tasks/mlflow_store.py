@@ -3,7 +3,7 @@ metrics shipper in tasks/tracking.py).
 
     tracking_uri()            $MLFLOW_TRACKING_URI, else the embedded SQLite store under the pipeline home
     client(uri)               an MlflowClient for tracking and registry
-    rest_get(uri, endpoint)   a read through MLflow's REST API without importing mlflow (~1.3 s saved):
+    rest_get(uri, endpoint)   a read through MLflow's REST API without importing mlflow (a second or more):
                               the flow's skip decisions use it against a tracking server
 
 One MLflow experiment (`gpt2-pretrain`) holds one MLflow run per training run identity (tags below).
