@@ -120,6 +120,9 @@ class OptimConfig:
             raise ConfigError(f"optim.schedule={self.schedule!r}: choose cosine or wsd")
         if not 0 < self.decay_frac <= 1:
             raise ConfigError(f"optim.decay_frac={self.decay_frac} must be in (0, 1]")
+        if self.name == "muon" and self.max_lr <= 0:
+            raise ConfigError("optim.max_lr must be > 0 with optim.name=muon (the Muon part's schedule is "
+                              "optim.muon_lr scaled by lr / max_lr)")
         if self.muon_lr <= 0 or not 0 <= self.muon_momentum < 1 or self.muon_weight_decay < 0:
             raise ConfigError("optim.muon_lr must be > 0, optim.muon_momentum in [0, 1), "
                               "optim.muon_weight_decay >= 0")

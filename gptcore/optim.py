@@ -45,7 +45,7 @@ def set_lr(optimizer, lr: float) -> None:
 
 def newton_schulz_dtype(setting: str, device_type: str) -> torch.dtype:
     """bfloat16 where matmuls in it are fast (CUDA); float32 on CPUs, where bf16 matmuls are emulated on
-    most parts (torch.optim.Muon's fixed bf16 ran ~25x slower than fp32 at tiny-cpu on this VM)."""
+    most parts and torch.optim.Muon's fixed bf16 is far slower than fp32 (docs/training.md)."""
     if setting != "auto":
         return getattr(torch, setting)
     return torch.bfloat16 if device_type == "cuda" else torch.float32

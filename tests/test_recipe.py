@@ -47,6 +47,8 @@ def test_wsd_schedule_at_its_boundaries():
         load_config("micro", ["optim.decay_frac=0"])
     with pytest.raises(ConfigError, match="adamw or muon"):
         load_config("micro", ["optim.name=sgd"])
+    with pytest.raises(ConfigError, match="max_lr must be > 0"):
+        load_config("micro", ["optim.name=muon", "optim.max_lr=0", "optim.min_lr=0"])
 
 
 def test_default_recipe_keeps_its_run_identity():
