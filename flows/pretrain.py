@@ -201,7 +201,7 @@ def train_stage(cfg: RunConfig, preset: str, overrides: dict | None, nproc: int,
     # nproc=0 (one per GPU) is resolved only here: counting GPUs imports torch, which a re-run that skips
     # everything should not pay for
     nproc = resolve_nproc(nproc)
-    check_config(preset, overrides, nproc)  # the batch must split over the real number of processes
+    cfg.validate(nproc)  # the batch must split over the real number of processes (ConfigError if not)
     state = train_task(preset, overrides, cfg.run_name, str(run_dir), ident, nproc, wait_seconds=wait_seconds,
                        tracking=tracking)
     stage("train", "ran", f"steps {state.get('resumed_from') or 0} -> {state['step']}"

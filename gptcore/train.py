@@ -403,7 +403,7 @@ def train(cfg: RunConfig, prep: Prepared, t_start: float) -> int:
     distributed.init_process_group(prep.env)
     loop = set_up(cfg, prep)
     tc, ev, env = cfg.train, cfg.eval, loop.env
-    faults = FaultInjector()
+    accum, faults = cfg.grad_accum_steps(env.world), FaultInjector()
     pending: list[tuple[int, float, int, int, torch.Tensor]] = []  # steps whose stats the host has not read
     t_read = time.time()
     try:
@@ -413,8 +413,8 @@ def train(cfg: RunConfig, prep: Prepared, t_start: float) -> int:
             set_lr(loop.optimizer, lr)
             vote, stop_file = stop_vote(loop, t_start)
             faults.before_step(loop.raw)
-            stats = train_step(loop.model, loop.optimizer, loop.loader, cfg.grad_accum_steps(env.world), env,
-                               loop.scaler, cfg.optim.grad_clip, vote)
+            stats = train_step(loop.model, loop.optimizer, loop.loader, accum, env, loop.scaler,
+                               cfg.optim.grad_clip, vote)
             at.step += 1
             at.tokens_seen += tc.total_batch_tokens
             pending.append((at.step, lr, at.tokens_seen, loop.loader.epoch, stats))
