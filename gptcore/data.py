@@ -48,8 +48,7 @@ def open_dataset(dataset_dir: Path, full_verify: bool = False) -> Manifest:
 def verify_hashes(dataset_dir: Path, manifest: Manifest, cache: Path) -> None:
     """Check every shard's sha256 against the manifest; ShardError names the first that differs and the
     repair. Hashes are remembered in `cache` by (size, mtime, inode), so a nightly restart re-hashes only
-    files that changed (a 10B-token dataset is ~20 GB: ~28 s to hash at the 0.71 GB/s measured cold here,
-    docs/data.md)."""
+    files that changed (a 10B-token dataset is ~20 GB; the cost of a cold hash is in docs/data.md)."""
     try:
         known = json.loads(Path(cache).read_text())
     except (OSError, ValueError):

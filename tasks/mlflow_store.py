@@ -20,7 +20,7 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from gptcore.config import pipeline_home
+from gptcore.config import flatten, pipeline_home
 
 EXPERIMENT = "gpt2-pretrain"
 TAG_RUN_NAME = "gptpipe.run_name"
@@ -95,6 +95,11 @@ def find_or_create_run(mlc, run_name: str, identity_hash: str, experiment: str =
     run = mlc.create_run(exp_id, run_name=run_name,
                          tags={TAG_RUN_NAME: run_name, TAG_IDENTITY: identity_hash})
     return run.info.run_id
+
+
+def as_params(config: dict) -> dict[str, str]:
+    """{"model": {"n_layer": 12}} -> {"model.n_layer": "12"}: MLflow params are flat strings."""
+    return {k: str(v) for k, v in flatten(config).items()}
 
 
 def code_version() -> str:

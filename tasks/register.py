@@ -35,7 +35,6 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from gptcore.config import flatten
 from gptcore.run_files import read_meta
 from gptcore.shards import file_sha256
 from tasks import mlflow_store as store
@@ -122,15 +121,10 @@ def _same_checkpoint_filter(name: str, sha: str, ident: str | None) -> str:
     return query + (f" and tags.config_hash = '{ident}'" if ident else "")
 
 
-def _same_checkpoint(mlc, name: str, sha: str, ident: str | None) -> list:
-    """The versions of _same_checkpoint_filter, oldest first."""
-    return sorted(mlc.search_model_versions(_same_checkpoint_filter(name, sha, ident)),
-                  key=lambda mv: int(mv.version))
-
-
 def _existing_version(mlc, name: str, sha: str, ident: str | None = None):
-    found = _same_checkpoint(mlc, name, sha, ident)
-    return found[0] if found else None
+    """The oldest version of _same_checkpoint_filter, or None."""
+    found = mlc.search_model_versions(_same_checkpoint_filter(name, sha, ident))
+    return min(found, key=lambda mv: int(mv.version)) if found else None
 
 
 def _keep_oldest(mlc, name: str, sha: str, ident: str | None, mine):
@@ -160,7 +154,7 @@ def _log_model(mlc, uri: str, ckpt_dir: Path, meta: dict, name: str, tags: dict,
     run_id = store.find_or_create_run(mlc, meta["run_name"], meta["identity_hash"], experiment)
     exp_id = mlc.get_run(run_id).info.experiment_id
     store.use_store(uri)  # the fluent log_model below resolves the store from it
-    params = {k: str(v) for k, v in flatten({"model": meta.get("model_config") or meta["config"]["model"]}).items()}
+    params = store.as_params({"model": meta.get("model_config") or meta["config"]["model"]})
     lm = mlflow.initialize_logged_model(name=name, source_run_id=run_id, experiment_id=exp_id,
                                         tags=tags, params=params, model_type="gpt2-text-generation")
     try:

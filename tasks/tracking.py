@@ -32,7 +32,7 @@ import sys
 import threading
 from pathlib import Path
 
-from gptcore.config import flatten, from_dict
+from gptcore.config import from_dict
 from gptcore.metrics import METRICS_FILE, read_new_lines
 from gptcore.shards import atomic_write_bytes
 from tasks import mlflow_store as store
@@ -143,7 +143,7 @@ class Shipper:
         run_id = run.info.run_id
         # Params are immutable in MLflow: the first invocation's values stay; settings that may change
         # between invocations (time budget, device, cadence) are in each invocation's config artifact.
-        params = {k: str(v) for k, v in flatten(ident["config"]).items()}
+        params = store.as_params(ident["config"])
         params["data.manifest_id"] = ident["manifest_id"]
         params["code_version"] = store.code_version()
         if self.flow_run_id:
