@@ -35,6 +35,25 @@ def artifact_key(*parts: str) -> str:
     return re.sub(r"[^a-z0-9-]+", "-", "-".join(parts).lower()).strip("-")
 
 
+class ProgressArtifact:
+    """One Prefect progress artifact: created by the first `set`, updated in place after. Progress is a
+    convenience, so a failing Prefect API call is logged at debug level and never raised."""
+
+    def __init__(self, key: str, log):
+        self.key, self.log, self.id = key, log, None
+
+    def set(self, percent: float, description: str) -> None:
+        from prefect.artifacts import create_progress_artifact, update_progress_artifact
+
+        try:
+            if self.id is None:
+                self.id = create_progress_artifact(percent, key=self.key, description=description)
+            else:
+                update_progress_artifact(self.id, percent, description=description)
+        except Exception as e:  # noqa: BLE001
+            self.log.debug("progress artifact %s not updated: %s", self.key, e)
+
+
 class TrainProgress:
     """Tails metrics.jsonl from where it was when the train task started and publishes progress."""
 
@@ -47,7 +66,7 @@ class TrainProgress:
         self.t0, self.last_publish = time.time(), 0.0
         self.first: tuple[float, int] | None = None  # (time, step) of the first step of this invocation
         self.step, self.loss, self.val, self.tok_s, self.mfu = 0, None, None, None, None
-        self.artifact_id = None
+        self.artifact = ProgressArtifact(artifact_key(run_name, "training"), log)
         self.down_since: float | None = None  # tracking unreachable since
         self.shipped_then = 0  # rows the shipper had sent when the outage began
         self.warned = False
@@ -106,14 +125,7 @@ class TrainProgress:
             self.log.debug("progress update failed: %s", e)
 
     def _publish(self) -> None:
-        from prefect.artifacts import create_progress_artifact, update_progress_artifact
-
-        pct = 100.0 * min(self.step, self.max_steps) / max(self.max_steps, 1)
-        if self.artifact_id is None:
-            self.artifact_id = create_progress_artifact(pct, key=artifact_key(self.run_name, "training"),
-                                                        description=self.describe())
-        else:
-            update_progress_artifact(self.artifact_id, pct, description=self.describe())
+        self.artifact.set(100.0 * min(self.step, self.max_steps) / max(self.max_steps, 1), self.describe())
 
     def _health(self, now: float) -> None:
         s = self.shipper
@@ -136,13 +148,11 @@ class TrainProgress:
 class PieceProgress:
     """Pieces tokenized so far, as a progress artifact; updated at most every `every` seconds."""
 
-    def __init__(self, dataset: str, todo: int, planned: int, every: float = 2.0):
-        from prefect.artifacts import create_progress_artifact
-
+    def __init__(self, dataset: str, todo: int, planned: int, log, every: float = 2.0):
         self.todo, self.planned, self.every = todo, planned, every
         self.done, self.tokens, self.t0, self.last = 0, 0, time.time(), 0.0
-        self.artifact_id = create_progress_artifact(100.0 if not todo else 0.0, key=artifact_key(dataset, "tokenize"),
-                                                    description=self.describe())
+        self.artifact = ProgressArtifact(artifact_key(dataset, "tokenize"), log)
+        self.artifact.set(100.0 if not todo else 0.0, self.describe())
 
     def describe(self) -> str:
         rate = self.tokens / max(time.time() - self.t0, 1e-6)
@@ -150,10 +160,7 @@ class PieceProgress:
                 f"{self.planned:,} were already done) · {self.tokens:,} tokens · {rate:,.0f} tok/s")
 
     def piece_done(self, tokens: int) -> None:
-        from prefect.artifacts import update_progress_artifact
-
         self.done, self.tokens = self.done + 1, self.tokens + tokens
         if self.done == self.todo or time.time() - self.last >= self.every:
             self.last = time.time()
-            update_progress_artifact(self.artifact_id, 100.0 * self.done / max(self.todo, 1),
-                                     description=self.describe())
+            self.artifact.set(100.0 * self.done / max(self.todo, 1), self.describe())

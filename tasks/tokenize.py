@@ -57,7 +57,7 @@ def tokenize_flow(cfg: dict) -> str:
         pieces = sharding.plan_pieces(c, sources.fetch(c))
         todo = sharding.pieces_to_tokenize(c, pieces)
         logger.info("%d pieces planned, %d to tokenize", len(pieces), len(todo))
-        progress = PieceProgress(out.name, len(todo), len(pieces))
+        progress = PieceProgress(out.name, len(todo), len(pieces), logger)
         for future in as_completed(tokenize_piece_task.map(unmapped(c.to_dict()), todo)):
             progress.piece_done(future.result())  # a failed piece raises here
         logger.info("tokenized %s tokens", f"{progress.tokens:,}")
