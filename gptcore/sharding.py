@@ -240,27 +240,31 @@ def piece_record(cfg: RunConfig, piece: Piece, need_data: bool = True) -> dict |
 def encode_documents(texts: list[str], threads: int, enc=None) -> np.ndarray:
     """EOT + tokens of each document, concatenated, as uint16. tiktoken's numpy path gives the same ids
     as encode_ordinary (special-token text stays ordinary text) without building Python int lists;
-    its Rust core releases the GIL, so threads run in parallel."""
+    its Rust core releases the GIL, so threads run in parallel. The ids go straight into the uint16
+    output (no uint32 copy and no max pass: the vocabulary's largest id is checked once, up front)."""
     enc = enc or get_encoding()
+    if enc.max_token_value > np.iinfo(np.uint16).max:
+        raise DataError(f"token id {enc.max_token_value} does not fit uint16 (max 65535): the tokenizer is not "
+                        "GPT-2's 50257-token BPE; shards store uint16 ids, so use gptcore.tokenizer")
 
     def one(text: str) -> np.ndarray:
         return enc.encode_to_numpy(text, disallowed_special=())
 
     if threads > 1 and len(texts) > 1:
         with ThreadPoolExecutor(threads) as ex:
-            arrays = list(ex.map(one, texts))
-    else:
-        arrays = [one(t) for t in texts]
-    out = np.empty(sum(a.size for a in arrays) + len(arrays), dtype=np.uint32)
+            return join_documents(list(ex.map(one, texts)))
+    return join_documents([one(t) for t in texts])
+
+
+def join_documents(arrays: list[np.ndarray]) -> np.ndarray:
+    """EOT before each document's ids, all in one uint16 array (ids already known to fit)."""
+    out = np.empty(sum(a.size for a in arrays) + len(arrays), dtype=np.uint16)
     pos = 0
     for a in arrays:
         out[pos] = EOT
         out[pos + 1: pos + 1 + a.size] = a
         pos += 1 + a.size
-    if out.size and out.max() > np.iinfo(np.uint16).max:
-        raise DataError(f"token id {int(out.max())} does not fit uint16 (max 65535): the tokenizer is not "
-                        "GPT-2's 50257-token BPE; shards store uint16 ids, so use gptcore.tokenizer")
-    return out.astype(np.uint16)
+    return out
 
 
 def worker_threads(cfg: RunConfig) -> int:
@@ -283,32 +287,31 @@ def tokenize_piece(cfg: RunConfig, piece: Piece, threads: int | None = None) -> 
         chunks.append(encode_documents(texts, threads))
         docs += len(texts)
     n = sum(c.size for c in chunks)
-    sha = write_shard_chunks(bin_path, chunks, n)
+    # scratch, so no fsync (a worker's pieces are ~2% faster): after a crash a piece is redone when its
+    # record or length is off, and the cutter re-hashes pieces from earlier runs before using them
+    sha = write_shard_chunks(bin_path, chunks, n, durable=False)
     rec = {"key": piece.key(cfg.data.text_column), "tokens": n, "docs": docs, "sha256": sha}
     if sum(replaced):
         rec["invalid_utf8"] = sum(replaced)
         print(f"warning: {piece.path}: {sum(replaced)} invalid UTF-8 sequence(s) replaced by U+FFFD (recorded "
               "in the manifest; data.strict_utf8=true makes this an error)", file=sys.stderr, flush=True)
-    atomic_write_bytes(rec_path, [json.dumps(rec).encode()])  # after the data: record => data complete
+    atomic_write_bytes(rec_path, [json.dumps(rec).encode()], durable=False)  # after the data: record => data complete
     return bin_path
 
 
 # --- cutting shards -------------------------------------------------------------------------------
 
-def _layout(cfg: RunConfig, records: list[dict]) -> tuple[np.ndarray, list[tuple[int, int, str, str]]]:
-    """Global token offset of each piece, and each shard's (start, end, file name, split)."""
-    starts = np.cumsum([0] + [r["tokens"] for r in records])
-    total, S, name = int(starts[-1]), cfg.data.shard_tokens, dataset_name(cfg)
-    n = math.ceil(total / S)
-    if n < 2:
+def _check_total(total: int, S: int) -> None:
+    if total <= S:
         raise DataError(f"the source has only {total:,} tokens: one shard of data.shard_tokens={S:,} would "
                         "be the val split with nothing left to train on; use data.shard_tokens <= "
                         f"{total // 2:,}")
-    shards = []
-    for k in range(n):
-        split = "val" if k == 0 else "train"
-        shards.append((k * S, min((k + 1) * S, total), f"{name}_{split}_{k:06d}.bin", split))
-    return starts, shards
+
+
+def _shard_file(name: str, k: int) -> tuple[str, str]:
+    """Shard k's file name and split (shard 0 is val)."""
+    split = "val" if k == 0 else "train"
+    return f"{name}_{split}_{k:06d}.bin", split
 
 
 def _settings(spec: dict) -> dict:
@@ -345,12 +348,12 @@ def _shard_ok(out: Path, info: ShardInfo | None, a: int, b: int, fname: str, cut
             and (out / fname).is_file() and file_sha256(out / fname) == info.sha256)
 
 
-def _overlapping(starts: np.ndarray, a: int, b: int) -> list[int]:
+def _overlapping(starts: list[int], a: int, b: int) -> list[int]:
     """Indices of the pieces whose tokens fall in the global range [a, b)."""
     return [i for i in range(len(starts) - 1) if starts[i] < b and starts[i + 1] > a]
 
 
-def _cut_from(keys: list[str], starts: np.ndarray, idx: list[int]) -> list[str]:
+def _cut_from(keys: list[str], starts: list[int], idx: list[int]) -> list[str]:
     """What a shard's bytes are made of: each piece's content key and its global token offset."""
     return [f"{keys[i]}@{int(starts[i])}" for i in idx]
 
@@ -363,85 +366,129 @@ def pieces_to_tokenize(cfg: RunConfig, pieces: list[Piece]) -> list[Piece]:
     lacking = [p for p in pieces if piece_record(cfg, p) is None]
     if any(r is None for r in records):
         return lacking
-    starts, layout = _layout(cfg, records)
+    starts = list(itertools.accumulate((r["tokens"] for r in records), initial=0))
+    total, S, name = starts[-1], cfg.data.shard_tokens, dataset_name(cfg)
+    _check_total(total, S)
     known, out = _known_shards(cfg, _spec(cfg, pieces)), dataset_dir(cfg)
     keys = [p.key(cfg.data.text_column) for p in pieces]
     need = set()
-    for k, (a, b, fname, _) in enumerate(layout):
+    for k in range(math.ceil(total / S)):
+        a, b = k * S, min((k + 1) * S, total)
         idx = _overlapping(starts, a, b)
-        if not _shard_ok(out, known.get(k), a, b, fname, _cut_from(keys, starts, idx)):
+        if not _shard_ok(out, known.get(k), a, b, _shard_file(name, k)[0], _cut_from(keys, starts, idx)):
             need |= set(idx)
     return [p for p in lacking if p.index in need]
 
 
-def build_shards(cfg: RunConfig, pieces: list[Piece]) -> Manifest:
-    """Cut shards of data.shard_tokens from the pieces in order; keep shards an earlier (interrupted or
-    finished) run wrote and that verify (sha256); write the manifest last; drop the piece token files."""
-    out, S = dataset_dir(cfg), cfg.data.shard_tokens
-    spec = _spec(cfg, pieces)
-    records = [piece_record(cfg, p, need_data=False) for p in pieces]
-    if any(r is None for r in records):
-        i = records.index(None)
-        raise DataError(f"piece {i} ({pieces[i].name} [{pieces[i].start}:{pieces[i].stop}]) is not "
-                        "tokenized; run tokenize_piece on pieces_to_tokenize(cfg, pieces) before "
-                        "build_shards")
-    invalid: dict[str, int] = {}
-    for p, r in zip(pieces, records, strict=True):
-        if r.get("invalid_utf8"):
-            invalid[p.name] = invalid.get(p.name, 0) + r["invalid_utf8"]
-    if invalid and cfg.data.strict_utf8:
-        raise DataError(f"invalid UTF-8 in {sorted(invalid)} (data.strict_utf8=true); convert those files")
-    if invalid:  # part of what the dataset is made of (and of its id)
-        spec = {**spec, "invalid_utf8": invalid}
-    starts, layout = _layout(cfg, records)
-    known = _known_shards(cfg, spec)
-    keys = [p.key(cfg.data.text_column) for p in pieces]
-    arrays: dict[int, np.ndarray] = {}  # piece token files opened lazily (memmaps), checked once
+class ShardCutter:
+    """Cuts shards of data.shard_tokens from the pieces in order, keeping shards an earlier (interrupted
+    or finished) run wrote that still verify (sha256), and writes the manifest last.
 
-    def piece_tokens(i: int) -> np.ndarray:
-        if i not in arrays:
-            path = _piece_paths(cfg, pieces[i])[0]
-            if piece_record(cfg, pieces[i]) is None or file_sha256(path) != records[i]["sha256"]:
-                _piece_paths(cfg, pieces[i])[1].unlink(missing_ok=True)
+        cutter = ShardCutter(cfg, pieces, todo)   # todo: the pieces still being tokenized
+        cutter.piece_done(i)                      # as each finishes, in any order
+        manifest = cutter.finish()
+
+    Fed while the pool is still tokenizing, it writes each shard as soon as the pieces before its end are
+    all done, so cutting overlaps tokenizing instead of following it. A rebuild of a finished dataset (a
+    changed source, a damaged shard) cuts only in finish(): a bad input found late must not overwrite
+    finished shards first."""
+
+    def __init__(self, cfg: RunConfig, pieces: list[Piece], todo: list[Piece] = ()):
+        self.cfg, self.pieces, self.out, self.S = cfg, pieces, dataset_dir(cfg), cfg.data.shard_tokens
+        self.name, self.spec = dataset_name(cfg), _spec(cfg, pieces)
+        pending = {p.index for p in todo}
+        self.records = [None if p.index in pending else piece_record(cfg, p, need_data=False) for p in pieces]
+        self.keys = [p.key(cfg.data.text_column) for p in pieces]
+        self.streaming = _existing_manifest(self.out) is None
+        self.known = _known_shards(cfg, self.spec)  # refuses a dir holding another dataset, before any work
+        self.progress = dict(self.known)
+        self.starts = [0]  # global token offset of each piece of the finished prefix, then the prefix's end
+        self.shards: list[ShardInfo] = []
+        self.docs_before = 0  # documents started before the next shard
+        self.arrays: dict[int, np.ndarray] = {}  # piece token files opened lazily (memmaps), checked once
+        self.fresh: set[int] = set()  # pieces tokenized by this run: their writer hashed them moments ago
+
+    def piece_done(self, index: int) -> None:
+        self.records[index] = piece_record(self.cfg, self.pieces[index], need_data=False)
+        self.fresh.add(index)
+        if self.streaming:
+            self._cut(final=False)
+
+    def finish(self) -> Manifest:
+        if None in self.records:
+            i = self.records.index(None)
+            p = self.pieces[i]
+            raise DataError(f"piece {i} ({p.name} [{p.start}:{p.stop}]) is not tokenized; run tokenize_piece "
+                            "on pieces_to_tokenize(cfg, pieces) first")
+        invalid: dict[str, int] = {}
+        for p, r in zip(self.pieces, self.records, strict=True):
+            if r.get("invalid_utf8"):
+                invalid[p.name] = invalid.get(p.name, 0) + r["invalid_utf8"]
+        if invalid and self.cfg.data.strict_utf8:
+            raise DataError(f"invalid UTF-8 in {sorted(invalid)} (data.strict_utf8=true); convert those files")
+        if invalid:  # part of what the dataset is made of (and of its id)
+            self.spec = {**self.spec, "invalid_utf8": invalid}
+        self._cut(final=True)
+        docs = sum(r["docs"] for r in self.records)
+        manifest = Manifest(shard_tokens=self.S, source={**self.spec, "documents": docs}, shards=self.shards)
+        manifest.save(self.out)  # last: the manifest's presence marks the dataset complete
+        (self.out / PROGRESS).unlink(missing_ok=True)
+        remove_stale_temps(self.out)  # e.g. a piece a killed worker was writing (redone elsewhere)
+        for p in self.pieces:  # keep the tiny records, drop the token copies
+            _piece_paths(self.cfg, p)[0].unlink(missing_ok=True)
+        return manifest
+
+    def _cut(self, final: bool) -> None:
+        while len(self.starts) <= len(self.records) and self.records[len(self.starts) - 1] is not None:
+            self.starts.append(self.starts[-1] + self.records[len(self.starts) - 1]["tokens"])
+        done, S = self.starts[-1], self.S
+        if final:
+            _check_total(done, S)
+        while True:
+            k = len(self.shards)
+            # before the end a shard is cut only when a token follows it, so the total check cannot fail after
+            if k * S >= done or (not final and (k + 1) * S >= done):
+                return
+            self._shard(k, k * S, min((k + 1) * S, done))
+
+    def _shard(self, k: int, a: int, b: int) -> None:
+        (fname, split), info = _shard_file(self.name, k), self.known.get(k)
+        idx = _overlapping(self.starts, a, b)
+        cut_from = _cut_from(self.keys, self.starts, idx)
+        if not _shard_ok(self.out, info, a, b, fname, cut_from):
+            chunks = [self._tokens(i)[max(a, self.starts[i]) - self.starts[i]: min(b, self.starts[i + 1])
+                                      - self.starts[i]] for i in idx]
+            n_eot = sum(int(np.count_nonzero(c == EOT)) for c in chunks)
+            first_doc = self.docs_before + int(chunks[0][0] == EOT) - 1  # a shard may start mid-document
+            srange = {"tokens": [a, b], "docs": [first_doc, self.docs_before + n_eot - 1],
+                      "pieces": [idx[0], idx[-1]], "cut_from": cut_from,
+                      "files": sorted({self.pieces[i].name for i in idx})[:2]}
+            info = ShardInfo(fname, split, b - a, write_shard_chunks(self.out / fname, chunks, b - a), srange)
+            self.progress[k] = info
+            doc = {"spec": self.spec, "shard_tokens": self.S,
+                   "shards": {str(j): asdict(v) for j, v in self.progress.items()}}
+            atomic_write_bytes(self.out / PROGRESS, [json.dumps(doc).encode()])
+            for i in [i for i in self.arrays if self.starts[i + 1] <= b]:
+                del self.arrays[i]  # done with this piece's memmap
+        self.docs_before = info.source_range["docs"][1] + 1
+        self.shards.append(info)
+
+    def _tokens(self, i: int) -> np.ndarray:
+        if i not in self.arrays:
+            path, rec = _piece_paths(self.cfg, self.pieces[i])
+            # a piece file from an earlier run is re-hashed before use (it may have been damaged since)
+            if piece_record(self.cfg, self.pieces[i]) is None or (
+                    i not in self.fresh and file_sha256(path) != self.records[i]["sha256"]):
+                rec.unlink(missing_ok=True)
                 raise ShardError(f"piece file {path} is missing or corrupt; its record was removed: re-run "
                                  "the tokenize stage to re-make it")
-            arrays[i] = read_shard(path)
-        return arrays[i]
+            self.arrays[i] = read_shard(path)
+        return self.arrays[i]
 
-    shards: list[ShardInfo] = []
-    progress = {k: v for k, v in known.items()}
-    eot_seen = 0  # documents started before the current shard
-    bar = tqdm(total=int(starts[-1]), unit="tok", unit_scale=True, desc="shards", disable=None)
-    for k, (a, b, fname, split) in enumerate(layout):
-        info = known.get(k)
-        idx = _overlapping(starts, a, b)
-        if not _shard_ok(out, info, a, b, fname, _cut_from(keys, starts, idx)):
-            chunks = [piece_tokens(i)[max(a, starts[i]) - starts[i]: min(b, starts[i + 1]) - starts[i]]
-                      for i in idx]
-            n_eot = sum(int(np.count_nonzero(c == EOT)) for c in chunks)
-            first_doc = eot_seen + int(chunks[0][0] == EOT) - 1  # a shard may start mid-document
-            srange = {"tokens": [a, b], "docs": [first_doc, eot_seen + n_eot - 1],
-                      "pieces": [idx[0], idx[-1]], "cut_from": _cut_from(keys, starts, idx),
-                      "files": sorted({pieces[i].name for i in idx})[:2]}
-            info = ShardInfo(fname, split, b - a, write_shard_chunks(out / fname, chunks, b - a), srange)
-            progress[k] = info
-            doc = {"spec": spec, "shard_tokens": S,
-                   "shards": {str(j): asdict(v) for j, v in progress.items()}}
-            atomic_write_bytes(out / PROGRESS, [json.dumps(doc).encode()])
-            for i in [i for i in arrays if starts[i + 1] <= b]:
-                del arrays[i]  # done with this piece's memmap
-        eot_seen = info.source_range["docs"][1] + 1
-        shards.append(info)
-        bar.update(b - a)
-    bar.close()
-    manifest = Manifest(shard_tokens=S, source={**spec, "documents": sum(r["docs"] for r in records)},
-                        shards=shards)
-    manifest.save(out)  # last: the manifest's presence marks the dataset complete
-    (out / PROGRESS).unlink(missing_ok=True)
-    remove_stale_temps(out)  # e.g. a piece a killed worker was writing (its piece was redone elsewhere)
-    for p in pieces:  # keep the tiny records, drop the token copies
-        _piece_paths(cfg, p)[0].unlink(missing_ok=True)
-    return manifest
+
+def build_shards(cfg: RunConfig, pieces: list[Piece]) -> Manifest:
+    """Cut every shard once all pieces are tokenized (ShardCutter without the overlap)."""
+    return ShardCutter(cfg, pieces).finish()
 
 
 def _spec(cfg: RunConfig, pieces: list[Piece]) -> dict:
@@ -483,6 +530,8 @@ def discard_partial(cfg: RunConfig, listing_existed: bool) -> None:
     if not (out / MANIFEST).is_file():
         shutil.rmtree(out / PIECES, ignore_errors=True)
         (out / PROGRESS).unlink(missing_ok=True)
+        for shard in out.glob(f"{dataset_name(cfg)}_*.bin"):  # cut while later pieces were tokenized
+            shard.unlink()
         remove_stale_temps(out)
         if out.is_dir() and not any(out.iterdir()):
             out.rmdir()
@@ -522,10 +571,13 @@ def _run(cfg: RunConfig, workers: int | None, full_verify: bool) -> Manifest:
     threads = max(1, (os.cpu_count() or 1) // workers)
     est = int(sum(p.est_bytes for p in todo) / 4.2)
     t0 = time.perf_counter()
+    cutter = ShardCutter(cfg, pieces, todo)  # cuts each shard as soon as its pieces are done
     with tqdm(total=est, unit="tok", unit_scale=True, desc="tokenize", disable=None) as bar:
         if workers == 1:
             for p in todo:
-                bar.update(_tokenize_job((cfg, p, threads))[1])
+                i, n = _tokenize_job((cfg, p, threads))
+                cutter.piece_done(i)
+                bar.update(n)
         elif todo:
             import multiprocessing as mp
 
@@ -536,9 +588,10 @@ def _run(cfg: RunConfig, workers: int | None, full_verify: bool) -> Manifest:
             get_encoding()
             ctx = mp.get_context("fork" if sys.platform == "linux" else "spawn")
             with ctx.Pool(workers) as pool:
-                for _, n in pool.imap_unordered(sharding._tokenize_job, [(cfg, p, threads) for p in todo]):
+                for i, n in pool.imap_unordered(sharding._tokenize_job, [(cfg, p, threads) for p in todo]):
+                    cutter.piece_done(i)
                     bar.update(n)
-    manifest = build_shards(cfg, pieces)
+    manifest = cutter.finish()
     dt = time.perf_counter() - t0
     print(f"dataset {dataset_dir(cfg)}: {manifest.total_tokens():,} tokens in {len(manifest.shards)} shards "
           f"({dt:.1f}s, {manifest.total_tokens() / max(dt, 1e-9) / 1e6:.2f}M tok/s), manifest {manifest.id}",

@@ -43,8 +43,9 @@ class ShardError(RuntimeError):
 _HOST = re.sub(r"[^A-Za-z0-9.]+", "_", socket.gethostname())  # in temp names: whose they are
 
 
-def atomic_write_bytes(path: Path, chunks) -> None:
-    """Write byte chunks to `path` via a temp file + fsync + rename: readers see all or nothing."""
+def atomic_write_bytes(path: Path, chunks, durable: bool = True) -> None:
+    """Write byte chunks to `path` via a temp file + fsync + rename: readers see all or nothing.
+    durable=False skips the fsync, for scratch files that are checked (length, sha256) before any use."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_name(path)
@@ -52,8 +53,9 @@ def atomic_write_bytes(path: Path, chunks) -> None:
         with open(tmp, "wb") as f:
             for chunk in chunks:
                 f.write(chunk)
-            f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -123,7 +125,7 @@ def write_shard(path: Path, tokens: np.ndarray) -> str:
     return write_shard_chunks(path, [tokens], tokens.size)
 
 
-def write_shard_chunks(path: Path, chunks, n_tokens: int) -> str:
+def write_shard_chunks(path: Path, chunks, n_tokens: int, durable: bool = True) -> str:
     """Like write_shard, but from an iterable of token arrays (e.g. memmap slices), so a shard is never
     held in memory as one array. `n_tokens` goes into the header and must equal the chunks' total."""
     h = hashlib.sha256()
@@ -145,7 +147,7 @@ def write_shard_chunks(path: Path, chunks, n_tokens: int) -> str:
         if written != n_tokens:
             raise ShardError(f"shard {path}: header says {n_tokens} tokens but {written} were given")
 
-    atomic_write_bytes(path, body())
+    atomic_write_bytes(path, body(), durable)
     return h.hexdigest()
 
 

@@ -7,7 +7,7 @@ the file's sha256 so a corrupted or substituted rank file can never silently cha
 
 from __future__ import annotations
 
-import base64
+import binascii
 import functools
 import hashlib
 from pathlib import Path
@@ -37,12 +37,7 @@ def _load_ranks(path: Path) -> dict[bytes, int]:
         raise TokenizerError(
             f"GPT-2 rank file {path} has sha256 {digest}, expected {RANK_FILE_SHA256}: it is corrupted "
             "or not the GPT-2 vocabulary. Reinstall the package (pip install -e .) to restore it.")
-    ranks = {}
-    for line in data.splitlines():
-        if line:
-            token, rank = line.split()
-            ranks[base64.b64decode(token)] = int(rank)
-    return ranks
+    return {binascii.a2b_base64(token): int(rank) for token, rank in (ln.split() for ln in data.splitlines() if ln)}
 
 
 def load_encoding(rank_file: Path = RANK_FILE) -> tiktoken.Encoding:

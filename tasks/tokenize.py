@@ -5,7 +5,8 @@
 The `tokenize` flow plans the pieces (gptcore.sharding.plan_pieces), maps `tokenize-piece` tasks over
 the ones not yet done on the task runner (by default a ProcessPoolTaskRunner with data.num_workers
 processes; pass a DaskTaskRunner / RayTaskRunner from prefect-dask / prefect-ray to spread pieces over
-machines sharing GPTPIPE_HOME), then cuts the shards in order. The result does not depend on how many
+machines sharing GPTPIPE_HOME), and cuts the shards in order in the flow's own process as the pieces
+before each shard's end complete (gptcore.sharding.ShardCutter). The result does not depend on how many
 workers ran or in which order pieces finished. A finished dataset is verified and skipped. While it
 works, the progress artifact `<dataset>-tokenize` counts the pieces done (tasks/progress.py).
 """
@@ -28,17 +29,11 @@ from tasks.progress import PieceProgress
 
 
 @task(name="tokenize-piece", retries=1, cache_policy=NO_CACHE)
-def tokenize_piece_task(cfg: dict, piece: sharding.Piece) -> int:
-    """Tokenize one piece (skips if already verified); returns its token count."""
+def tokenize_piece_task(cfg: dict, piece: sharding.Piece) -> tuple[int, int]:
+    """Tokenize one piece (skips if already verified); returns its index and token count."""
     c = as_config(cfg)
     sharding.tokenize_piece(c, piece)
-    return sharding.piece_record(c, piece)["tokens"]
-
-
-@task(name="build-shards", cache_policy=NO_CACHE)
-def build_shards_task(cfg: dict, pieces: list[sharding.Piece]) -> str:
-    manifest = sharding.build_shards(as_config(cfg), pieces)
-    return manifest.id
+    return piece.index, sharding.piece_record(c, piece)["tokens"]
 
 
 @flow(name="tokenize", task_runner=ProcessPoolTaskRunner(), log_prints=True)
@@ -58,10 +53,13 @@ def tokenize_flow(cfg: dict) -> str:
         todo = sharding.pieces_to_tokenize(c, pieces)
         logger.info("%d pieces planned, %d to tokenize", len(pieces), len(todo))
         progress = PieceProgress(out.name, len(todo), len(pieces), logger)
+        cutter = sharding.ShardCutter(c, pieces, todo)  # here, in the flow: it cuts while pieces finish
         for future in as_completed(tokenize_piece_task.map(unmapped(c.to_dict()), todo)):
-            progress.piece_done(future.result())  # a failed piece raises here
+            index, tokens = future.result()  # a failed piece raises here
+            cutter.piece_done(index)
+            progress.piece_done(tokens)
         logger.info("tokenized %s tokens", f"{progress.tokens:,}")
-        manifest_id = build_shards_task(c.to_dict(), pieces)
+        manifest_id = cutter.finish().id
     except (sources.SourceError, sharding.DataError, ShardError):
         sharding.discard_partial(c, existed)  # bad input leaves nothing half-made
         raise

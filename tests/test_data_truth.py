@@ -155,6 +155,24 @@ def test_bad_jsonl_exits_2_and_leaves_nothing(case, tmp_path):
     assert left == [], left  # no pieces, progress, source.json or temp files
 
 
+def test_a_rebuild_that_meets_bad_input_leaves_the_finished_dataset_intact(src, tmp_path):
+    """A finished dataset whose last source file turns bad: the rebuild fails (exit 2) before it
+    rewrites any shard, so the old manifest and shards still agree (a rebuild cuts only at the end)."""
+    home = tmp_path / "home"
+    assert cli(home, f"data.source={src}").returncode == 0
+    out, m1 = dataset(home, src)
+    before = {p.name: p.read_bytes() for p in out.glob("*.bin")}
+    rows = docs(30)
+    rows[0]["text"] = "A changed first document: " + rows[0]["text"]
+    write_jsonl(src / "a.jsonl", rows)  # changes every shard's bytes if they were re-cut
+    with open(src / "b.jsonl", "a") as f:
+        f.write('{"text": broken\n')
+    r = cli(home, f"data.source={src}")
+    assert r.returncode == 2 and "not valid JSON" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert {p.name: p.read_bytes() for p in out.glob("*.bin")} == before
+    assert Manifest.load(out).id == m1.id and Manifest.load(out).verify(out, full=True) == []
+
+
 def test_invalid_utf8_in_txt_is_counted_and_strict_mode_fails(tmp_path):
     src = tmp_path / "src"
     src.mkdir()

@@ -85,6 +85,50 @@ def test_output_identical_for_any_worker_count_and_completion_order():
     assert Manifest.load(sharding.dataset_dir(a)).id == mc.id
 
 
+def test_shards_are_cut_while_later_pieces_are_still_tokenizing():
+    """ShardCutter writes a shard as soon as the pieces before its end are done (cutting overlaps
+    tokenizing), with the same bytes as cutting after everything."""
+    ref = cfg_of()
+    sharding.run(ref, workers=1)
+    cfg = cfg_of()
+    cfg.data.dataset_dir = str(sharding.pipeline_home() / "streamed")
+    out = sharding.dataset_dir(cfg)
+    pieces = sharding.plan_pieces(cfg, sources.fetch(cfg))
+    cutter = sharding.ShardCutter(cfg, pieces, pieces)
+    for p in pieces[:-1]:
+        sharding.tokenize_piece(cfg, p, threads=1)
+        cutter.piece_done(p.index)
+    early = shard_bytes(out)
+    assert len(early) >= 2 and not (out / "manifest.json").exists()  # before the last piece exists
+    sharding.tokenize_piece(cfg, pieces[-1], threads=1)
+    cutter.piece_done(pieces[-1].index)
+    m = cutter.finish()
+    final = shard_bytes(out)
+    assert final == shard_bytes(sharding.dataset_dir(ref)) and all(final[k] == v for k, v in early.items())
+    assert m.id == Manifest.load(sharding.dataset_dir(ref)).id
+
+
+def test_a_damaged_piece_from_an_earlier_run_is_caught_before_it_is_cut():
+    """Pieces left by an earlier (killed) run are re-hashed before use: a flipped byte stops the cut with
+    a ShardError naming the file, its record goes, and the next run re-tokenizes it."""
+    ref = cfg_of()
+    sharding.run(ref, workers=1)
+    cfg = cfg_of()
+    cfg.data.dataset_dir = str(sharding.pipeline_home() / "damaged")
+    pieces = sharding.plan_pieces(cfg, sources.fetch(cfg))
+    for p in pieces:
+        sharding.tokenize_piece(cfg, p, threads=1)  # "the earlier run", killed before cutting
+    bad = sharding.dataset_dir(cfg) / sharding.PIECES / "piece_000001.bin"
+    data = bytearray(bad.read_bytes())
+    data[-3] ^= 0xFF  # same length: only the hash can tell
+    bad.write_bytes(bytes(data))
+    with pytest.raises(sharding.ShardError, match="piece_000001.bin is missing or corrupt"):
+        sharding.build_shards(cfg, pieces)
+    assert not bad.with_suffix(".json").exists()
+    sharding.run(cfg, workers=1)
+    assert shard_bytes(sharding.dataset_dir(cfg)) == shard_bytes(sharding.dataset_dir(ref))
+
+
 def test_second_run_does_no_work_and_is_fast():
     cfg = cfg_of()
     sharding.run(cfg, workers=1)
