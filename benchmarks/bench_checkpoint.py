@@ -17,8 +17,8 @@ import torch
 
 from gptcore import checkpoint as C
 from gptcore.config import model_preset
+from gptcore.files import file_sha256
 from gptcore.model import GPT
-from gptcore.shards import file_sha256
 
 
 def trained_state():

@@ -26,6 +26,7 @@ import sys
 import time
 
 from flows.services import GPU_POOL, REPO, Stack
+from gptcore.files import read_json
 
 DEPLOYMENT = "pretrain/tiny"
 PREFECT_FILE = REPO / "deployments" / "prefect.yaml"
@@ -43,10 +44,7 @@ def _deployed(stack: Stack) -> bool:
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     stamp = stack.state_dir / "deployed.json"
-    try:
-        if json.loads(stamp.read_text()) != _deploy_stamp(stack):
-            return False
-    except (OSError, ValueError):
+    if read_json(stamp) != _deploy_stamp(stack):
         return False
     with temporary_settings({PREFECT_API_URL: stack.prefect_api_url}), get_client(sync_client=True) as c:
         try:

@@ -32,6 +32,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from gptcore.config import ConfigError, RunConfig, load_config
+from gptcore.files import read_json
 from gptcore.run_files import read_meta, run_dir_for, run_state
 from tasks.progress import artifact_key
 from tasks.train import resolve_nproc, train_task
@@ -108,7 +109,7 @@ def eval_done(ckpt: str, cfg: RunConfig) -> dict | None:
 def sample_task(ckpt: str, model_uri: str | None, prompt: str, max_new_tokens: int) -> dict:
     """Generate text from the registered model version (or straight from the checkpoint when nothing was
     registered); stored in <checkpoint>/sample.json."""
-    from gptcore.shards import atomic_write_bytes
+    from gptcore.files import write_json
 
     if model_uri:
         from tasks.generate import load
@@ -124,14 +125,13 @@ def sample_task(ckpt: str, model_uri: str | None, prompt: str, max_new_tokens: i
         text = gen.generate(prompt, max_new_tokens, temperature=1.0, top_k=50, seed=0)
     out = {"model_uri": model_uri, "checkpoint": ckpt, "prompt": prompt, "max_new_tokens": max_new_tokens,
            "text": text}
-    atomic_write_bytes(Path(ckpt) / SAMPLE_FILE, [json.dumps(out, indent=1).encode()])
+    write_json(Path(ckpt) / SAMPLE_FILE, out)
     return out
 
 
 def sample_done(ckpt: str, model_uri: str | None, prompt: str, max_new_tokens: int) -> dict | None:
-    try:
-        s = json.loads((Path(ckpt) / SAMPLE_FILE).read_text())
-    except (OSError, ValueError):
+    s = read_json(Path(ckpt) / SAMPLE_FILE)
+    if not isinstance(s, dict):
         return None
     same = (s.get("model_uri"), s.get("prompt"), s.get("max_new_tokens")) == (model_uri, prompt, max_new_tokens)
     return s if same else None

@@ -10,7 +10,7 @@ A checkpoint is a directory `<run_dir>/checkpoints/step_{step:08d}/` holding
     meta.json           step, tokens seen, val and train loss, config, model config, manifest id, run
                         identity, sha256 of model.safetensors and of trainer.pt
 
-It is written into a temp dir beside it and renamed into place (shards.atomic_dir), so a reader (or a resume after
+It is written into a temp dir beside it and renamed into place (files.atomic_dir), so a reader (or a resume after
 SIGKILL) sees either a complete checkpoint or none; it is never written from non-finite weights.
 Retention keeps the last `keep_last`, the best one by validation loss and the newest one whose train loss
 was finite. Before a resume, `load_for_resume` checks a checkpoint whole (files, both hashes, loadable,
@@ -32,6 +32,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from gptcore.config import ModelConfig
+from gptcore.files import atomic_dir, file_sha256, temp_name
 from gptcore.model import GPT, clean_state_dict, unwrap
 from gptcore.run_files import (  # noqa: F401 -- the torch-free half of this module, used through it too
     META_FILE,
@@ -48,7 +49,6 @@ from gptcore.run_files import (  # noqa: F401 -- the torch-free half of this mod
     step_dir,
     step_dirs,
 )
-from gptcore.shards import atomic_dir, file_sha256, temp_name
 
 MODEL_FILE = "model.safetensors"
 TRAINER_FILE = "trainer.pt"

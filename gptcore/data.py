@@ -17,13 +17,13 @@ Shuffling matters: build-nanogpt's periodic loss bumps came from reading shards 
 from __future__ import annotations
 
 import bisect
-import json
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from gptcore.shards import Manifest, ShardError, atomic_write_bytes, file_sha256, read_shard
+from gptcore.files import file_sha256, read_json, write_json
+from gptcore.shards import Manifest, ShardError, read_shard
 
 
 def open_dataset(dataset_dir: Path, full_verify: bool = False) -> Manifest:
@@ -49,10 +49,7 @@ def verify_hashes(dataset_dir: Path, manifest: Manifest, cache: Path) -> None:
     """Check every shard's sha256 against the manifest; ShardError names the first that differs and the
     repair. Hashes are remembered in `cache` by (size, mtime, inode), so a nightly restart re-hashes only
     files that changed (a 10B-token dataset is ~20 GB; the cost of a cold hash is in docs/data.md)."""
-    try:
-        known = json.loads(Path(cache).read_text())
-    except (OSError, ValueError):
-        known = {}
+    known = read_json(cache, {})
     fresh = {}
     for s in manifest.shards:
         path = Path(dataset_dir) / s.name
@@ -66,7 +63,7 @@ def verify_hashes(dataset_dir: Path, manifest: Manifest, cache: Path) -> None:
                              f"--full-verify` (re-cuts only the damaged shards), then run again")
         fresh[s.name] = [*stamp, sha]
     if fresh != known:
-        atomic_write_bytes(Path(cache), [json.dumps(fresh).encode()])
+        write_json(cache, fresh)
 
 
 class ShardLoader:

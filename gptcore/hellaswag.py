@@ -28,8 +28,8 @@ from torch.nn import functional as F
 
 from gptcore import distributed
 from gptcore.config import RunConfig, pipeline_home
+from gptcore.files import atomic_write_bytes
 from gptcore.model import unwrap, without_ddp
-from gptcore.shards import atomic_write_bytes
 from gptcore.tokenizer import encode
 
 log = logging.getLogger(__name__)

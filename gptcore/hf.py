@@ -24,8 +24,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from gptcore.config import ModelConfig
+from gptcore.files import atomic_dir
 from gptcore.model import GPT, GPT2_VOCAB, clean_state_dict, unwrap
-from gptcore.shards import atomic_dir
 from gptcore.tokenizer import EOT, hf_tokenizer_files
 
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")

@@ -15,6 +15,7 @@ import re
 from pathlib import Path
 
 from gptcore.config import RunConfig, pipeline_home
+from gptcore.files import read_json
 
 RUN_FILE = "run.json"
 DONE_FILE = "DONE"
@@ -120,8 +121,5 @@ def run_state(run_dir: Path, identity_hash: str | None = None) -> dict:
     step = read_meta(ckpt).get("step") if ckpt else None
     done = (run_dir / DONE_FILE).exists() and ckpt is not None
     if done and identity_hash:
-        try:
-            done = json.loads((run_dir / RUN_FILE).read_text()).get("identity_hash") == identity_hash
-        except (OSError, ValueError):
-            done = False
+        done = (read_json(run_dir / RUN_FILE) or {}).get("identity_hash") == identity_hash
     return {"run_dir": str(run_dir), "checkpoint": str(ckpt) if ckpt else None, "step": step, "done": done}

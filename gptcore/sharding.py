@@ -36,18 +36,8 @@ from tqdm import tqdm
 
 from gptcore import sources
 from gptcore.config import RunConfig, pipeline_home
-from gptcore.shards import (
-    MANIFEST,
-    Manifest,
-    ShardError,
-    ShardInfo,
-    atomic_write_bytes,
-    file_sha256,
-    free_disk,
-    read_shard,
-    remove_stale_temps,
-    write_shard_chunks,
-)
+from gptcore.files import atomic_write_bytes, file_sha256, free_disk, remove_stale_temps
+from gptcore.shards import MANIFEST, Manifest, ShardError, ShardInfo, read_shard, write_shard_chunks
 from gptcore.tokenizer import EOT, RANK_FILE_SHA256, get_encoding
 
 PIECES = ".pieces"  # work area inside the dataset dir; removed once the manifest is written

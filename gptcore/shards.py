@@ -18,15 +18,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import re
-import shutil
-import socket
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from gptcore.files import atomic_write_bytes, file_sha256, read_json
 
 MAGIC = 20240520
 VERSION = 1
@@ -38,79 +35,6 @@ MANIFEST = "manifest.json"
 
 class ShardError(RuntimeError):
     """A shard or manifest is missing, truncated, corrupt or of the wrong format."""
-
-
-_HOST = re.sub(r"[^A-Za-z0-9.]+", "_", socket.gethostname())  # in temp names: whose they are
-
-
-def atomic_write_bytes(path: Path, chunks, durable: bool = True) -> None:
-    """Write byte chunks to `path` via a temp file + fsync + rename: readers see all or nothing.
-    durable=False skips the fsync, for scratch files that are checked (length, sha256) before any use."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_name(path)
-    try:
-        with open(tmp, "wb") as f:
-            for chunk in chunks:
-                f.write(chunk)
-            if durable:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def temp_name(path: Path) -> Path:
-    """`.<name>.tmp-<host>-<pid>` beside `path`: what remove_stale_temps removes once its writer is dead."""
-    return path.with_name(f".{path.name}.tmp-{_HOST}-{os.getpid()}")
-
-
-def free_disk(path: Path) -> int:
-    """Free bytes on the filesystem that holds `path` (or would: its nearest existing ancestor)."""
-    path = Path(path).resolve()
-    return shutil.disk_usage(next(p for p in [path, *path.parents] if p.exists())).free
-
-
-def remove_stale_temps(directory: Path, recursive: bool = True) -> list[Path]:
-    """Delete the temp files and directories (`.<name>.tmp-<host>-<pid>`) that killed writers on this host
-    left in `directory` (and its subdirectories): a killed checkpoint save leaves 1.5 GB at 124M. On
-    shared storage, other hosts' temps are left to them, and so is a live writer's."""
-    removed = []
-    pattern = f"{'**/' if recursive else ''}.*.tmp-{_HOST}-*"
-    for tmp in Path(directory).glob(pattern) if Path(directory).is_dir() else []:
-        pid = tmp.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-            shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
-            removed.append(tmp)
-    return removed
-
-
-@contextmanager
-def atomic_dir(final: Path):
-    """Build a directory under a temp name beside `final` (`with atomic_dir(d) as tmp: write into tmp`),
-    then fsync its files and swap it into place: readers see the old directory or the complete new one,
-    never a half-written one. Temps of killed writers beside it are removed first."""
-    final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temps(final.parent, recursive=False)
-    tmp = temp_name(final)
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        yield tmp
-        for f in tmp.iterdir():  # data on disk before the rename makes it visible
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-        if final.exists():  # replaced (e.g. the same step saved again): move the old one aside, then swap
-            old = temp_name(final.with_name(f"{final.name}.old"))
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def shard_header(n_tokens: int) -> bytes:
@@ -174,14 +98,6 @@ def read_shard(path: Path) -> np.ndarray:
     return np.memmap(path, dtype=TOKEN_DTYPE, mode="r", offset=HEADER_BYTES, shape=(n,))
 
 
-def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
 @dataclass
 class ShardInfo:
     name: str  # file name inside the dataset directory
@@ -225,11 +141,11 @@ class Manifest:
         if not path.is_file():
             raise ShardError(f"no {MANIFEST} in {directory}: the dataset was never (completely) tokenized; "
                              "run the tokenize stage first")
+        doc = read_json(path)  # None when unreadable: a TypeError below
         try:
-            doc = json.loads(path.read_text())
             m = cls(tokenizer=doc["tokenizer"], dtype=doc["dtype"], shard_tokens=doc["shard_tokens"],
                     source=doc.get("source", {}), shards=[ShardInfo(**s) for s in doc["shards"]])
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, AttributeError) as e:
             raise ShardError(f"{path} is not a valid manifest ({e}); delete it and re-run tokenize") from e
         if m.tokenizer != "gpt2" or m.dtype != "uint16":
             raise ShardError(f"dataset {directory} was made with tokenizer={m.tokenizer} dtype={m.dtype}; "

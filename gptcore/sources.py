@@ -31,7 +31,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from gptcore.config import RunConfig, pipeline_home
-from gptcore.shards import atomic_write_bytes, file_sha256, free_disk
+from gptcore.files import atomic_write_bytes, file_sha256, free_disk
 
 BUILTIN = Path(__file__).parent / "assets" / "corpus" / "shakespeare.parquet"
 BUILTIN_SHA256 = "2db4ec02cd015044806362430773d64ca4be9030c573aa55d0afe047b3e76c7c"

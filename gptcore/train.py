@@ -36,6 +36,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from gptcore import checkpoint, distributed
 from gptcore.config import ConfigError, RunConfig, load_config
 from gptcore.data import ShardLoader, open_dataset, verify_hashes
+from gptcore.files import read_json, write_json
 from gptcore.guard import OK, ROLLBACK, SKIP, FaultInjector, Guard
 from gptcore.loss import make_loss
 from gptcore.metrics import METRICS_FILE, JsonlLogger, NullLogger
@@ -43,7 +44,7 @@ from gptcore.model import GPT, peak_flops_guess
 from gptcore.optim import build_optimizer, lr_at, set_lr, skips_on_device
 from gptcore.run_files import run_dir_for
 from gptcore.runlock import LockHeld, RunLock
-from gptcore.shards import Manifest, ShardError, atomic_write_bytes
+from gptcore.shards import Manifest, ShardError
 
 EXIT_OK, EXIT_BAD_INPUT, EXIT_DIVERGED = 0, 2, 3
 SHARD_HASHES = "shard_hashes.json"  # the shards' verified sha256s, by (size, mtime, inode): no re-hash on restart
@@ -82,10 +83,6 @@ def check_run(run_dir: Path, cfg: RunConfig, manifest: Manifest) -> dict | None:
         raise RunError(f"run {run_dir} trained on dataset {rec.get('manifest_id')}, but the shards now have "
                        f"manifest id {manifest.id}; use the original dataset or a new train.run_name")
     return rec
-
-
-def write_json(path: Path, obj: dict) -> None:
-    atomic_write_bytes(path, [json.dumps(obj, indent=1, default=str).encode()])
 
 
 # --- RNG state (every rank's, so dropout masks resume exactly) ---------------------------------------
@@ -173,7 +170,7 @@ def prepare(cfg: RunConfig, rank: int) -> Prepared | None:
     record = check_run(run_dir, cfg, manifest)
     if (run_dir / "DONE").is_file():
         if rank == 0:
-            done = json.loads((run_dir / "DONE").read_text() or "{}")
+            done = read_json(run_dir / "DONE", {})
             print(f"RUN_DONE run={cfg.run_name} step={done.get('step')} dir={run_dir}: already complete; "
                   "nothing to do", flush=True)
         return None

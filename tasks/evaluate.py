@@ -15,7 +15,6 @@ re-run flow (or a retry) never evaluates the same weights twice.
 
 from __future__ import annotations
 
-import json
 import sys
 import tempfile
 import time
@@ -24,9 +23,9 @@ from pathlib import Path
 from prefect import get_run_logger, task
 
 from gptcore.config import RunConfig, from_dict
+from gptcore.files import read_json, write_json
 from gptcore.run_files import META_FILE, latest_checkpoint, read_meta
 from gptcore.runlock import RunLock
-from gptcore.shards import atomic_write_bytes
 
 EVAL_FILE = "eval.json"
 EVAL_LOCK = "eval.lock"  # held while a checkpoint is being evaluated
@@ -55,9 +54,8 @@ def stored_evaluation(ckpt: str | Path, cfg: RunConfig, val: bool = True, retry_
     """The evaluation already in <ckpt>/eval.json if it was made with these settings, else None. With
     retry_skipped, one whose HellaSwag was skipped for lack of the dataset counts as not done (it may be
     reachable now); the flow passes False so that a re-run stays a no-op."""
-    try:
-        done = json.loads((Path(ckpt) / EVAL_FILE).read_text())
-    except (OSError, ValueError):
+    done = read_json(Path(ckpt) / EVAL_FILE)
+    if not isinstance(done, dict):
         return None
     if done.get("settings") != settings(cfg, val) or (retry_skipped and "skipped" in (done.get("hellaswag") or {})):
         return None
@@ -93,7 +91,7 @@ def _evaluate(ckpt: Path, cfg, val: bool, device: str, log) -> dict:
                                hellaswag_path=None, limit=cfg.eval.hellaswag_limit, val=val)
     result = {"target": str(ckpt), "kind": info["kind"], "step": info.get("step"), **result,
               "settings": settings(cfg, val), "seconds": round(time.time() - t0, 2)}
-    atomic_write_bytes(ckpt / EVAL_FILE, [json.dumps(result, indent=1).encode()])
+    write_json(ckpt / EVAL_FILE, result)
     if log:
         log.info("evaluated %s: %s", ckpt, {k: result[k] for k in ("val_loss", "hellaswag") if k in result})
     return result

@@ -35,8 +35,8 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from gptcore.files import file_sha256
 from gptcore.run_files import read_meta
-from gptcore.shards import file_sha256
 from tasks import mlflow_store as store
 
 log = logging.getLogger("gptpipe.register")

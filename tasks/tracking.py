@@ -33,8 +33,8 @@ import threading
 from pathlib import Path
 
 from gptcore.config import from_dict
+from gptcore.files import read_json, write_json
 from gptcore.metrics import METRICS_FILE, read_new_lines
-from gptcore.shards import atomic_write_bytes
 from tasks import mlflow_store as store
 
 log = logging.getLogger("gptpipe.tracking")
@@ -105,13 +105,13 @@ class Shipper:
     # cursor: {"tracking_uri", "run_id", "offset"}; another server means starting over at offset 0
     def _load_cursor(self) -> dict:
         p = self.run_dir / CURSOR
-        cur = json.loads(p.read_text()) if p.is_file() else {}
+        cur = read_json(p, {})
         if cur.get("tracking_uri") != self.uri:
             cur = {"tracking_uri": self.uri, "run_id": None, "offset": 0}
         return cur
 
     def _save_cursor(self, cur: dict) -> None:
-        atomic_write_bytes(self.run_dir / CURSOR, [json.dumps(cur).encode()])
+        write_json(self.run_dir / CURSOR, cur)
 
     @property
     def run_id(self) -> str | None:

@@ -126,7 +126,7 @@ def test_a_killed_writers_temp_dir_is_removed_by_the_next_save(tmp_path):
     a live writer's or another host's (shared storage)."""
     import subprocess
 
-    from gptcore.shards import _HOST
+    from gptcore.files import _HOST
 
     proc = subprocess.Popen(["true"])  # a pid that has exited
     proc.wait()

@@ -188,7 +188,7 @@ def test_invalid_utf8_in_txt_is_counted_and_strict_mode_fails(tmp_path):
 
 
 def test_temp_files_of_killed_writers_are_removed_at_start_up(src, tmp_path):
-    from gptcore.shards import _HOST
+    from gptcore.files import _HOST
 
     home = tmp_path / "home"
     assert cli(home, f"data.source={src}").returncode == 0

@@ -48,7 +48,7 @@ def trainer_pids(run_name: str) -> list[int]:
 def test_end_to_end_then_rerun_is_a_no_op(prefect_stack):
     from mlflow import MlflowClient
 
-    from gptcore.shards import file_sha256
+    from gptcore.files import file_sha256
 
     params = micro("e2e", 8, **{"eval.hellaswag": True, "eval.hellaswag_path": str(HELLASWAG)})
     fr = run_deployment_and_wait(params)

@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from gptcore import checkpoint as C
+from gptcore.files import file_sha256
 from gptcore.metrics import read_metrics
-from gptcore.shards import file_sha256
 from gptcore.train import main
 from tests.test_train_utils import REPO, descendants, env, make_dataset, python_cmd, start, wait_for_step
 

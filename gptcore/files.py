@@ -1,0 +1,109 @@
+"""Files that survive a kill at any moment: written to a temp name and renamed (readers see the old
+version or the complete new one), temps of dead writers swept, JSON read back without tracebacks.
+
+Temp names are `.<name>.tmp-<host>-<pid>`, so on shared storage each host sweeps only its own dead
+writers' files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import socket
+from contextlib import contextmanager
+from pathlib import Path
+
+_HOST = re.sub(r"[^A-Za-z0-9.]+", "_", socket.gethostname())  # in temp names: whose they are
+
+
+def atomic_write_bytes(path: Path, chunks, durable: bool = True) -> None:
+    """Write byte chunks to `path` via a temp file + fsync + rename: readers see all or nothing.
+    durable=False skips the fsync, for scratch files that are checked (length, sha256) before any use."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_name(path)
+    try:
+        with open(tmp, "wb") as f:
+            for chunk in chunks:
+                f.write(chunk)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def temp_name(path: Path) -> Path:
+    """`.<name>.tmp-<host>-<pid>` beside `path`: what remove_stale_temps removes once its writer is dead."""
+    return path.with_name(f".{path.name}.tmp-{_HOST}-{os.getpid()}")
+
+
+def free_disk(path: Path) -> int:
+    """Free bytes on the filesystem that holds `path` (or would: its nearest existing ancestor)."""
+    path = Path(path).resolve()
+    return shutil.disk_usage(next(p for p in [path, *path.parents] if p.exists())).free
+
+
+def remove_stale_temps(directory: Path, recursive: bool = True) -> list[Path]:
+    """Delete the temp files and directories (`.<name>.tmp-<host>-<pid>`) that killed writers on this host
+    left in `directory` (and its subdirectories): a killed checkpoint save leaves 1.5 GB at 124M. On
+    shared storage, other hosts' temps are left to them, and so is a live writer's."""
+    removed = []
+    pattern = f"{'**/' if recursive else ''}.*.tmp-{_HOST}-*"
+    for tmp in Path(directory).glob(pattern) if Path(directory).is_dir() else []:
+        pid = tmp.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
+            removed.append(tmp)
+    return removed
+
+
+@contextmanager
+def atomic_dir(final: Path):
+    """Build a directory under a temp name beside `final` (`with atomic_dir(d) as tmp: write into tmp`),
+    then fsync its files and swap it into place: readers see the old directory or the complete new one,
+    never a half-written one. Temps of killed writers beside it are removed first."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(final.parent, recursive=False)
+    tmp = temp_name(final)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        for f in tmp.iterdir():  # data on disk before the rename makes it visible
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        if final.exists():  # replaced (e.g. the same step saved again): move the old one aside, then swap
+            old = temp_name(final.with_name(f"{final.name}.old"))
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_json(path: Path, obj) -> None:
+    atomic_write_bytes(path, [json.dumps(obj, indent=1, default=str).encode()])
+
+
+def read_json(path: Path, default=None):
+    """The JSON value in `path`, or `default` when the file is missing, unreadable or not valid JSON."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return default
