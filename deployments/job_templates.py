@@ -1,15 +1,14 @@
-"""The Kubernetes GPU pool's base job template: Prefect's default template for the worker type plus only
-what this project changes (`deployments/k8s-gpu-overlay.json`).
+"""The GPU pools' base job templates: Prefect's default template for the worker type plus only what this
+project changes (`deployments/docker-gpu-overlay.json`, `deployments/k8s-gpu-overlay.json`).
 
-    python deployments/job_templates.py kubernetes > /tmp/gpu-k8s.json
-    prefect work-pool create gpu-k8s --type kubernetes --base-job-template /tmp/gpu-k8s.json
+    python deployments/job_templates.py docker > /tmp/gpu-docker.json
+    prefect work-pool create gpu-docker --type docker --base-job-template /tmp/gpu-docker.json
 
-The default comes from the installed Prefect: the worker metadata it bundles, the same JSON that
-`prefect work-pool get-default-base-job-template --type <type>` prints (that command starts a temporary
-server; this reads the file). A Prefect upgrade thus brings its new default fields along, and the overlay
-stays short enough to review. (The docker pool's template stays whole in docker-gpu-job-template.json:
-Prefect 3.8.8 bundles an older docker default than the prefect-docker it targets, so default + overlay
-would change it.)
+The default is the one `prefect work-pool get-default-base-job-template --type <type>` prints (that command
+starts a temporary server; this asks the same sources directly): the installed worker package's own
+(prefect-docker 0.7.4 for docker, pinned in constraints.txt, `pip install -e ".[docker]"`), else the
+worker metadata Prefect bundles (kubernetes). An upgrade thus brings its new default fields along, and
+the overlays stay short enough to review.
 """
 
 from __future__ import annotations
@@ -19,18 +18,28 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-OVERLAYS = {"kubernetes": HERE / "k8s-gpu-overlay.json"}
+OVERLAYS = {"docker": HERE / "docker-gpu-overlay.json", "kubernetes": HERE / "k8s-gpu-overlay.json"}
+NEEDS = {"docker": "prefect-docker"}  # bundled metadata for these is older than the worker we target
 
 
 def default_template(worker_type: str) -> dict:
     """Prefect's default base job template for `worker_type` (docker, kubernetes, process, ...)."""
     import prefect
+    from prefect.plugins import load_prefect_collections
+    from prefect.workers.base import BaseWorker
 
+    load_prefect_collections()  # registers installed worker packages (prefect-docker, ...)
+    worker = BaseWorker.get_worker_class_from_type(worker_type)
+    if worker is not None:
+        return worker.get_default_base_job_template()
+    if worker_type in NEEDS:
+        raise SystemExit(f"error: the {worker_type} template needs {NEEDS[worker_type]}: pip install -c "
+                         f"constraints.txt -e \".[{worker_type}]\"")
     path = Path(prefect.__file__).parent / "server/api/collections_data/views/aggregate-worker-metadata.json"
     for collection in json.loads(path.read_text()).values():
-        for worker in collection.values():
-            if worker.get("type") == worker_type:
-                return worker["default_base_job_configuration"]
+        for w in collection.values():
+            if w.get("type") == worker_type:
+                return w["default_base_job_configuration"]
     raise SystemExit(f"error: Prefect {prefect.__version__} has no default template for worker type "
                      f"{worker_type!r}")
 

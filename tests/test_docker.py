@@ -319,8 +319,17 @@ def fake_api(tmp_path):
     srv.server_close()
 
 
-def test_worker_entrypoint_creates_the_pool_and_starts_the_worker(fake_api):
-    template = str(DEPLOY / "docker-gpu-job-template.json")
+def gpu_template(worker_type: str, tmp_path: Path) -> Path:
+    """What `python deployments/job_templates.py <type>` writes: the file a pool is created from."""
+    r = run([sys.executable, str(DEPLOY / "job_templates.py"), worker_type], env=clean_env())
+    assert r.returncode == 0, r.stderr
+    path = tmp_path / f"{worker_type}.json"
+    path.write_text(r.stdout)
+    return path
+
+
+def test_worker_entrypoint_creates_the_pool_and_starts_the_worker(fake_api, tmp_path):
+    template = str(gpu_template("docker", tmp_path))
     r = run(
         [str(DOCKER / "entrypoint-worker.sh"), "--limit", "1"],
         env=clean_env(
@@ -527,10 +536,16 @@ def template_vars(path: Path) -> dict:
     return t
 
 
-def test_docker_job_variables_are_accepted_by_docker_py():
+def test_docker_job_variables_are_accepted_by_docker_py(tmp_path):
     from docker.models.containers import _create_container_args
+    from prefect_docker.worker import DockerWorker
 
-    t = template_vars(DEPLOY / "docker-gpu-job-template.json")
+    t = template_vars(gpu_template("docker", tmp_path))
+    # prefect-docker's default is all there; the overlay (its only source of change) sets defaults
+    base = DockerWorker.get_default_base_job_template()
+    assert t["job_configuration"] == base["job_configuration"]
+    assert {k: {f: v for f, v in p.items() if f != "default"} for k, p in t["variables"]["properties"].items()} == \
+        {k: {f: v for f, v in p.items() if f != "default"} for k, p in base["variables"]["properties"].items()}
     _, d = load_deployment(DEPLOY / "prefect-docker.yaml")
     jv = d["work_pool"]["job_variables"]
     assert set(jv) <= set(t["variables"]["properties"]), "job variable not in the pool's template"
@@ -555,11 +570,9 @@ def test_k8s_template_renders_a_gpu_job(tmp_path):
     sys.path.insert(0, str(DEPLOY))
     from job_templates import default_template, template
 
-    r = run([sys.executable, str(DEPLOY / "job_templates.py"), "kubernetes"], env=clean_env())
-    assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout) == template("kubernetes")
-    (tmp_path / "k8s.json").write_text(r.stdout)  # what `prefect work-pool create --base-job-template` gets
-    t = template_vars(tmp_path / "k8s.json")
+    path = gpu_template("kubernetes", tmp_path)  # what `prefect work-pool create --base-job-template` gets
+    assert json.loads(path.read_text()) == template("kubernetes")
+    t = template_vars(path)
     # everything of Prefect's default is kept; the overlay only adds and changes
     base = default_template("kubernetes")
     assert set(base["variables"]["properties"]) <= set(t["variables"]["properties"])
