@@ -44,6 +44,7 @@ from gptcore.model import GPT, peak_flops_guess
 from gptcore.optim import build_optimizer, lr_at, set_lr, skips_on_device
 from gptcore.run_files import run_dir_for
 from gptcore.runlock import LockHeld, RunLock
+from gptcore.sharding import dataset_dir
 from gptcore.shards import Manifest, ShardError
 
 EXIT_OK, EXIT_BAD_INPUT, EXIT_DIVERGED = 0, 2, 3
@@ -57,13 +58,6 @@ class RunError(RuntimeError):
 
 
 # --- where things are -----------------------------------------------------------------------------
-
-def dataset_dir_for(cfg: RunConfig) -> Path:
-    if cfg.data.dataset_dir:
-        return Path(cfg.data.dataset_dir).expanduser().resolve()
-    from gptcore.sharding import dataset_dir  # the data stage decides the layout
-    return dataset_dir(cfg)
-
 
 def check_run(run_dir: Path, cfg: RunConfig, manifest: Manifest) -> dict | None:
     """The run's identity record, or None for a new run; RunError if the directory belongs to another
@@ -165,7 +159,7 @@ def prepare(cfg: RunConfig, rank: int) -> Prepared | None:
     """Every check that can fail on bad input, before any process group or training step; rank 0 takes
     the run's lock before it writes anything. Returns None (after printing RUN_DONE) when the run has
     already finished."""
-    run_dir, data_dir = run_dir_for(cfg), dataset_dir_for(cfg)
+    run_dir, data_dir = run_dir_for(cfg), dataset_dir(cfg)
     manifest = open_dataset(data_dir)
     record = check_run(run_dir, cfg, manifest)
     if (run_dir / "DONE").is_file():
