@@ -127,11 +127,7 @@ def why_incomplete(cfg: RunConfig, full: bool = False) -> str | None:
     if bad:
         return f"shards missing or damaged: {', '.join(bad[:5])}"
     if d.source not in ("builtin", "hf"):
-        try:
-            previous = sources.load_listing(listing_path(cfg).parent)[1]
-        except (sources.SourceError, ValueError, KeyError, TypeError):
-            previous = []
-        now = sources.local_files(d.source, previous)
+        now = sources.local_files(d.source, sources.previous_files(listing_path(cfg).parent))
         changed = sources.changed_files(s.get("files", []), now, additions=not d.max_docs)
         if changed:
             return f"the source changed: {', '.join(changed[:10])}{' ...' if len(changed) > 10 else ''}"

@@ -93,11 +93,7 @@ def fetch(cfg: RunConfig) -> Path:
     elif cfg.data.source == "hf":
         files = _fetch_hub(cfg, source_dir)
     else:
-        try:  # the previous listing's hashes are reused for files whose size and mtime are unchanged
-            previous = load_listing(source_dir)[1]
-        except (SourceError, ValueError, KeyError, TypeError):
-            previous = []
-        files = local_files(cfg.data.source, previous)
+        files = local_files(cfg.data.source, previous_files(source_dir))
     _save_listing(source_dir, cfg, files, complete=True)
     return source_dir
 
@@ -108,6 +104,15 @@ def load_listing(source_dir: Path) -> tuple[dict, list[SourceFile]]:
         raise SourceError(f"{path} does not exist: run the download stage (gptcore.sources.fetch) first")
     doc = json.loads(path.read_text())
     return doc, [SourceFile(**f) for f in doc["files"]]
+
+
+def previous_files(source_dir: Path) -> list[SourceFile]:
+    """The last listing's files ([] if none or unreadable): their hashes are reused for files whose size
+    and mtime are unchanged."""
+    try:
+        return load_listing(source_dir)[1]
+    except (SourceError, ValueError, KeyError, TypeError):
+        return []
 
 
 def _save_listing(source_dir: Path, cfg: RunConfig, files: list[SourceFile], complete: bool) -> None:
