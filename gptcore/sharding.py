@@ -345,25 +345,14 @@ def _cut_from(keys: list[str], starts: list[int], idx: list[int]) -> list[str]:
 
 
 def pieces_to_tokenize(cfg: RunConfig, pieces: list[Piece]) -> list[Piece]:
-    """The pieces whose token files must be (re)made before build_shards: on a first or interrupted run
+    """The pieces whose token files must be (re)made before cutting: on a first or interrupted run
     those not yet tokenized; on a finished dataset with a missing/corrupt shard, only the pieces that
     shard is cut from."""
-    records = [piece_record(cfg, p, need_data=False) for p in pieces]
     lacking = [p for p in pieces if piece_record(cfg, p) is None]
-    if any(r is None for r in records):
+    cutter = ShardCutter(cfg, pieces)
+    if None in cutter.records:
         return lacking
-    starts = list(itertools.accumulate((r["tokens"] for r in records), initial=0))
-    total, S, name = starts[-1], cfg.data.shard_tokens, dataset_name(cfg)
-    _check_total(total, S)
-    known, out = _known_shards(cfg, _spec(cfg, pieces)), dataset_dir(cfg)
-    keys = [p.key(cfg.data.text_column) for p in pieces]
-    need = set()
-    for k in range(math.ceil(total / S)):
-        a, b = k * S, min((k + 1) * S, total)
-        idx = _overlapping(starts, a, b)
-        if not _shard_ok(out, known.get(k), a, b, _shard_file(name, k)[0], _cut_from(keys, starts, idx)):
-            need |= set(idx)
-    return [p for p in lacking if p.index in need]
+    return [p for p in lacking if p.index in cutter.pieces_of_stale_shards()]
 
 
 class ShardCutter:
@@ -423,6 +412,20 @@ class ShardCutter:
         for p in self.pieces:  # keep the tiny records, drop the token copies
             _piece_paths(self.cfg, p)[0].unlink(missing_ok=True)
         return manifest
+
+    def pieces_of_stale_shards(self) -> set[int]:
+        """With every piece's record known: the pieces that shards which cannot be kept are cut from."""
+        starts = list(itertools.accumulate((r["tokens"] for r in self.records), initial=0))
+        total, S = starts[-1], self.S
+        _check_total(total, S)
+        need = set()
+        for k in range(math.ceil(total / S)):
+            a, b = k * S, min((k + 1) * S, total)
+            idx = _overlapping(starts, a, b)
+            if not _shard_ok(self.out, self.known.get(k), a, b, _shard_file(self.name, k)[0],
+                             _cut_from(self.keys, starts, idx)):
+                need |= set(idx)
+        return need
 
     def _cut(self, final: bool) -> None:
         while len(self.starts) <= len(self.records) and self.records[len(self.starts) - 1] is not None:
