@@ -23,21 +23,18 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tasks import processes
-from tasks.processes import start_time
+from tasks.processes import start_time, stop_tree, tree_of
 
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_PREFECT_PORT = 4200
-DEFAULT_MLFLOW_PORT = 5000
 CPU_POOL = "cpu-pool"
 GPU_POOL = "gpu-pool"  # the nightly gpt2-124m deployment's pool; its worker runs on a GPU machine
 
 
 class ServiceError(RuntimeError):
-    """A service did not start; the message points at its log."""
+    """A service did not start; the message ends with its log."""
 
 
-def free_port(preferred: int | None = None) -> int:
+def free_port(preferred: int = 0) -> int:
     """`preferred` if nothing listens there, else any free port."""
     if preferred:
         with socket.socket() as s:
@@ -61,19 +58,15 @@ def http_ok(url: str, timeout: float = 2.0) -> bool:
         return False
 
 
-@dataclass
 class Service:
-    """One background process with a pid file and a log under <home>/services/."""
-    name: str
-    state_dir: Path
+    """One background process with a state file and a log under `state_dir`."""
 
-    @property
-    def state_path(self) -> Path:
-        return self.state_dir / f"{self.name}.json"
-
-    @property
-    def log_path(self) -> Path:
-        return self.state_dir / f"{self.name}.log"
+    def __init__(self, name: str, state_dir: Path):
+        self.name = name
+        self.state_dir = Path(state_dir)
+        self.state_path = self.state_dir / f"{name}.json"
+        self.log_path = self.state_dir / f"{name}.log"
+        self.proc = None  # our child, polled so that it is reaped once it exits
 
     def state(self) -> dict | None:
         try:
@@ -82,34 +75,25 @@ class Service:
             return None
 
     def alive(self) -> bool:
+        # an exited child is a zombie until reaped, and start_time() counts a zombie as gone
         self._reap()
         st = self.state()
         return bool(st) and start_time(st["pid"]) == st["start_time"]
 
     def spawn(self, cmd: list[str], env: dict, **extra) -> dict:
+        """Start `cmd`; its state file records pid, start time, cmd and `extra`."""
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as logf:
-            logf.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n".encode())
-            logf.flush()
-            # Own session: stopping the service signals its whole group (uvicorn workers, flow runs).
-            proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=env, cwd=REPO, start_new_session=True)
-        st = {"pid": proc.pid, "start_time": start_time(proc.pid), "cmd": cmd, **extra}
+        with open(self.log_path, "ab") as log:
+            log.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n".encode())
+            log.flush()
+            # own session: stopping the service signals its whole group (uvicorn workers, flow runs)
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env=env, cwd=REPO, start_new_session=True)
+        st = {"pid": self.proc.pid, "start_time": start_time(self.proc.pid), "cmd": cmd, **extra}
         tmp = self.state_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(st))
-        tmp.replace(self.state_path)
-        self._proc = proc  # keeps the Popen alive so it can be reaped
+        tmp.replace(self.state_path)  # a reader never sees half a file
         return st
-
-    def exited(self) -> int | None:
-        proc = getattr(self, "_proc", None)
-        return proc.poll() if proc is not None else None
-
-    def log_tail(self, n: int = 3000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
 
     def stop(self, grace: float = 15.0) -> bool:
         """SIGTERM the process group and the processes below the leader, SIGKILL after `grace` s. True
@@ -119,23 +103,29 @@ class Service:
             return False
         stopped = start_time(st["pid"]) == st["start_time"]
         if stopped:
-            processes.stop_tree(st["pid"], processes.tree_of(st["pid"]), grace, poll=self._reap)
+            stop_tree(st["pid"], tree_of(st["pid"]), grace, poll=self._reap)
         self._reap()
         self.state_path.unlink(missing_ok=True)
         return stopped
 
+    def error(self, what: str) -> ServiceError:
+        try:
+            tail = self.log_path.read_text(errors="replace")[-3000:]
+        except OSError:
+            tail = ""
+        return ServiceError(f"{self.name} {what}; its log {self.log_path} ends with:\n{tail}")
+
     def _reap(self) -> None:
-        proc = getattr(self, "_proc", None)
-        if proc is not None:
-            proc.poll()
+        if self.proc is not None:
+            self.proc.poll()
 
 
 @dataclass
 class Stack:
     """Prefect server + process pool worker + MLflow server for one pipeline home."""
     home: Path
-    prefect_port: int = DEFAULT_PREFECT_PORT
-    mlflow_port: int = DEFAULT_MLFLOW_PORT
+    prefect_port: int = 4200
+    mlflow_port: int = 5000
     pool: str = CPU_POOL
     ui: bool = True  # serve the Prefect UI (the tests turn it off)
     extra_env: dict = field(default_factory=dict)  # for the worker (e.g. OMP_NUM_THREADS in tests)
@@ -152,14 +142,13 @@ class Stack:
             if st and svc.alive():
                 setattr(self, attr, st["port"])
 
-    # --- addresses -------------------------------------------------------------------------------
-    @property
-    def prefect_api_url(self) -> str:
-        return f"http://127.0.0.1:{self.prefect_port}/api"
-
     @property
     def prefect_ui_url(self) -> str:
         return f"http://127.0.0.1:{self.prefect_port}"
+
+    @property
+    def prefect_api_url(self) -> str:
+        return f"{self.prefect_ui_url}/api"
 
     @property
     def mlflow_uri(self) -> str:
@@ -177,81 +166,70 @@ class Stack:
             "PYTHONUNBUFFERED": "1",
         }
 
-    def prefect_healthy(self) -> bool:
-        return http_ok(f"{self.prefect_api_url}/health")
+    def _health_url(self, server: Service) -> str:
+        return f"{self.prefect_api_url if server is self.prefect else self.mlflow_uri}/health"
 
-    def mlflow_healthy(self) -> bool:
-        return http_ok(f"{self.mlflow_uri}/health")
+    def _healthy(self, server: Service) -> bool:
+        return server.alive() and http_ok(self._health_url(server))
 
-    # --- start -----------------------------------------------------------------------------------
-    def _wait(self, svc: Service, healthy, timeout: float) -> None:
+    def _wait(self, server: Service, timeout: float) -> None:
         end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            if healthy():
-                return
-            if svc.exited() is not None or not svc.alive():
-                raise ServiceError(f"{svc.name} exited during start-up; its log {svc.log_path} ends with:\n"
-                                   + svc.log_tail())
+        while not http_ok(self._health_url(server)):
+            if not server.alive():
+                raise server.error("exited during start-up")
+            if time.monotonic() > end:
+                server.stop()
+                raise server.error(f"was not healthy after {timeout:.0f}s")
             time.sleep(0.3)
-        svc.stop()
-        raise ServiceError(f"{svc.name} was not healthy after {timeout:.0f}s; see {svc.log_path}:\n"
-                           + svc.log_tail())
 
-    def start_mlflow(self, timeout: float = 120.0, wait: bool = True) -> None:
-        if self.mlflow.alive() and self.mlflow_healthy():
-            return
-        self.mlflow.stop()
-        self.mlflow_port = free_port(self.mlflow_port)
-        root = self.home / "mlflow"
-        root.mkdir(parents=True, exist_ok=True)
-        env = dict(self.env(), OMP_NUM_THREADS="1")
-        env.pop("MLFLOW_TRACKING_URI")
-        self.mlflow.spawn([sys.executable, "-m", "mlflow", "server",
-                           "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
-                           "--artifacts-destination", str(root / "artifacts"),
-                           "--host", "127.0.0.1", "--port", str(self.mlflow_port), "--workers", "1"],
-                          env, port=self.mlflow_port)
-        if wait:
-            self._wait(self.mlflow, self.mlflow_healthy, timeout)
-
-    def start_prefect(self, timeout: float = 120.0, wait: bool = True) -> None:
-        if self.prefect.alive() and self.prefect_healthy():
-            return
-        self.prefect.stop()
-        self.prefect_port = free_port(self.prefect_port)
-        (self.home / "prefect").mkdir(parents=True, exist_ok=True)
-        env = dict(self.env(), PREFECT_UI_ENABLED=str(self.ui).lower(),
-                   PREFECT_SERVER_API_HOST="127.0.0.1", PREFECT_SERVER_API_PORT=str(self.prefect_port),
-                   # an expired concurrency lease (its holder was killed) is reclaimed within seconds
-                   PREFECT_SERVER_SERVICES_REPOSSESSOR_LOOP_SECONDS="5")
-        env.pop("PREFECT_API_URL")
-        self.prefect.spawn([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-                            "--port", str(self.prefect_port)], env, port=self.prefect_port)
-        if wait:
-            self._wait(self.prefect, self.prefect_healthy, timeout)
+    def up(self, timeout: float = 180.0) -> Stack:
+        # start both servers before waiting for either: each spends most of its start-up importing
+        if not self._healthy(self.mlflow):
+            self.mlflow.stop()
+            self.mlflow_port = free_port(self.mlflow_port)
+            root = self.home / "mlflow"
+            root.mkdir(parents=True, exist_ok=True)
+            env = dict(self.env(), OMP_NUM_THREADS="1")
+            del env["MLFLOW_TRACKING_URI"]
+            self.mlflow.spawn([sys.executable, "-m", "mlflow", "server",
+                               "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
+                               "--artifacts-destination", str(root / "artifacts"),
+                               "--host", "127.0.0.1", "--port", str(self.mlflow_port), "--workers", "1"],
+                              env, port=self.mlflow_port)
+        if not self._healthy(self.prefect):
+            self.prefect.stop()
+            self.prefect_port = free_port(self.prefect_port)
+            (self.home / "prefect").mkdir(parents=True, exist_ok=True)
+            env = dict(self.env(), PREFECT_UI_ENABLED=str(self.ui).lower(),
+                       PREFECT_SERVER_API_HOST="127.0.0.1", PREFECT_SERVER_API_PORT=str(self.prefect_port),
+                       # an expired concurrency lease (its holder was killed) is reclaimed within seconds
+                       PREFECT_SERVER_SERVICES_REPOSSESSOR_LOOP_SECONDS="5")
+            del env["PREFECT_API_URL"]
+            self.prefect.spawn([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
+                                "--port", str(self.prefect_port)], env, port=self.prefect_port)
+        self._wait(self.mlflow, timeout)
+        self._wait(self.prefect, timeout)
+        self.start_worker()
+        return self
 
     def ensure_pool(self, name: str | None = None) -> None:
-        """Create a process work pool if it does not exist (idempotent)."""
+        """Create the process work pool `name` (default: this stack's) unless it exists."""
         from prefect.client.orchestration import get_client
         from prefect.client.schemas.actions import WorkPoolCreate
-        from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+        from prefect.exceptions import ObjectAlreadyExists
         from prefect.settings import PREFECT_API_URL, temporary_settings
 
         with temporary_settings({PREFECT_API_URL: self.prefect_api_url}), get_client(sync_client=True) as c:
             try:
-                c.read_work_pool(name or self.pool)
-            except ObjectNotFound:
-                try:
-                    c.create_work_pool(WorkPoolCreate(name=name or self.pool, type="process"))
-                except ObjectAlreadyExists:
-                    pass
+                c.create_work_pool(WorkPoolCreate(name=name or self.pool, type="process"))
+            except ObjectAlreadyExists:
+                pass
 
     def start_worker(self) -> None:
-        if self.worker.alive():
-            st = self.worker.state() or {}
-            if st.get("api_url") == self.prefect_api_url:
-                return
-            self.worker.stop()
+        """Start the pool's worker unless one already serves this stack's server."""
+        if self.worker.alive() and (self.worker.state() or {}).get("api_url") == self.prefect_api_url:
+            return
+        self.worker.stop()
         self.ensure_pool()
         env = dict(self.env(), **self.extra_env,
                    PREFECT_WORKER_QUERY_SECONDS="2",  # pick a scheduled run up within seconds
@@ -261,24 +239,13 @@ class Stack:
                           env, api_url=self.prefect_api_url)
         time.sleep(1.0)
         if not self.worker.alive():
-            raise ServiceError(f"the worker exited at start-up; see {self.worker.log_path}:\n"
-                               + self.worker.log_tail())
-
-    def up(self, timeout: float = 180.0) -> Stack:
-        # both servers boot at once (each spends most of its start-up importing)
-        self.start_mlflow(wait=False)
-        self.start_prefect(wait=False)
-        self._wait(self.mlflow, self.mlflow_healthy, timeout)
-        self._wait(self.prefect, self.prefect_healthy, timeout)
-        self.start_worker()
-        return self
+            raise self.worker.error("exited at start-up")
 
     def down(self) -> list[str]:
-        """Stop the worker first (it would otherwise crash-loop against a dead server). Names of what
-        was stopped."""
+        """Stop everything; names of what was stopped. The worker goes first: it would otherwise
+        crash-loop against a dead server."""
         return [s.name for s in (self.worker, self.prefect, self.mlflow) if s.stop()]
 
     def status(self) -> dict[str, bool]:
-        return {"prefect-server": self.prefect.alive() and self.prefect_healthy(),
-                f"worker-{self.pool}": self.worker.alive(),
-                "mlflow-server": self.mlflow.alive() and self.mlflow_healthy()}
+        return {self.prefect.name: self._healthy(self.prefect), self.worker.name: self.worker.alive(),
+                self.mlflow.name: self._healthy(self.mlflow)}
