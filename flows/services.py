@@ -13,7 +13,6 @@ is only signalled when its recorded start time still matches (a recycled pid is 
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
@@ -23,6 +22,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gptcore.files import read_json, write_json
 from tasks.processes import start_time, stop_tree, tree_of
 
 REPO = Path(__file__).resolve().parent.parent
@@ -69,10 +69,7 @@ class Service:
         self.proc = None  # our child, polled so that it is reaped once it exits
 
     def state(self) -> dict | None:
-        try:
-            return json.loads(self.state_path.read_text())
-        except (OSError, ValueError):
-            return None
+        return read_json(self.state_path)
 
     def alive(self) -> bool:
         # an exited child is a zombie until reaped, and start_time() counts a zombie as gone
@@ -90,9 +87,7 @@ class Service:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          env=env, cwd=REPO, start_new_session=True)
         st = {"pid": self.proc.pid, "start_time": start_time(self.proc.pid), "cmd": cmd, **extra}
-        tmp = self.state_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(st))
-        tmp.replace(self.state_path)  # a reader never sees half a file
+        write_json(self.state_path, st)
         return st
 
     def stop(self, grace: float = 15.0) -> bool:
