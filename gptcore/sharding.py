@@ -22,7 +22,6 @@ import copy
 import hashlib
 import itertools
 import json
-import math
 import os
 import shutil
 import sys
@@ -191,13 +190,14 @@ def plan_pieces(cfg: RunConfig, source_dir: Path) -> list[Piece]:
 
 
 def check_disk(cfg: RunConfig, pieces: list[Piece]) -> None:
-    """Fail before any work if the estimated output (piece files + shards) does not fit."""
+    """Fail before any work if the estimated output does not fit: the shards, or in a rebuild the pieces
+    (old shards are replaced in place), plus a margin; a piece's file is deleted once it is cut."""
     out = dataset_dir(cfg)
-    need = int(sum(p.est_bytes for p in pieces) / BYTES_PER_TOKEN * 2 * 2 * 1.05)  # uint16, pieces + shards
+    need = int(sum(p.est_bytes for p in pieces) / BYTES_PER_TOKEN * 2 * 1.1)  # uint16 tokens
     free = free_disk(out)
     if need > free:
         raise DataError(f"not enough free disk for the tokenized dataset in {out}: need ~{need / 1e9:.2f} GB "
-                        f"(pieces + shards), {free / 1e9:.2f} GB free. Free space, point GPTPIPE_HOME at a "
+                        f", {free / 1e9:.2f} GB free. Free space, point GPTPIPE_HOME at a "
                         "larger disk, or cap the data with data.max_docs")
 
 
@@ -331,7 +331,18 @@ def _shard_ok(out: Path, info: ShardInfo | None, a: int, b: int, fname: str, cut
     same pieces (content keys) at the same offsets, and its bytes still hash to the record."""
     return (info is not None and info.name == fname and info.tokens == b - a
             and info.source_range.get("tokens") == [a, b] and info.source_range.get("cut_from") == cut_from
-            and (out / fname).is_file() and file_sha256(out / fname) == info.sha256)
+            and (out / fname).is_file() and _sha256(out / fname) == info.sha256)
+
+
+_HASHED: dict[tuple, str] = {}  # (path, size, mtime, inode) -> sha256: planning and cutting hash a shard once
+
+
+def _sha256(path: Path) -> str:
+    st = path.stat()
+    key = (str(path), st.st_size, st.st_mtime_ns, st.st_ino)
+    if key not in _HASHED:
+        _HASHED[key] = file_sha256(path)
+    return _HASHED[key]
 
 
 def _overlapping(starts: list[int], a: int, b: int) -> list[int]:
@@ -345,14 +356,14 @@ def _cut_from(keys: list[str], starts: list[int], idx: list[int]) -> list[str]:
 
 
 def pieces_to_tokenize(cfg: RunConfig, pieces: list[Piece]) -> list[Piece]:
-    """The pieces whose token files must be (re)made before cutting: on a first or interrupted run
-    those not yet tokenized; on a finished dataset with a missing/corrupt shard, only the pieces that
-    shard is cut from."""
+    """The pieces whose token files must be (re)made before cutting: those without a valid record and
+    file, except pieces whose every token is in a shard that is kept as it is (the cutter deletes a
+    piece's file once the shard holding its last token is done). So a resumed build redoes only what no
+    kept shard holds, and a finished dataset with a missing or corrupt shard re-tokenizes only the
+    pieces that shard is cut from."""
     lacking = [p for p in pieces if piece_record(cfg, p) is None]
-    cutter = ShardCutter(cfg, pieces)
-    if None in cutter.records:
-        return lacking
-    return [p for p in lacking if p.index in cutter.pieces_of_stale_shards()]
+    covered = ShardCutter(cfg, pieces).pieces_in_kept_shards() if lacking else set()
+    return [p for p in lacking if p.index not in covered]
 
 
 class ShardCutter:
@@ -413,19 +424,24 @@ class ShardCutter:
             _piece_paths(self.cfg, p)[0].unlink(missing_ok=True)
         return manifest
 
-    def pieces_of_stale_shards(self) -> set[int]:
-        """With every piece's record known: the pieces that shards which cannot be kept are cut from."""
-        starts = list(itertools.accumulate((r["tokens"] for r in self.records), initial=0))
-        total, S = starts[-1], self.S
-        _check_total(total, S)
-        need = set()
-        for k in range(math.ceil(total / S)):
+    def pieces_in_kept_shards(self) -> set[int]:
+        """Pieces all of whose tokens lie in shards that can be kept as they are. Global offsets are known
+        up to the first piece without a record; pieces past it are not counted."""
+        starts = [0]
+        for r in itertools.takewhile(lambda r: r is not None, self.records):
+            starts.append(starts[-1] + r["tokens"])
+        total, S, complete = starts[-1], self.S, len(starts) == len(self.records) + 1
+        if complete:
+            _check_total(total, S)
+        stale, end, k = set(), 0, 0
+        while (k + 1) * S <= total or (complete and k * S < total):
             a, b = k * S, min((k + 1) * S, total)
             idx = _overlapping(starts, a, b)
             if not _shard_ok(self.out, self.known.get(k), a, b, _shard_file(self.name, k)[0],
                              _cut_from(self.keys, starts, idx)):
-                need |= set(idx)
-        return need
+                stale |= set(idx)
+            end, k = b, k + 1
+        return {i for i in range(len(starts) - 1) if starts[i + 1] <= end} - stale
 
     def _cut(self, final: bool) -> None:
         while len(self.starts) <= len(self.records) and self.records[len(self.starts) - 1] is not None:
@@ -457,10 +473,12 @@ class ShardCutter:
             doc = {"spec": self.spec, "shard_tokens": self.S,
                    "shards": {str(j): asdict(v) for j, v in self.progress.items()}}
             atomic_write_bytes(self.out / PROGRESS, [json.dumps(doc).encode()])
-            for i in [i for i in self.arrays if self.starts[i + 1] <= b]:
-                del self.arrays[i]  # done with this piece's memmap
         self.docs_before = info.source_range["docs"][1] + 1
         self.shards.append(info)
+        for i in idx:  # recorded above: a piece whose last token is in this shard is needed no more
+            if self.starts[i + 1] <= b:
+                self.arrays.pop(i, None)
+                _piece_paths(self.cfg, self.pieces[i])[0].unlink(missing_ok=True)
 
     def _tokens(self, i: int) -> np.ndarray:
         if i not in self.arrays:

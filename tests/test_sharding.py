@@ -100,6 +100,9 @@ def test_shards_are_cut_while_later_pieces_are_still_tokenizing():
         cutter.piece_done(p.index)
     early = shard_bytes(out)
     assert len(early) >= 2 and not (out / "manifest.json").exists()  # before the last piece exists
+    # a piece's token file goes as soon as the shard holding its last token is written (disk ~1x, not 2x)
+    kept = {p.name for p in (out / sharding.PIECES).glob("*.bin")}
+    assert "piece_000000.bin" not in kept and f"piece_{pieces[-2].index:06d}.bin" in kept
     sharding.tokenize_piece(cfg, pieces[-1], threads=1)
     cutter.piece_done(pieces[-1].index)
     m = cutter.finish()
