@@ -619,6 +619,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, sources.SourceError, DataError, ShardError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # writing: e.g. the disk filled up after the free-space check
+        print(f"error: cannot write the dataset: {e}. Nothing half-written was kept and finished pieces and "
+              "shards stay for the next run: make room on that disk and run again", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gptcore import checkpoint, distributed
@@ -372,7 +373,7 @@ def read_and_log(loop: Loop, pending: list, dt: float) -> Read:
 
 def save(loop: Loop, step: int, tokens_seen: int, reason: str, train_loss: float) -> None:
     """Checkpoint the state after `step`. Collective: every rank contributes its RNG state."""
-    env = loop.env
+    env, failed = loop.env, None
     rngs = distributed.all_gather_object(rng_state(env.device))
     if env.master:
         state = {"optimizer": loop.optimizer.state_dict(), "loader": loop.loader.state_dict(), "rng": rngs,
@@ -386,8 +387,22 @@ def save(loop: Loop, step: int, tokens_seen: int, reason: str, train_loss: float
             print(f"checkpoint {path} ({reason})", flush=True)
         except checkpoint.CheckpointError as e:  # non-finite weights are never written
             event(env, loop.logger, step, f"checkpoint not written: {e}")
+        except (OSError, RuntimeError, SafetensorError) as e:  # e.g. a full disk (torch.save: RuntimeError)
+            failed = unwritable(loop.run_dir, step, e)
+    # every rank stops together when rank 0 could not write (the others would wait at the next collective)
+    failed = distributed.broadcast_object(failed if env.master else None)
+    if failed:
+        raise RunError(failed)
     loop.guard.checkpointed()
     distributed.barrier()
+
+
+def unwritable(run_dir: Path, step: int, e: Exception) -> str:
+    """What to say when a checkpoint could not be written (atomic_dir removed the partial one)."""
+    last = checkpoint.newest_healthy(checkpoint.list_checkpoints(run_dir))
+    return (f"checkpoint step {step} could not be written to {checkpoint.checkpoints_dir(run_dir)} "
+            f"({type(e).__name__}: {e}); nothing half-written was kept. Make room on that disk (or lower "
+            f"train.keep_last), then run again: it resumes from {last or 'the start'}")
 
 
 def train(cfg: RunConfig, prep: Prepared, t_start: float) -> int:

@@ -136,3 +136,25 @@ def test_bf16_gradient_compression_trains_close_to_fp32_all_reduce(ds, reference
     assert sorted(got) == sorted(want)
     assert got != want  # the hook really ran (bf16 sums differ in the last bits)
     assert max(abs(got[s] - want[s]) for s in want) < 1e-2
+
+
+def test_an_unwritable_checkpoint_stops_both_ranks_without_a_hang(ds, tmp_path):
+    """Rank 0 cannot write the step-4 checkpoint (a file-size limit stands in for a full disk): it tells
+    rank 1, both exit with the error (no rank left waiting at the next collective), nothing is kept."""
+    import resource
+    import signal
+    import subprocess
+
+    from tests.test_train_utils import env
+
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))  # the weights are ~6 MB
+
+    run = tmp_path / "full"
+    proc = subprocess.run(torchrun_cmd(args(ds, run)), cwd=tmp_path, env=env(), capture_output=True, text=True,
+                          timeout=300, preexec_fn=limit)
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert out.count("error: checkpoint step 4 could not be written") == 2, out[-3000:]  # both ranks
+    assert not list((run / "checkpoints").iterdir())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import resource
 import shutil
 import signal
 import subprocess
@@ -141,6 +142,33 @@ def test_no_intact_checkpoint_is_a_clear_error_every_time(trained, ds, tmp_path)
         assert [p.name for p in C.rejected(run)] == ["step_00000004", "step_00000008"]
     rows = read_metrics(run / "metrics.jsonl", "train")
     assert max(r["step"] for r in rows) == 12  # the old history is untouched
+
+
+def _file_size_limit(limit: int):
+    """For a child process: writes past `limit` bytes fail (EFBIG) as they would on a full disk,
+    without needing root to mount a small filesystem."""
+    def apply():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # fail the write instead of killing the process
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return apply
+
+
+def test_a_checkpoint_that_cannot_be_written_stops_every_rank_clearly_and_loses_nothing(
+        trained, ds, from_step4, tmp_path):
+    """Resumed from step 4, the step-8 checkpoint cannot be written (a full disk): exit 2 with one error
+    line naming the checkpoint to resume from, no traceback, no partial checkpoint. With room again, the
+    run continues from step 4 and ends with the same weights as an uninterrupted one."""
+    run = cut_back_to(trained, tmp_path / "run", 4)
+    proc = subprocess.run(python_cmd(args(ds, run)), cwd=run.parent, env=env(), capture_output=True, text=True,
+                          timeout=180, preexec_fn=_file_size_limit(200_000))  # the weights are ~6 MB
+    assert proc.returncode == 2, proc.stderr
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "checkpoint step 8 could not be written" in errors[0], proc.stderr
+    assert str(run / "checkpoints" / "step_00000004") in errors[0] and "Traceback" not in proc.stderr
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000004"]  # no temp left
+    proc = run_proc(python_cmd(args(ds, run)), run.parent)
+    assert proc.returncode == 0, proc.stderr
+    assert final_weights(run) == from_step4
 
 
 def test_checkpoint_read_errors_are_checkpoint_errors(trained, tmp_path):

@@ -301,6 +301,25 @@ def test_not_enough_disk(monkeypatch):
     assert not sharding.dataset_dir(cfg).exists()
 
 
+def test_a_full_disk_while_writing_is_a_clear_error_and_the_next_run_finishes(home, tmp_path):
+    """A write that fails (a file-size limit stands in for a full disk, no root needed): exit 2, one
+    error line, no traceback, no temp file; with room again the same command completes."""
+    import resource
+
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (30_000, 30_000))  # 20K-token shards are 41 KB
+
+    ov = [*SMALL, "data.num_workers=1"]
+    proc = _cli(ov, home, preexec_fn=limit)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2, err
+    assert [ln for ln in err.splitlines() if ln.startswith("error:")][0].startswith("error: cannot write")
+    assert "Traceback" not in err and not list(home.rglob(".*.tmp-*"))
+    assert _cli(ov, home).wait(timeout=120) == 0
+    assert sharding.is_complete(cfg_of(), full=True)
+
+
 def test_cli_exit_codes(tmp_path):
     p = _cli([f"data.source={tmp_path}/nope"], tmp_path / "h")
     _, err = p.communicate(timeout=60)
