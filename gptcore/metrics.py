@@ -31,25 +31,36 @@ def _plain(v):
 
 
 class JsonlLogger:
-    """Appends `{"step", "time", "kind", **metrics}` lines to `path`, flushing each one."""
+    """Appends `{"step", "time", "kind", **metrics}` lines to `path`, flushing each one. A write that
+    fails (e.g. a full disk) does not raise: `error` says why, later rows are dropped, and the trainer
+    stops on it at the next step (it checkpoints first; on a full disk that fails with a clear error)."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.error: str | None = None
         torn = _last_byte(self.path) not in (b"", b"\n")
         self._f = open(self.path, "a", encoding="utf-8")
         if torn:  # a SIGKILL mid-line: end that line so the next row starts clean
             self._f.write("\n")
 
     def log(self, step: int, metrics: dict, kind: str = "train") -> None:
+        if self.error is not None:
+            return
         row = {"step": int(step), "time": time.time(), "kind": kind,
                **{k: _plain(v) for k, v in metrics.items()}}
-        self._f.write(json.dumps(row) + "\n")
-        self._f.flush()
+        try:
+            self._f.write(json.dumps(row) + "\n")
+            self._f.flush()
+        except OSError as e:
+            self.error = f"{type(e).__name__}: {e}"
+            print(f"warning: {self.path} cannot be written ({self.error}); stopping at the next step", flush=True)
 
     def close(self) -> None:
-        if not self._f.closed:
+        try:
             self._f.close()
+        except OSError:
+            pass  # the rows that could not be flushed are the ones `error` is about
 
 
 def _last_byte(path: Path) -> bytes:
@@ -62,6 +73,8 @@ def _last_byte(path: Path) -> bytes:
 
 class NullLogger:
     """For ranks other than 0, and for callers that do not want metrics."""
+
+    error = None
 
     def log(self, step: int, metrics: dict, kind: str = "train") -> None:
         pass

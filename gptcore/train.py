@@ -337,12 +337,13 @@ def write_records(cfg: RunConfig, prep: Prepared, at: Progress) -> None:
 
 
 def stop_vote(loop: Loop, t_start: float) -> tuple[bool, bool]:
-    """(this rank votes to stop, rank 0 saw a STOP file). The vote (a signal on any rank, rank 0's clock
-    or STOP file) is reduced with the loss, so every rank sees it at the same step."""
+    """(this rank votes to stop, rank 0 saw a STOP file). The vote (a signal on any rank, rank 0's clock,
+    STOP file or unwritable metrics) is reduced with the loss, so every rank sees it at the same step."""
     tc, master = loop.cfg.train, loop.env.master
     out_of_time = tc.max_minutes > 0 and (time.time() - t_start) > tc.max_minutes * 60
     stop_file = master and (loop.run_dir / STOP_FILE).exists()
-    return _STOP["signal"] is not None or (master and out_of_time) or stop_file, stop_file
+    broken = master and loop.logger.error is not None  # metrics.jsonl cannot be written (a full disk?)
+    return _STOP["signal"] is not None or (master and out_of_time) or stop_file or broken, stop_file
 
 
 def read_and_log(loop: Loop, pending: list, dt: float) -> Read:
@@ -446,6 +447,10 @@ def train(cfg: RunConfig, prep: Prepared, t_start: float) -> int:
             if last or read.stop or (due_ckpt and not troubled):
                 save(loop, at.step, at.tokens_seen, "end" if last else "stop" if read.stop else "interval", read.loss)
             if read.stop and not last:
+                broken = distributed.broadcast_object(loop.logger.error if env.master else None)
+                if broken:
+                    raise RunError(f"{loop.run_dir / METRICS_FILE} cannot be written ({broken}); the run "
+                                   f"checkpointed step {at.step} and stopped: make room on that disk and run again")
                 why = f"signal {_STOP['signal']}" if _STOP["signal"] is not None else \
                     f"{STOP_FILE} file" if stop_file else f"time budget train.max_minutes={tc.max_minutes}"
                 if env.master:

@@ -171,6 +171,23 @@ def test_a_checkpoint_that_cannot_be_written_stops_every_rank_clearly_and_loses_
     assert final_weights(run) == from_step4
 
 
+def test_metrics_that_cannot_be_written_stop_the_run_at_the_next_step(ds, tmp_path):
+    """metrics.jsonl hits the limit mid-interval: a warning, every rank votes to stop, the stop checkpoint
+    (which cannot be written either: a full disk) ends the run with exit 2, no traceback. The next run,
+    with room again, trains to the end (the torn last line of metrics.jsonl is closed first)."""
+    run = tmp_path / "run"
+    cmd = python_cmd(args(ds, run, "train.max_steps=200", "train.checkpoint_interval=1000"))
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=180,
+                          preexec_fn=_file_size_limit(8_000))
+    assert proc.returncode == 2, proc.stderr
+    assert "metrics.jsonl cannot be written" in proc.stdout and "stopping at the next step" in proc.stdout
+    assert "error: checkpoint step" in proc.stderr and "Traceback" not in proc.stderr
+    stopped_at = max(r["step"] for r in read_metrics(run / "metrics.jsonl", "train"))
+    assert 1 < stopped_at < 200
+    assert run_proc(cmd, tmp_path).returncode == 0
+    assert max(r["step"] for r in read_metrics(run / "metrics.jsonl", "train")) == 200
+
+
 def test_checkpoint_read_errors_are_checkpoint_errors(trained, tmp_path):
     ck = shutil.copytree(trained / "checkpoints" / "step_00000012", tmp_path / "step_00000012")
     truncate(ck / C.TRAINER_FILE)
