@@ -72,38 +72,7 @@ def check_params(nproc: int, wait_seconds: float, model_name: str) -> None:
                           "digits, '.', '_' and '-'")
 
 
-# --- stage helpers -----------------------------------------------------------------------------------
-
-def dataset_stage(cfg: RunConfig, log) -> tuple[str, str]:
-    """(dataset dir, "ran"|"skipped")."""
-    from gptcore import sharding
-    from tasks.download import download_task
-    from tasks.tokenize import tokenize_dataset
-
-    why = sharding.why_incomplete(cfg)
-    if why is None:
-        log.info("skip download+tokenize: dataset %s is complete (checked: %s)", sharding.dataset_dir(cfg),
-                 sharding.CHECKED)
-        return str(sharding.dataset_dir(cfg)), "skipped"
-    log.info("dataset %s: %s", sharding.dataset_dir(cfg), why)
-    download_task(cfg.to_dict())
-    return tokenize_dataset(cfg.to_dict()), "ran"
-
-
-def shard_rows(dataset_dir: str) -> list[dict]:
-    from gptcore.shards import Manifest
-
-    m = Manifest.load(Path(dataset_dir))
-    return [{"shard": s.name, "split": s.split, "tokens": s.tokens, "sha256": s.sha256[:12]} for s in m.shards]
-
-
-def eval_done(ckpt: str, cfg: RunConfig) -> dict | None:
-    """The stored evaluation of this checkpoint (also one whose HellaSwag was skipped: a re-run of a
-    finished flow does nothing; `python -m tasks.evaluate` scores HellaSwag later)."""
-    from tasks.evaluate import stored_evaluation
-
-    return stored_evaluation(ckpt, cfg, val=True, retry_skipped=False)
-
+# --- stages ----------------------------------------------------------------------------------------
 
 @task(name="sample", cache_policy=NO_CACHE)
 def sample_task(ckpt: str, model_uri: str | None, prompt: str, max_new_tokens: int) -> dict:
@@ -127,14 +96,6 @@ def sample_task(ckpt: str, model_uri: str | None, prompt: str, max_new_tokens: i
            "text": text}
     write_json(Path(ckpt) / SAMPLE_FILE, out)
     return out
-
-
-def sample_done(ckpt: str, model_uri: str | None, prompt: str, max_new_tokens: int) -> dict | None:
-    s = read_json(Path(ckpt) / SAMPLE_FILE)
-    if not isinstance(s, dict):
-        return None
-    same = (s.get("model_uri"), s.get("prompt"), s.get("max_new_tokens")) == (model_uri, prompt, max_new_tokens)
-    return s if same else None
 
 
 def mlflow_links(reg: dict | None, run_name: str) -> str:
@@ -165,8 +126,6 @@ def mlflow_links(reg: dict | None, run_name: str) -> str:
     return "\n".join(lines) or "no MLflow run yet"
 
 
-# --- the flow -----------------------------------------------------------------------------------------
-
 class Stages:
     """What each stage did ("ran" / "skipped" and why): logged as it happens, and an artifact at the end."""
 
@@ -179,11 +138,24 @@ class Stages:
 
 
 def data_stage(cfg: RunConfig, stage: Stages) -> tuple[str, dict]:
-    """(dataset dir, {"train": tokens, "val": tokens}); the shard table artifact."""
-    dataset_dir, status = dataset_stage(cfg, stage.log)
-    rows = shard_rows(dataset_dir)
+    """(dataset dir, {"train": tokens, "val": tokens}) after making the dataset (or finding it complete);
+    the shard table artifact."""
+    from gptcore import sharding
+    from gptcore.shards import Manifest
+
+    dataset_dir, why = str(sharding.dataset_dir(cfg)), sharding.why_incomplete(cfg)
+    if why is not None:
+        from tasks.download import download_task
+        from tasks.tokenize import tokenize_dataset
+
+        stage.log.info("dataset %s: %s", dataset_dir, why)
+        download_task(cfg.to_dict())
+        dataset_dir = tokenize_dataset(cfg.to_dict())
+    rows = [{"shard": s.name, "split": s.split, "tokens": s.tokens, "sha256": s.sha256[:12]}
+            for s in Manifest.load(Path(dataset_dir)).shards]
     tokens = {split: sum(r["tokens"] for r in rows if r["split"] == split) for split in ("train", "val")}
-    stage("data", status, f"{dataset_dir}: {len(rows)} shards, {tokens['train']:,} train tokens")
+    stage("data", "ran" if why else "skipped", f"{dataset_dir}: {len(rows)} shards, {tokens['train']:,} train "
+          f"tokens{'' if why else f' (complete; checked: {sharding.CHECKED})'}")
     create_table_artifact(rows, key=artifact_key(cfg.run_name, "shards"),
                           description=f"Shards of {dataset_dir} ({tokens['train']:,} train / {tokens['val']:,} "
                                       "val tokens)")
@@ -210,9 +182,11 @@ def train_stage(cfg: RunConfig, preset: str, overrides: dict | None, nproc: int,
 
 
 def evaluate_stage(ckpt: str, cfg: RunConfig, stage: Stages) -> dict:
-    from tasks.evaluate import evaluate_checkpoint
+    from tasks.evaluate import evaluate_checkpoint, stored_evaluation
 
-    result = eval_done(ckpt, cfg)
+    # a stored evaluation whose HellaSwag was skipped counts too: a re-run of a finished flow does nothing
+    # (`python -m tasks.evaluate` scores HellaSwag later)
+    result = stored_evaluation(ckpt, cfg, val=True, retry_skipped=False)
     if result is not None:
         stage("evaluate", "skipped", f"{ckpt}/eval.json exists")
     else:
@@ -245,8 +219,9 @@ def register_stage(ckpt: str, name: str, stage: Stages) -> dict:
 def sample_stage(ckpt: str, model_uri: str | None, cfg: RunConfig, stage: Stages) -> dict:
     """A text sample from what was registered (or from the checkpoint)."""
     prompt, n_new = cfg.eval.sample_prompt, cfg.eval.sample_tokens
-    sample = sample_done(ckpt, model_uri, prompt, n_new)
-    if sample is not None:
+    sample = read_json(Path(ckpt) / SAMPLE_FILE)
+    if isinstance(sample, dict) and [sample.get(k) for k in ("model_uri", "prompt", "max_new_tokens")] == [
+            model_uri, prompt, n_new]:
         stage("sample", "skipped", f"{ckpt}/{SAMPLE_FILE} exists")
     else:
         sample = sample_task(ckpt, model_uri, prompt, n_new)
@@ -292,7 +267,7 @@ def pretrain(preset: str = "tiny-cpu", overrides: dict | None = None, nproc: int
         "run_name": run_name, "run_dir": state["run_dir"], "dataset_dir": dataset_dir,
         "train_tokens": tokens["train"], "val_tokens_in_dataset": tokens["val"],
         "step": state["step"], "done": state["done"], "checkpoint": ckpt,
-        "tokens_seen": _tokens_seen(ckpt),
+        "tokens_seen": read_meta(Path(ckpt)).get("tokens_seen"),
         "val_loss": (result or {}).get("val_loss"),
         "hellaswag": ({k: hs[k] for k in ("acc", "acc_norm", "n") if k in hs}
                       or ("skipped: " + hs.get("skipped", "evaluation disabled"))),
@@ -304,10 +279,6 @@ def pretrain(preset: str = "tiny-cpu", overrides: dict | None = None, nproc: int
     create_table_artifact([{"key": k, "value": json.dumps(v)} for k, v in summary.items()], key=SUMMARY_KEY,
                           description=f"Summary of run {run_name}")
     return summary
-
-
-def _tokens_seen(ckpt: str) -> int | None:
-    return read_meta(Path(ckpt)).get("tokens_seen")
 
 
 if __name__ == "__main__":  # python -m flows.pretrain tiny-cpu '{"train.max_steps": 50}'

@@ -35,7 +35,7 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from gptcore.files import file_sha256
+from gptcore.files import file_sha256, read_json
 from gptcore.run_files import read_meta
 from tasks import mlflow_store as store
 
@@ -72,15 +72,10 @@ def _scores(ckpt_dir: Path, meta: dict) -> tuple[float | None, dict]:
     """Val loss and HellaSwag of a checkpoint: the training-time numbers in meta.json, completed by the
     evaluate stage's <ckpt>/eval.json (a full HellaSwag run usually happens there, after training)."""
     val, hs = meta.get("val_loss"), meta.get("hellaswag") or {}
-    ev_path = ckpt_dir / "eval.json"
-    if ev_path.is_file():
-        try:
-            ev = json.loads(ev_path.read_text())
-        except ValueError:
-            ev = {}
-        val = val if val is not None else ev.get("val_loss")
-        if isinstance(ev.get("hellaswag"), dict) and ev["hellaswag"].get("acc") is not None:
-            hs = ev["hellaswag"]
+    ev = read_json(ckpt_dir / "eval.json", {})
+    val = val if val is not None else ev.get("val_loss")
+    if isinstance(ev.get("hellaswag"), dict) and ev["hellaswag"].get("acc") is not None:
+        hs = ev["hellaswag"]
     if not isinstance(val, int | float) or not math.isfinite(val):
         val = None  # a diverged (NaN) run must never become `best`
     return val, hs

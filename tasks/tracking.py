@@ -57,12 +57,10 @@ def run_identity(run_dir: Path) -> dict | None:
     cfg = from_dict(config)
     ident = {"run_name": cfg.run_name, "identity_hash": cfg.identity_hash(), "manifest_id": "",
              "config": config}
-    run_json = run_dir / "run.json"
-    if run_json.is_file():  # the trainer's own record wins (it is what resume checks)
-        rj = json.loads(run_json.read_text())
-        for key in ("run_name", "identity_hash", "manifest_id"):
-            if rj.get(key):
-                ident[key] = rj[key]
+    rj = read_json(run_dir / "run.json", {})  # the trainer's own record wins (it is what resume checks)
+    for key in ("run_name", "identity_hash", "manifest_id"):
+        if rj.get(key):
+            ident[key] = rj[key]
     return ident
 
 
@@ -96,7 +94,7 @@ class Shipper:
         self.shipped = 0  # records acknowledged by this Shipper
         self.last_error: str | None = None
         self._client = None
-        self._run_id: str | None = None  # set once this session has set the run up
+        self.run_id: str | None = None  # the MLflow run, once this session has set it up
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -109,13 +107,6 @@ class Shipper:
         if cur.get("tracking_uri") != self.uri:
             cur = {"tracking_uri": self.uri, "run_id": None, "offset": 0}
         return cur
-
-    def _save_cursor(self, cur: dict) -> None:
-        write_json(self.run_dir / CURSOR, cur)
-
-    @property
-    def run_id(self) -> str | None:
-        return self._run_id
 
     def _setup(self, cur: dict) -> bool:
         """Find or create the MLflow run and record this invocation (params, tags, config). False while
@@ -158,8 +149,8 @@ class Shipper:
         mlc.log_dict(run_id, ident["config"], "config.json")
         if run.info.status != "RUNNING" and not (self.run_dir / "DONE").exists():
             mlc.update_run(run_id, status="RUNNING")  # a resumed run is running again
-        cur["run_id"] = self._run_id = run_id
-        self._save_cursor(cur)
+        cur["run_id"] = self.run_id = run_id
+        write_json(self.run_dir / CURSOR, cur)
         return True
 
     def ship_once(self, final: bool = False) -> int:
@@ -167,7 +158,7 @@ class Shipper:
         Raises on tracking-server errors (the cursor keeps what was not acknowledged)."""
         with self._lock:
             cur = self._load_cursor()
-            if self._run_id is None or cur.get("run_id") != self._run_id:
+            if self.run_id is None or cur.get("run_id") != self.run_id:
                 if not self._setup(cur):
                     return 0
             mlc, path, n = self._client, self.run_dir / METRICS_FILE, 0
@@ -177,7 +168,8 @@ class Shipper:
                 cur["offset"] = 0
             while lines := read_new_lines(path, cur["offset"], MAX_READ_BYTES):
                 n += self._ship_lines(mlc, cur, lines)
-            self._finish_round(mlc, final)
+            if final and (self.run_dir / "DONE").exists() and mlc.get_run(self.run_id).info.status != "FINISHED":
+                mlc.set_terminated(self.run_id, "FINISHED")
             return n
 
     def _ship_lines(self, mlc, cur: dict, lines: list[tuple[int, bytes]]) -> int:
@@ -186,9 +178,9 @@ class Shipper:
         def flush():
             nonlocal batch, n
             if batch:
-                mlc.log_batch(self._run_id, metrics=batch, synchronous=True)
+                mlc.log_batch(self.run_id, metrics=batch, synchronous=True)
             cur["offset"] = end  # acknowledged: advance
-            self._save_cursor(cur)
+            write_json(self.run_dir / CURSOR, cur)
             batch = []
 
         for line_end, line in lines:
@@ -204,17 +196,12 @@ class Shipper:
                 flush()
             if kind == "sample" and isinstance(rec.get("text"), str):
                 flush()  # keep acknowledgements in file order
-                mlc.log_text(self._run_id, rec["text"], f"samples/step_{int(rec['step']):08d}.txt")
+                mlc.log_text(self.run_id, rec["text"], f"samples/step_{int(rec['step']):08d}.txt")
             batch += metrics
             end, n = line_end, n + 1
         flush()
         self.shipped += n
         return n
-
-    def _finish_round(self, mlc, final: bool) -> None:
-        done = (self.run_dir / "DONE").exists()
-        if final and done and mlc.get_run(self._run_id).info.status != "FINISHED":
-            mlc.set_terminated(self._run_id, "FINISHED")
 
     # --- background thread ---
 

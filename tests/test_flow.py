@@ -73,7 +73,7 @@ def test_end_to_end_then_rerun_is_a_no_op(prefect_stack):
     for prefix in ("download", "train e2e", "evaluate step 8", "register micro-e2e step 8", "sample"):
         assert [n for n in started(ran, prefix) if ran[n] == "Completed"], (prefix, ran)
     # MLflow: the version holds this checkpoint, and the shipper sent the training curve
-    mlc = MlflowClient(prefect_stack.mlflow_uri)
+    mlc = MlflowClient(prefect_stack.mlflow_uri, registry_uri=prefect_stack.mlflow_uri)
     mv = mlc.get_model_version("micro-e2e", "1")
     ckpt = Path(summary["checkpoint"])
     assert mv.tags["checkpoint_sha256"] == file_sha256(ckpt / "model.safetensors")

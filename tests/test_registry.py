@@ -55,7 +55,7 @@ def test_register_versions_tags_aliases_idempotent(mlflow_server, ckpts, monkeyp
     monkeypatch.setenv("GPTPIPE_CODE_VERSION", "test-commit")
     a, b, c = ckpts
     uri = mlflow_server.uri
-    mlc = MlflowClient(uri)
+    mlc = MlflowClient(uri, registry_uri=uri)
 
     r1 = register.register_checkpoint(a, tracking_uri=uri, flow_run_id="flow-1", hf=HAVE_HF)
     assert (r1["name"], r1["version"], r1["created"]) == ("micro", "1", True)
@@ -132,7 +132,7 @@ def test_load_by_alias_generates_the_checkpoints_tokens(mlflow_server, ckpts):  
     for (k, v), (k2, v2) in zip(model.state_dict().items(), loaded.state_dict().items(), strict=True):
         assert k == k2 and torch.equal(v, v2), k
     # `@latest` (a reserved alias name in MLflow) means the newest version
-    mlc = MlflowClient(uri)
+    mlc = MlflowClient(uri, registry_uri=uri)
     newest = max(mlc.search_model_versions("name = 'micro'"), key=lambda v: int(v.version))
     latest = load("models:/micro@latest", uri).unwrap_python_model()
     assert latest.meta["model_sha256"] == newest.tags["checkpoint_sha256"]
@@ -155,10 +155,10 @@ def test_bad_checkpoints_are_refused(mlflow_server, tmp_path, ckpts, capsys):  #
     weights = bytearray((a / "model.safetensors").read_bytes())
     weights[-1] ^= 0xFF  # one flipped bit in the weights
     (bad / "model.safetensors").write_bytes(bytes(weights))
-    before = len(MlflowClient(mlflow_server.uri).search_model_versions())
+    before = len(MlflowClient(mlflow_server.uri, registry_uri=mlflow_server.uri).search_model_versions())
     with pytest.raises(register.RegistryError, match="corrupt"):
         register.register_checkpoint(bad, tracking_uri=mlflow_server.uri)
-    assert len(MlflowClient(mlflow_server.uri).search_model_versions()) == before
+    assert len(MlflowClient(mlflow_server.uri, registry_uri=mlflow_server.uri).search_model_versions()) == before
     assert register.main([str(tmp_path / "nope"), "--tracking-uri", mlflow_server.uri]) == 2
     assert "not a checkpoint" in capsys.readouterr().err
 
@@ -198,7 +198,7 @@ def test_concurrent_registrations_of_one_checkpoint_make_one_version(mlflow_serv
     outs = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
     versions = {json.loads(o[0])["version"] for o in outs}
-    mlc = MlflowClient(mlflow_server.uri)
+    mlc = MlflowClient(mlflow_server.uri, registry_uri=mlflow_server.uri)
     alive = mlc.search_model_versions(f"name = '{name}'")
     assert len(alive) == 1 and versions == {alive[0].version}, (versions, [v.version for v in alive])
     # the same weights, trained in another run: not "already registered"

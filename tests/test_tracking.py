@@ -87,7 +87,7 @@ def test_ship_values_steps_params_artifacts_and_no_duplicates(mlflow_server, tmp
 
     out = tracking.ship(rd, mlflow_server.uri, flow_run_id="flow-123")
     assert out["shipped"] == len(recs)
-    mlc = MlflowClient(mlflow_server.uri)
+    mlc = MlflowClient(mlflow_server.uri, registry_uri=mlflow_server.uri)
     run_id = out["run_id"]
     for key in KEYS:
         assert history(mlc, run_id, key) == expected(recs, key), key
@@ -195,7 +195,7 @@ def test_training_run_survives_server_restart(mlflow_server, tmp_path):  # noqa:
 
     written = read_metrics(rd / "metrics.jsonl")
     assert len([r for r in written if r["kind"] == "eval"]) >= 1
-    mlc = MlflowClient(mlflow_server.uri)
+    mlc = MlflowClient(mlflow_server.uri, registry_uri=mlflow_server.uri)
     keys = {k for r in written if r["kind"] != "sample" for k, v in r.items()
             if k not in ("step", "time", "kind") and isinstance(v, int | float)}
     assert {"train/loss", "train/lr", "train/grad_norm", "val/loss"} <= keys
@@ -227,7 +227,7 @@ def test_embedded_sqlite_store(tmp_path, monkeypatch):
     recs = records(range(1, 11))
     append(rd, recs)
     out = tracking.ship(rd)
-    mlc = MlflowClient(uri)
+    mlc = MlflowClient(uri, registry_uri=uri)
     assert history(mlc, out["run_id"], "val/loss") == expected(recs, "val/loss")
     art_root = tmp_path / "home" / "mlflow" / "artifacts"
     assert list(art_root.rglob("config.json")) and list(art_root.rglob("step_00000010.txt"))
