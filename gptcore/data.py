@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gptcore.files import file_sha256, read_json, write_json
+from gptcore.files import cached_sha256, read_json, write_json
 from gptcore.shards import Manifest, ShardError, read_shard
 
 
@@ -50,18 +50,13 @@ def verify_hashes(dataset_dir: Path, manifest: Manifest, cache: Path) -> None:
     repair. Hashes are remembered in `cache` by (size, mtime, inode), so a nightly restart re-hashes only
     files that changed (a 10B-token dataset is ~20 GB; the cost of a cold hash is in docs/data.md)."""
     known = read_json(cache, {})
-    fresh = {}
+    fresh = {s.name: known.get(s.name) for s in manifest.shards}
     for s in manifest.shards:
         path = Path(dataset_dir) / s.name
-        st = path.stat()
-        stamp = [st.st_size, st.st_mtime_ns, st.st_ino]
-        rec = known.get(s.name)
-        sha = rec[3] if isinstance(rec, list) and rec[:3] == stamp else file_sha256(path)
-        if sha != s.sha256:
+        if cached_sha256(path, fresh, s.name) != s.sha256:
             raise ShardError(f"shard {path} does not match its sha256 in the manifest (damaged or half-copied): "
                              f"nothing was trained on it. Repair it with `python -m gptcore.sharding <preset> "
                              f"--full-verify` (re-cuts only the damaged shards), then run again")
-        fresh[s.name] = [*stamp, sha]
     if fresh != known:
         write_json(cache, fresh)
 

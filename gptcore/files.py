@@ -97,6 +97,16 @@ def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
+def cached_sha256(path: Path, cache: dict, key: str | None = None) -> str:
+    """sha256 of `path`, reusing cache[key] (default: the path) while the file's size, mtime and inode are
+    those recorded: entries are [size, mtime_ns, inode, sha256], so a cache can be kept as JSON."""
+    st = Path(path).stat()
+    key, stamp = key or str(path), [st.st_size, st.st_mtime_ns, st.st_ino]
+    if not (isinstance(cache.get(key), list) and cache[key][:3] == stamp):
+        cache[key] = [*stamp, file_sha256(path)]
+    return cache[key][3]
+
+
 def write_json(path: Path, obj) -> None:
     atomic_write_bytes(path, [json.dumps(obj, indent=1, default=str).encode()])
 

@@ -4,6 +4,9 @@
     for p in pieces: tokenize_piece(cfg, p)    # in parallel (processes / Prefect tasks), any order
     manifest = build_shards(cfg, pieces)       # cut shards from the ordered concatenation of pieces
 
+    manifest = build(cfg, tokenize)            # all of it: fetch, plan, `tokenize` runs the pieces (a process
+                                               # pool in run(), Prefect tasks in tasks/tokenize.py), cut as they finish
+
 Every document is preceded by EOT (50256), as in build-nanogpt. Shards hold exactly data.shard_tokens
 tokens (the last one fewer); documents may span shards and no token is dropped. Shard 0 is `val`.
 
@@ -35,7 +38,7 @@ from tqdm import tqdm
 
 from gptcore import sources
 from gptcore.config import RunConfig, pipeline_home
-from gptcore.files import atomic_write_bytes, file_sha256, free_disk, remove_stale_temps
+from gptcore.files import atomic_write_bytes, cached_sha256, file_sha256, free_disk, remove_stale_temps
 from gptcore.shards import MANIFEST, Manifest, ShardError, ShardInfo, read_shard, write_shard_chunks
 from gptcore.tokenizer import EOT, RANK_FILE_SHA256, get_encoding
 
@@ -259,12 +262,12 @@ def worker_threads(cfg: RunConfig) -> int:
     return max(1, cores // (cfg.data.num_workers or cores))
 
 
-def tokenize_piece(cfg: RunConfig, piece: Piece, threads: int | None = None) -> Path:
-    """Tokenize one piece into <dataset>/.pieces/piece_NNNNNN.bin (+ .json record), atomically.
-    Skips (returns at once) if a verified file for this exact piece is already there."""
+def tokenize_piece(cfg: RunConfig, piece: Piece, threads: int | None = None) -> int:
+    """Tokenize one piece into <dataset>/.pieces/piece_NNNNNN.bin (+ .json record), atomically; returns its
+    token count. Skips (returns at once) if a verified file for this exact piece is already there."""
     bin_path, rec_path = _piece_paths(cfg, piece)
-    if piece_record(cfg, piece) is not None:
-        return bin_path
+    if (rec := piece_record(cfg, piece)) is not None:
+        return rec["tokens"]
     threads = threads or worker_threads(cfg)
     f = sources.SourceFile(path=piece.path, kind=piece.kind, size=0, name=piece.name)
     chunks, docs, replaced = [], 0, []
@@ -282,7 +285,7 @@ def tokenize_piece(cfg: RunConfig, piece: Piece, threads: int | None = None) -> 
         print(f"warning: {piece.path}: {sum(replaced)} invalid UTF-8 sequence(s) replaced by U+FFFD (recorded "
               "in the manifest; data.strict_utf8=true makes this an error)", file=sys.stderr, flush=True)
     atomic_write_bytes(rec_path, [json.dumps(rec).encode()], durable=False)  # after the data: record => data complete
-    return bin_path
+    return n
 
 
 # --- cutting shards -------------------------------------------------------------------------------
@@ -331,18 +334,10 @@ def _shard_ok(out: Path, info: ShardInfo | None, a: int, b: int, fname: str, cut
     same pieces (content keys) at the same offsets, and its bytes still hash to the record."""
     return (info is not None and info.name == fname and info.tokens == b - a
             and info.source_range.get("tokens") == [a, b] and info.source_range.get("cut_from") == cut_from
-            and (out / fname).is_file() and _sha256(out / fname) == info.sha256)
+            and (out / fname).is_file() and cached_sha256(out / fname, _HASHED) == info.sha256)
 
 
-_HASHED: dict[tuple, str] = {}  # (path, size, mtime, inode) -> sha256: planning and cutting hash a shard once
-
-
-def _sha256(path: Path) -> str:
-    st = path.stat()
-    key = (str(path), st.st_size, st.st_mtime_ns, st.st_ino)
-    if key not in _HASHED:
-        _HASHED[key] = file_sha256(path)
-    return _HASHED[key]
+_HASHED: dict = {}  # planning and cutting hash each shard once per process (files.cached_sha256)
 
 
 def _overlapping(starts: list[int], a: int, b: int) -> list[int]:
@@ -517,13 +512,7 @@ def _existing_manifest(out: Path) -> Manifest | None:
         return None
 
 
-# --- plain-python driver (no Prefect): python -m gptcore.sharding ----------------------------------
-
-def _tokenize_job(args):
-    cfg, piece, threads = args
-    tokenize_piece(cfg, piece, threads)
-    return piece.index, piece_record(cfg, piece)["tokens"]
-
+# --- the driver, whoever runs the workers ----------------------------------------------------------
 
 def listing_path(cfg: RunConfig) -> Path:
     return sources.raw_dir(cfg) / sources.LISTING
@@ -550,40 +539,60 @@ def discard_partial(cfg: RunConfig, listing_existed: bool) -> None:
             pass
 
 
-def run(cfg: RunConfig, workers: int | None = None, full_verify: bool = False) -> Manifest:
-    """fetch -> plan -> tokenize pieces on a process pool -> build shards. Skips when complete
-    (full_verify: re-hash every shard to decide, which also repairs silently corrupted ones). Bad input
-    leaves nothing half-made behind (discard_partial)."""
-    cfg = pinned(cfg)
-    existed = listing_path(cfg).is_file()
+def build(cfg: RunConfig, tokenize, full_verify: bool = False, say=None) -> Manifest:
+    """fetch -> plan -> tokenize the pieces not done yet -> cut shards as they complete -> manifest.
+    `tokenize(cfg, pieces, todo, piece_done)` runs tokenize_piece on each piece of `todo` (a process pool,
+    Prefect tasks on any task runner) and calls piece_done(index, tokens) as each finishes, in any order.
+    Skips when complete (full_verify: re-hash every shard to decide, which also repairs silently
+    corrupted ones). Bad input leaves nothing half-made behind (discard_partial). `say` reports (stderr)."""
+    say = say or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    cfg = pinned(cfg)  # workers may run with another GPTPIPE_HOME / cwd
+    out, existed = dataset_dir(cfg), listing_path(cfg).is_file()
     try:
-        return _run(cfg, workers, full_verify)
+        remove_stale_temps(out)  # what a killed run was writing
+        source_dir = sources.fetch(cfg)
+        why = why_incomplete(cfg, full=full_verify)
+        if why is None:
+            say(f"dataset {out} is complete; checked: {CHECKED}; nothing to do")
+            return Manifest.load(out)
+        say(f"dataset {out}: {why}; {'building it' if why == 'no manifest yet' else 'rebuilding what that touches'}")
+        pieces = plan_pieces(cfg, source_dir)
+        todo = pieces_to_tokenize(cfg, pieces)
+        say(f"{len(pieces)} pieces planned, {len(todo)} to tokenize")
+        t0 = time.perf_counter()
+        cutter = ShardCutter(cfg, pieces, todo)  # cuts each shard as soon as the pieces before its end are done
+        tokenize(cfg, pieces, todo, lambda index, tokens: cutter.piece_done(index))
+        manifest = cutter.finish()
     except (sources.SourceError, DataError, ShardError):
         discard_partial(cfg, existed)
         raise
+    dt = time.perf_counter() - t0
+    say(f"dataset {out}: {manifest.total_tokens():,} tokens in {len(manifest.shards)} shards ({dt:.1f}s, "
+        f"{manifest.total_tokens() / max(dt, 1e-9) / 1e6:.2f}M tok/s), manifest {manifest.id}")
+    return manifest
 
 
-def _run(cfg: RunConfig, workers: int | None, full_verify: bool) -> Manifest:
-    remove_stale_temps(dataset_dir(cfg))  # what a killed run was writing
-    source_dir = sources.fetch(cfg)
-    why = why_incomplete(cfg, full=full_verify)
-    if why is None:
-        print(f"dataset {dataset_dir(cfg)} is complete; checked: {CHECKED}; nothing to do", file=sys.stderr)
-        return Manifest.load(dataset_dir(cfg))
-    if why != "no manifest yet":
-        print(f"dataset {dataset_dir(cfg)}: {why}; rebuilding what that touches", file=sys.stderr)
-    pieces = plan_pieces(cfg, source_dir)
-    todo = pieces_to_tokenize(cfg, pieces)
+# --- plain-python workers (no Prefect): python -m gptcore.sharding ----------------------------------
+
+def _tokenize_job(args):
+    cfg, piece, threads = args
+    return piece.index, tokenize_piece(cfg, piece, threads)
+
+
+def run(cfg: RunConfig, workers: int | None = None, full_verify: bool = False) -> Manifest:
+    """build() with the pieces tokenized on a process pool of `workers` (default data.num_workers, or one
+    per core) and a progress bar."""
+    return build(cfg, lambda *a: _pool_tokenize(*a, workers=workers), full_verify)
+
+
+def _pool_tokenize(cfg: RunConfig, pieces: list[Piece], todo: list[Piece], piece_done, workers: int | None):
     workers = min(workers or cfg.data.num_workers or os.cpu_count() or 1, max(1, len(todo)))
-    threads = max(1, (os.cpu_count() or 1) // workers)
-    est = int(sum(p.est_bytes for p in todo) / 4.2)
-    t0 = time.perf_counter()
-    cutter = ShardCutter(cfg, pieces, todo)  # cuts each shard as soon as its pieces are done
-    with tqdm(total=est, unit="tok", unit_scale=True, desc="tokenize", disable=None) as bar:
+    jobs = [(cfg, p, max(1, (os.cpu_count() or 1) // workers)) for p in todo]
+    with tqdm(total=int(sum(p.est_bytes for p in todo) / 4.2), unit="tok", unit_scale=True, desc="tokenize",
+              disable=None) as bar:
         if workers == 1:
-            for p in todo:
-                i, n = _tokenize_job((cfg, p, threads))
-                cutter.piece_done(i)
+            for i, n in map(_tokenize_job, jobs):
+                piece_done(i, n)
                 bar.update(n)
         elif todo:
             import multiprocessing as mp
@@ -595,15 +604,9 @@ def _run(cfg: RunConfig, workers: int | None, full_verify: bool) -> Manifest:
             get_encoding()
             ctx = mp.get_context("fork" if sys.platform == "linux" else "spawn")
             with ctx.Pool(workers) as pool:
-                for i, n in pool.imap_unordered(sharding._tokenize_job, [(cfg, p, threads) for p in todo]):
-                    cutter.piece_done(i)
+                for i, n in pool.imap_unordered(sharding._tokenize_job, jobs):
+                    piece_done(i, n)
                     bar.update(n)
-    manifest = cutter.finish()
-    dt = time.perf_counter() - t0
-    print(f"dataset {dataset_dir(cfg)}: {manifest.total_tokens():,} tokens in {len(manifest.shards)} shards "
-          f"({dt:.1f}s, {manifest.total_tokens() / max(dt, 1e-9) / 1e6:.2f}M tok/s), manifest {manifest.id}",
-          file=sys.stderr)
-    return manifest
 
 
 def main(argv: list[str] | None = None) -> int:

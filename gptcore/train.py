@@ -390,12 +390,11 @@ def save(loop: Loop, step: int, tokens_seen: int, reason: str, train_loss: float
             event(env, loop.logger, step, f"checkpoint not written: {e}")
         except (OSError, RuntimeError, SafetensorError) as e:  # e.g. a full disk (torch.save: RuntimeError)
             failed = unwritable(loop.run_dir, step, e)
-    # every rank stops together when rank 0 could not write (the others would wait at the next collective)
+    # every rank waits for rank 0's save here, and stops with it when it could not write
     failed = distributed.broadcast_object(failed if env.master else None)
     if failed:
         raise RunError(failed)
     loop.guard.checkpointed()
-    distributed.barrier()
 
 
 def unwritable(run_dir: Path, step: int, e: Exception) -> str:

@@ -21,9 +21,8 @@ from prefect.futures import as_completed
 from prefect.task_runners import ProcessPoolTaskRunner, TaskRunner
 from prefect.utilities.annotations import unmapped
 
-from gptcore import sharding, sources
+from gptcore import sharding
 from gptcore.config import RunConfig
-from gptcore.shards import ShardError
 from tasks.download import as_config
 from tasks.progress import PieceProgress
 
@@ -31,40 +30,24 @@ from tasks.progress import PieceProgress
 @task(name="tokenize-piece", retries=1, cache_policy=NO_CACHE)
 def tokenize_piece_task(cfg: dict, piece: sharding.Piece) -> tuple[int, int]:
     """Tokenize one piece (skips if already verified); returns its index and token count."""
-    c = as_config(cfg)
-    sharding.tokenize_piece(c, piece)
-    return piece.index, sharding.piece_record(c, piece)["tokens"]
+    return piece.index, sharding.tokenize_piece(as_config(cfg), piece)
+
+
+def _piece_tasks(cfg: RunConfig, pieces: list, todo: list, piece_done) -> None:
+    """sharding.build's workers: one tokenize-piece task per piece on the flow's task runner, handed to the
+    shard cutter (here, in the flow's process) as they complete."""
+    progress = PieceProgress(sharding.dataset_dir(cfg).name, len(todo), len(pieces), get_run_logger())
+    for future in as_completed(tokenize_piece_task.map(unmapped(cfg.to_dict()), todo)):
+        index, tokens = future.result()  # a failed piece raises here
+        piece_done(index, tokens)
+        progress.piece_done(tokens)
 
 
 @flow(name="tokenize", task_runner=ProcessPoolTaskRunner(), log_prints=True)
 def tokenize_flow(cfg: dict) -> str:
-    logger = get_run_logger()
-    c = sharding.pinned(as_config(cfg))  # workers may run with another GPTPIPE_HOME / cwd
-    out = sharding.dataset_dir(c)
-    why = sharding.why_incomplete(c)
-    if why is None:
-        logger.info("dataset %s is complete (checked: %s); skipping", out, sharding.CHECKED)
-        return str(out)
-    logger.info("dataset %s: %s", out, why)
-    existed = sharding.listing_path(c).is_file()
-    sharding.remove_stale_temps(out)  # what a killed run was writing
-    try:
-        pieces = sharding.plan_pieces(c, sources.fetch(c))
-        todo = sharding.pieces_to_tokenize(c, pieces)
-        logger.info("%d pieces planned, %d to tokenize", len(pieces), len(todo))
-        progress = PieceProgress(out.name, len(todo), len(pieces), logger)
-        cutter = sharding.ShardCutter(c, pieces, todo)  # here, in the flow: it cuts while pieces finish
-        for future in as_completed(tokenize_piece_task.map(unmapped(c.to_dict()), todo)):
-            index, tokens = future.result()  # a failed piece raises here
-            cutter.piece_done(index)
-            progress.piece_done(tokens)
-        logger.info("tokenized %s tokens", f"{progress.tokens:,}")
-        manifest_id = cutter.finish().id
-    except (sources.SourceError, sharding.DataError, ShardError):
-        sharding.discard_partial(c, existed)  # bad input leaves nothing half-made
-        raise
-    logger.info("dataset %s ready, manifest %s", out, manifest_id)
-    return str(out)
+    c = as_config(cfg)
+    sharding.build(c, _piece_tasks, say=get_run_logger().info)
+    return str(sharding.dataset_dir(c))
 
 
 def tokenize_dataset(cfg: RunConfig | dict, task_runner: TaskRunner | None = None) -> str:
