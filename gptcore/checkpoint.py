@@ -193,16 +193,20 @@ def load_for_resume(ckpt_dir: Path, model: torch.nn.Module) -> tuple[dict, dict]
     return meta, load_trainer_state(ckpt_dir)
 
 
-def reject(ckpt_dir: Path, why: str) -> Path:
-    """Move a checkpoint that failed verification to checkpoints/rejected/ with a why.txt; never delete."""
+def reject(ckpt_dir: Path, why: str) -> Path | None:
+    """Move a checkpoint that failed verification to checkpoints/rejected/ with a why.txt; never delete.
+    None when it cannot be moved (e.g. `rejected` is a file, a read-only disk): it stays where it is."""
     dest_dir = checkpoints_dir(ckpt_dir.parent.parent) / REJECTED_DIR
-    dest_dir.mkdir(exist_ok=True)
-    dest, n = dest_dir / ckpt_dir.name, 1
-    while dest.exists():
-        n += 1
-        dest = dest_dir / f"{ckpt_dir.name}-{n}"
-    os.replace(ckpt_dir, dest)
-    (dest / "why.txt").write_text(f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')}: {why}\n")
+    try:
+        dest_dir.mkdir(exist_ok=True)
+        dest, n = dest_dir / ckpt_dir.name, 1
+        while dest.exists():
+            n += 1
+            dest = dest_dir / f"{ckpt_dir.name}-{n}"
+        os.replace(ckpt_dir, dest)
+        (dest / "why.txt").write_text(f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')}: {why}\n")
+    except OSError:
+        return None
     return dest
 
 
@@ -215,6 +219,10 @@ def load_model(ckpt_dir: Path, device="cpu", verify: bool = True) -> tuple[GPT, 
         raise CheckpointError(f"{ckpt_dir} has no {MODEL_FILE}; the checkpoint is incomplete")
     if verify and meta.get("model_sha256") and file_sha256(weights) != meta["model_sha256"]:
         raise CheckpointError(f"{weights} does not match the sha256 in {META_FILE}: the file is corrupt")
-    model = GPT(ModelConfig(**meta["model_config"]))
+    try:
+        model = GPT(ModelConfig(**meta["model_config"]))
+    except (KeyError, TypeError) as e:
+        raise CheckpointError(f"{ckpt_dir}/{META_FILE} has no usable model_config ({type(e).__name__}: {e}); the "
+                              "checkpoint is corrupt") from e
     load_weights(model, weights)
     return model.to(device).eval(), meta

@@ -398,7 +398,13 @@ def load_config(name_or_path: str, overrides: list[str] | dict | None = None,
     if path.suffix in (".toml", ".json"):
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist")
-        raw = tomllib.loads(path.read_text()) if path.suffix == ".toml" else json.loads(path.read_text())
+        try:
+            raw = tomllib.loads(path.read_text()) if path.suffix == ".toml" else json.loads(path.read_text())
+        except (ValueError, OSError) as e:  # tomllib.TOMLDecodeError and JSONDecodeError are ValueErrors
+            raise ConfigError(f"config file {path} cannot be read ({e}); fix its syntax") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config file {path} holds a {type(raw).__name__}; it must be a table/object of "
+                              "sections like {\"train\": {\"max_steps\": 100}}")
         cfg = preset(raw.pop("preset", "gpt2-124m"))
         cfg = apply_overrides(cfg, raw)
     else:

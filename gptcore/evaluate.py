@@ -138,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model, info = load_target(Path(args.target), device)
         if info["kind"] == "checkpoint" and not args.config:
+            if not isinstance(info["meta"].get("config"), dict):
+                raise CheckpointError(f"{info['path']} records no training config in its meta.json; pass --config")
             cfg = apply_overrides(from_dict(info["meta"]["config"]), args.set)
         else:
             cfg = load_config(args.config or "gpt2-124m", args.set)

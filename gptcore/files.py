@@ -112,8 +112,10 @@ def write_json(path: Path, obj) -> None:
 
 
 def read_json(path: Path, default=None):
-    """The JSON value in `path`, or `default` when the file is missing, unreadable or not valid JSON."""
+    """The JSON value in `path`, or `default` when the file is missing, unreadable or not valid JSON, or
+    (with a default given) holds a value of another type than the default's, e.g. a list for a dict."""
     try:
-        return json.loads(Path(path).read_text())
+        value = json.loads(Path(path).read_text())
     except (OSError, ValueError):
         return default
+    return default if default is not None and not isinstance(value, type(default)) else value

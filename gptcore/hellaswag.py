@@ -87,14 +87,18 @@ def read_records(path: Path, limit: int = 0) -> list[tuple[str, list[str], int]]
         raise HellaSwagError(f"HellaSwag file {path} does not exist; set eval.hellaswag_path to the "
                              "hellaswag_val.jsonl file or leave it empty to download it")
     records = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if limit and len(records) >= limit:
-                break
-            if not line.strip():
-                raise HellaSwagError(f"{path} line {lineno} is empty; HellaSwag jsonl has one example "
-                                     "per line (delete the file to re-download it)")
-            records.append(parse_record(line, lineno, path))
+    try:
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, start=1):
+                if limit and len(records) >= limit:
+                    break
+                if not line.strip():
+                    raise HellaSwagError(f"{path} line {lineno} is empty; HellaSwag jsonl has one example "
+                                         "per line (delete the file to re-download it)")
+                records.append(parse_record(line, lineno, path))
+    except (OSError, UnicodeDecodeError) as e:  # a benchmark file that cannot be read must not stop a run
+        raise HellaSwagError(f"cannot read {path} ({e}); it is corrupt or not UTF-8: delete it to re-download "
+                             "it, or point eval.hellaswag_path at a good copy") from None
     return records
 
 

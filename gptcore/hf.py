@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from gptcore.checkpoint import READ_ERRORS
 from gptcore.config import ModelConfig
 from gptcore.files import atomic_dir
 from gptcore.model import GPT, GPT2_VOCAB, clean_state_dict, unwrap
@@ -132,16 +133,20 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
         f = path / name
         if not f.is_file():
             continue
-        if name.endswith(".index.json"):  # sharded: {"weight_map": {tensor: file}}
-            files = sorted(set(json.loads(f.read_text())["weight_map"].values()))
-        else:
-            files = [name]
         sd = {}
-        for shard in files:
-            if shard.endswith(".safetensors"):
-                sd.update(load_file(str(path / shard)))
+        try:
+            if name.endswith(".index.json"):  # sharded: {"weight_map": {tensor: file}}
+                files = sorted(set(json.loads(f.read_text())["weight_map"].values()))
             else:
-                sd.update(torch.load(path / shard, map_location="cpu", weights_only=True))
+                files = [name]
+            for shard in files:
+                if shard.endswith(".safetensors"):
+                    sd.update(load_file(str(path / shard)))
+                else:
+                    sd.update(torch.load(path / shard, map_location="cpu", weights_only=True))
+        except (*READ_ERRORS, KeyError, TypeError) as e:
+            raise HFError(f"the weights in {path} ({name}) cannot be read ({type(e).__name__}: {e}); the export is "
+                          "damaged: export or download it again") from e
         return sd
     raise HFError(f"{path} has no weights: expected one of {list(WEIGHT_FILES)}")
 

@@ -44,7 +44,7 @@ def step_dir(run_dir: Path, step: int) -> Path:
 def step_dirs(run_dir: Path) -> list[Path]:
     """Every step_* directory, complete or not, oldest first (what a resume has to choose from)."""
     d = checkpoints_dir(run_dir)
-    return sorted(p for p in d.iterdir() if _STEP_DIR.match(p.name)) if d.is_dir() else []
+    return sorted(p for p in d.iterdir() if _STEP_DIR.match(p.name) and p.is_dir()) if d.is_dir() else []
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
@@ -92,8 +92,15 @@ def newest_healthy(ckpts: list[Path]) -> Path | None:
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
-    ckpts = list_checkpoints(run_dir)
-    return ckpts[-1] if ckpts else None
+    """The newest complete checkpoint whose meta.json reads (a damaged one is the trainer's to reject: the
+    flow must not stop on it before the trainer can resume from the one before)."""
+    for c in reversed(list_checkpoints(run_dir)):
+        try:
+            read_meta(c)
+            return c
+        except CheckpointError:
+            continue
+    return None
 
 
 def best_checkpoint(run_dir: Path) -> Path | None:
@@ -121,5 +128,5 @@ def run_state(run_dir: Path, identity_hash: str | None = None) -> dict:
     step = read_meta(ckpt).get("step") if ckpt else None
     done = (run_dir / DONE_FILE).exists() and ckpt is not None
     if done and identity_hash:
-        done = (read_json(run_dir / RUN_FILE) or {}).get("identity_hash") == identity_hash
+        done = read_json(run_dir / RUN_FILE, {}).get("identity_hash") == identity_hash
     return {"run_dir": str(run_dir), "checkpoint": str(ckpt) if ckpt else None, "step": step, "done": done}

@@ -221,7 +221,7 @@ def piece_record(cfg: RunConfig, piece: Piece, need_data: bool = True) -> dict |
         if rec["key"] == piece.key(cfg.data.text_column) and (
                 not need_data or len(read_shard(bin_path)) == rec["tokens"]):
             return rec
-    except (OSError, ValueError, KeyError, ShardError):
+    except (OSError, ValueError, KeyError, TypeError, ShardError):
         pass
     return None
 
@@ -624,7 +624,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except OSError as e:  # writing: e.g. the disk filled up after the free-space check
         print(f"error: cannot write the dataset: {e}. Nothing half-written was kept and finished pieces and "
-              "shards stay for the next run: make room on that disk and run again", file=sys.stderr)
+              "shards stay for the next run: make room on that disk (or move the file that stands where a "
+              "directory belongs) and run again", file=sys.stderr)
         return 2
     return 0
 

@@ -31,7 +31,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from gptcore.config import RunConfig, pipeline_home
-from gptcore.files import atomic_write_bytes, file_sha256, free_disk
+from gptcore.files import atomic_write_bytes, file_sha256, free_disk, read_json
 
 BUILTIN = Path(__file__).parent / "assets" / "corpus" / "shakespeare.parquet"
 BUILTIN_SHA256 = "2db4ec02cd015044806362430773d64ca4be9030c573aa55d0afe047b3e76c7c"
@@ -195,15 +195,13 @@ def _fetch_hub(cfg: RunConfig, source_dir: Path) -> list[SourceFile]:
     """Download the config's parquet files one at a time (so a kill resumes at the file it was on),
     each verified against the hub's LFS size + sha256 before it is recorded in source.json."""
     d = cfg.data
-    listing = Path(source_dir) / LISTING
-    if listing.is_file():  # fast path: everything verified earlier and untouched since -> no network
-        doc, files = load_listing(source_dir)
-        if doc.get("complete") and doc.get("max_docs") == d.max_docs and all(
-                f.unchanged(source_dir) for f in files):
-            return files
-        done = {f.name: f for f in files if f.unchanged(source_dir)}
-    else:
-        done = {}
+    # fast path: everything verified earlier and untouched since -> no network. An unreadable listing
+    # counts as none (every file is then checked against the hub again)
+    files, doc = previous_files(source_dir), read_json(Path(source_dir) / LISTING, {})
+    if files and doc.get("complete") and doc.get("max_docs") == d.max_docs and all(
+            f.unchanged(source_dir) for f in files):
+        return files
+    done = {f.name: f for f in files if f.unchanged(source_dir)}
 
     from huggingface_hub import HfApi, hf_hub_download  # only the hub source needs it
 

@@ -9,9 +9,9 @@ it from its latest checkpoint; a finished run (DONE) does nothing and prints RUN
 
 Exit codes: 0 = max_steps reached (RUN_DONE printed) or stopped cleanly with a checkpoint (time budget
 train.max_minutes, SIGTERM/SIGINT to the trainer processes, or a <run_dir>/STOP file); 2 = bad input
-(config, dataset, run identity, no intact checkpoint, another trainer holds the run directory): nothing
-was written; 3 = diverged (the guard rolled back guard.max_rollbacks times in a row; the checkpoints are
-intact); anything else = a crash.
+(config, dataset, run identity, no intact checkpoint, another trainer holds the run directory, a run
+directory or dataset that cannot be read or written): nothing half-written is kept; 3 = diverged (the
+guard rolled back guard.max_rollbacks times in a row; the checkpoints are intact); anything else = a crash.
 
 The trainer defends its run by itself, whoever launched it: it locks the run directory (train.lock),
 resumes from the newest checkpoint that verifies whole (others are moved to checkpoints/rejected/), skips
@@ -68,6 +68,8 @@ def check_run(run_dir: Path, cfg: RunConfig, manifest: Manifest) -> dict | None:
         return None
     try:
         rec = json.loads(path.read_text())
+        if not isinstance(rec, dict):
+            raise ValueError(f"a JSON {type(rec).__name__}, not an object")
     except ValueError as e:
         raise RunError(f"{path} is corrupt ({e}); move the run directory away or use another run name") from e
     if rec.get("identity_hash") != cfg.identity_hash():
@@ -134,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ShardError, RunError, LockHeld, checkpoint.CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except OSError as e:
+        print(f"error: {cannot_use(e)}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     if prep is None:
         return EXIT_OK
     # flag-only handlers for the run; the previous ones come back after it (main may run in-process: a
@@ -147,6 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     except Diverged as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_DIVERGED
+    except OSError as e:  # after the checks: e.g. the disk filled up, or a file turned into a directory
+        print(f"error: {cannot_use(e)}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     finally:
         distributed.teardown()
         if prep.lock is not None:
@@ -154,6 +162,12 @@ def main(argv: list[str] | None = None) -> int:
         for s, handler in previous.items():
             signal.signal(s, handler)
         _STOP["signal"] = None
+
+
+def cannot_use(e: OSError) -> str:
+    return (f"{type(e).__name__}: {e}. The run directory or the dataset cannot be read or written there: check "
+            "that path (a file where a directory belongs, or the reverse), its permissions and the free disk, "
+            "then run again: the run continues from its newest checkpoint")
 
 
 def prepare(cfg: RunConfig, rank: int) -> Prepared | None:
@@ -206,18 +220,21 @@ def resume_point(run_dir: Path, model: GPT, master: bool) -> tuple[Path | None, 
     """Load the newest checkpoint that verifies whole into `model`; rank 0 moves each one that fails to
     checkpoints/rejected/. (None, None) for a run with no checkpoint yet; RunError if the run had
     checkpoints and none is intact (starting over would silently throw the run away)."""
+    stuck = []  # failed, and could not be moved aside
     for ck in reversed(checkpoint.step_dirs(run_dir)):
         try:
             _, state = checkpoint.load_for_resume(ck, model)
             return ck, state
         except checkpoint.CheckpointError as e:
+            dest = checkpoint.reject(ck, str(e)) if master else ck
+            if dest is None:
+                stuck.append(f"{ck.name}: {e} (left in place: it could not be moved to rejected/)")
             if master:
-                dest = checkpoint.reject(ck, str(e))
-                print(f"warning: checkpoint {ck.name} skipped: {e}; moved to {dest}", file=sys.stderr,
-                      flush=True)
+                print(f"warning: checkpoint {ck.name} skipped: {e}; {f'moved to {dest}' if dest else 'left in place'}",
+                      file=sys.stderr, flush=True)
     gone = checkpoint.rejected(run_dir)
-    if gone:
-        why = "; ".join(f"{p.name}: {_why(p)}" for p in gone)
+    if gone or stuck:
+        why = "; ".join([*(f"{p.name}: {_why(p)}" for p in gone), *stuck])
         raise RunError(f"run {run_dir} has no intact checkpoint to resume from (rejected: {why}). Each is "
                        f"kept in {checkpoint.checkpoints_dir(run_dir) / checkpoint.REJECTED_DIR} with a "
                        "why.txt: put a good copy back into checkpoints/, or start over with a new "

@@ -36,7 +36,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from gptcore.files import file_sha256, read_json
-from gptcore.run_files import read_meta
+from gptcore.run_files import CheckpointError, read_meta
 from tasks import mlflow_store as store
 
 log = logging.getLogger("gptpipe.register")
@@ -314,11 +314,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face export artifact")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from mlflow.exceptions import MlflowException
+
     try:
         out = register_checkpoint(args.checkpoint, args.name, args.tracking_uri, args.flow_run_id,
                                   hf=not args.no_hf)
-    except RegistryError as e:
+    except (RegistryError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except MlflowException as e:
+        print(f"error: the MLflow tracking server {args.tracking_uri or store.tracking_uri()} failed: {e}. Check "
+              "that it is running (MLFLOW_TRACKING_URI or --tracking-uri), then run again: registration is "
+              "idempotent", file=sys.stderr)
         return 2
     print(json.dumps({k: v for k, v in out.items() if k != "tags"}, indent=1))
     return 0

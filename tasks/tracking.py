@@ -104,7 +104,7 @@ class Shipper:
     def _load_cursor(self) -> dict:
         p = self.run_dir / CURSOR
         cur = read_json(p, {})
-        if cur.get("tracking_uri") != self.uri:
+        if cur.get("tracking_uri") != self.uri or not isinstance(cur.get("offset"), int) or cur["offset"] < 0:
             cur = {"tracking_uri": self.uri, "run_id": None, "offset": 0}
         return cur
 

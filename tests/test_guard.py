@@ -328,3 +328,90 @@ def running(pid: int) -> bool:
         return (open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]) != "Z"
     except FileNotFoundError:
         return False
+
+
+# --- what a month of nightly runs meets in the run directory: an error line or a fallback, never a traceback
+
+
+def test_a_hellaswag_file_that_is_not_utf8_skips_the_benchmark_not_the_run(ds, tmp_path):
+    """Before: a UnicodeDecodeError at the last eval step, before the end checkpoint, so every nightly
+    run resumed, trained the last steps again and crashed again."""
+    bad = tmp_path / "hellaswag_val.jsonl"
+    bad.write_bytes(b'{"ctx": "a\xff", "endings": ["a", "b", "c", "d"], "label": 0}\n')
+    run = tmp_path / "run"
+    proc = run_proc(python_cmd(args(ds, run, "train.max_steps=4", "eval.hellaswag=true",
+                                    f"eval.hellaswag_path={bad}")), tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "HellaSwag evaluation skipped" in proc.stdout and "not UTF-8" in proc.stdout
+    assert (run / "DONE").is_file() and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("breakage", ["run_dir is a file", "config.json is a directory", "DONE is a directory"])
+def test_an_unusable_run_directory_is_one_error_line_and_keeps_the_checkpoints(breakage, trained, ds, tmp_path):
+    run = cut_back_to(trained, tmp_path / "run", 8)
+    if breakage == "run_dir is a file":
+        run = tmp_path / "a-file"
+        run.write_text("not a directory")
+    else:
+        (run / breakage.split()[0]).unlink(missing_ok=True)
+        (run / breakage.split()[0]).mkdir()
+    before = sorted(p.name for p in (run / "checkpoints").iterdir()) if run.is_dir() else []
+    proc = run_proc(python_cmd(args(ds, run)), tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "cannot be read or written" in errors[0] and "Traceback" not in proc.stderr
+    if run.is_dir():  # DONE: the run trained to the end first; its checkpoints are all there
+        assert set(before) <= {p.name for p in (run / "checkpoints").iterdir()}
+
+
+def test_a_run_json_that_is_not_an_object_is_corrupt_not_a_traceback(trained, ds, tmp_path, capsys):
+    run = cut_back_to(trained, tmp_path / "run", 8)
+    (run / "run.json").write_text("[]")
+    assert main(args(ds, run)) == 2
+    assert "run.json is corrupt" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text", ['{"preset": "micro", "train": {"max_steps": 6', "[1, 2]"])
+def test_a_config_file_that_does_not_parse_is_a_config_error(tmp_path, capsys, text):
+    cfg = tmp_path / "bad.json"
+    cfg.write_text(text)
+    assert main([str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: config file") and str(cfg) in err
+
+
+def test_a_checkpoint_that_cannot_be_moved_aside_is_skipped_in_place(trained, ds, from_step4, tmp_path):
+    """checkpoints/rejected is a file (so the damaged step 8 cannot be moved there) and a stray file is
+    named like a checkpoint: the run still resumes from step 4 and ends like an uninterrupted one."""
+    run = cut_back_to(trained, tmp_path / "run", 8)
+    truncate(run / "checkpoints" / "step_00000008" / C.MODEL_FILE)
+    (run / "checkpoints" / "rejected").write_text("in the way")
+    (run / "checkpoints" / "step_00000099").write_text("not a checkpoint")
+    proc = run_proc(python_cmd(args(ds, run)), tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "checkpoint step_00000008 skipped" in proc.stderr and "left in place" in proc.stderr
+    assert "resuming from step_00000004 at step 4/12" in proc.stdout
+    assert final_weights(run) == from_step4
+
+
+def test_the_flow_reads_past_a_newest_checkpoint_whose_meta_is_damaged(trained, tmp_path):
+    """run_state decides what the flow skips: a truncated meta.json must not stop the flow before the
+    trainer can resume from the checkpoint before it."""
+    run = shutil.copytree(trained, tmp_path / "run")
+    (run / "checkpoints" / "step_00000012" / C.META_FILE).write_text('{"step": 1')
+    (run / "run.json").write_text("[1]")  # not an object: no identity, so DONE does not count
+    from gptcore.run_files import run_state
+
+    state = run_state(run, "some-identity")
+    assert state["checkpoint"].endswith("step_00000008") and state["step"] == 8 and not state["done"]
+
+
+def test_read_json_falls_back_on_a_value_of_another_type(tmp_path):
+    from gptcore.files import read_json
+
+    p = tmp_path / "x.json"
+    for text, want in (("[]", {}), ("null", {}), ('{"a": 1}', {"a": 1}), ("{", {})):
+        p.write_text(text)
+        assert read_json(p, {}) == want
+    p.write_text("[1]")
+    assert read_json(p) == [1]  # no default given: any JSON value

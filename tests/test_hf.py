@@ -292,3 +292,15 @@ def test_export_holds_a_tokenizer_that_transformers_loads_offline(tmp_path, monk
     gen = pipeline("text-generation", model=str(out), device="cpu")
     text = gen("Hello, I'm a language model,", max_new_tokens=5, do_sample=False)[0]["generated_text"]
     assert text.startswith("Hello, I'm a language model,") and len(text) > len("Hello, I'm a language model,")
+
+
+def test_a_damaged_export_is_an_error_line_in_evaluate(tmp_path, capsys):
+    from gptcore.evaluate import main
+
+    ours = GPT(ModelConfig(block_size=16, n_layer=1, n_head=2, n_embd=16))
+    out = export_hf(ours, tmp_path / "hf")
+    weights = out / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])  # a half-copied file
+    assert main([str(out), "--no-hellaswag", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: the weights in") and "cannot be read" in err and "export" in err

@@ -161,6 +161,16 @@ def test_bad_checkpoints_are_refused(mlflow_server, tmp_path, ckpts, capsys):  #
     assert len(MlflowClient(mlflow_server.uri, registry_uri=mlflow_server.uri).search_model_versions()) == before
     assert register.main([str(tmp_path / "nope"), "--tracking-uri", mlflow_server.uri]) == 2
     assert "not a checkpoint" in capsys.readouterr().err
+    (bad / "meta.json").write_text('{"step": 5')  # truncated
+    assert register.main([str(bad), "--tracking-uri", mlflow_server.uri, "--no-hf"]) == 2
+    assert "not valid JSON" in capsys.readouterr().err
+
+
+def test_an_unreachable_tracking_server_is_one_error_line(ckpts, capsys, monkeypatch):
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # fail at once instead of backing off
+    assert register.main([str(ckpts[0]), "--tracking-uri", "http://127.0.0.1:9", "--no-hf"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: the MLflow tracking server http://127.0.0.1:9 failed") and "idempotent" in err
 
 
 def test_evaluate_a_registered_model_like_its_checkpoint(mlflow_server, ckpts, capsys):  # noqa: F811

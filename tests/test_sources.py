@@ -149,6 +149,10 @@ def test_hub_download_verified_idempotent_and_tokenized(hub):
     assert gets == [f"/datasets/{REPO}/resolve/main/{files[1].name}"]
     assert victim.read_bytes() == (hub.root / files[1].name).read_bytes()
 
+    # a listing damaged on disk (truncated) is not a dead end: every file is checked against the hub again
+    (src / sources.LISTING).write_text('{"id": "x", "files": [')
+    assert [f.sha256 for f in sources.load_listing(sources.fetch(cfg))[1]] == [f.sha256 for f in files]
+
     m = sharding.run(cfg, workers=1)
     got = np.concatenate([np.asarray(read_shard(sharding.dataset_dir(cfg) / s.name)) for s in m.shards])
     enc = get_encoding()

@@ -248,3 +248,13 @@ def test_stop_is_bounded_while_the_server_is_down(tmp_path, monkeypatch):
     assert not (rd / tracking.CURSOR).exists()
     shipper._thread.join(60)  # let the retries run out so no thread outlives the test
     assert not shipper._thread.is_alive()
+
+
+@pytest.mark.parametrize("cursor", ["[]", "null", '{"tracking_uri": "URI", "offset": "7"}',
+                                    '{"tracking_uri": "URI", "offset": -1}'])
+def test_a_cursor_of_the_wrong_shape_starts_over_instead_of_breaking_the_shipper(tmp_path, cursor):
+    uri = "http://127.0.0.1:9"
+    (tmp_path / tracking.CURSOR).write_text(cursor.replace("URI", uri))
+    s = tracking.Shipper(tmp_path, tracking_uri=uri)
+    assert s._load_cursor() == {"tracking_uri": uri, "run_id": None, "offset": 0}
+    assert s.pending_bytes() == 0
