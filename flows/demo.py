@@ -26,7 +26,7 @@ import sys
 import time
 
 from flows.services import GPU_POOL, REPO, Stack
-from gptcore.files import read_json
+from gptcore.files import read_json, write_json
 
 DEPLOYMENT = "pretrain/tiny"
 PREFECT_FILE = REPO / "deployments" / "prefect.yaml"
@@ -54,20 +54,18 @@ def _deployed(stack: Stack) -> bool:
             return False
 
 
-def deploy(stack: Stack, names: list[str] | None = None, force: bool = False) -> bool:
+def deploy(stack: Stack, force: bool = False) -> bool:
     """`prefect deploy` of deployments/prefect.yaml from the repository root (the flow code location).
     Skipped when the same yaml + flow source were already deployed to this server. True if deployed."""
     if not force and _deployed(stack):
         return False
     stack.ensure_pool(GPU_POOL)  # so the gpt2-124m deployment has its pool (its worker lives elsewhere)
-    which = [a for n in names for a in ("--name", n)] if names else ["--all"]
-    cmd = [sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--prefect-file", str(PREFECT_FILE), *which]
+    cmd = [sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--prefect-file", str(PREFECT_FILE), "--all"]
     r = subprocess.run(cmd, cwd=REPO, env=stack.env(), capture_output=True, text=True, timeout=300)
     if r.returncode != 0:
         raise SystemExit(f"error: `{' '.join(cmd[2:])}` failed ({r.returncode}):\n"
                          f"{r.stdout[-3000:]}{r.stderr[-3000:]}")
-    if not names:
-        (stack.state_dir / "deployed.json").write_text(json.dumps(_deploy_stamp(stack)))
+    write_json(stack.state_dir / "deployed.json", _deploy_stamp(stack))
     return True
 
 

@@ -25,13 +25,19 @@ class LockHeld(RuntimeError):
     """Another trainer holds the run directory (or the filesystem cannot lock); the message says which."""
 
 
+class LocksUnsupported(LockHeld):
+    """The filesystem cannot lock at all."""
+
+
 class RunLock:
     """An exclusive flock on <run_dir>/train.lock (or another `name`), polled for up to `timeout` seconds
-    (0 = try once)."""
+    (0 = try once). With `remove`, the file goes when the lock is released (a lock beside data that must
+    leave nothing behind); a waiter that then holds the removed file's lock notices and locks the new one."""
 
-    def __init__(self, run_dir: Path, timeout: float = 0.0, holder: dict | None = None, name: str = LOCK_FILE):
+    def __init__(self, run_dir: Path, timeout: float = 0.0, holder: dict | None = None, name: str = LOCK_FILE,
+                 remove: bool = False):
         self.path = Path(run_dir) / name
-        self.timeout = timeout
+        self.timeout, self.remove = timeout, remove
         self.holder = {"host": socket.gethostname(), "pid": os.getpid(),
                        "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **(holder or {})}
         launcher = os.environ.get(LAUNCHER_ENV)  # e.g. the Prefect flow run that started this trainer
@@ -44,16 +50,18 @@ class RunLock:
 
     def acquire(self) -> RunLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         end = time.monotonic() + self.timeout
         while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
+                if self._current(fd):
+                    break
+                os.close(fd)  # its holder removed the file on release: lock the one there now
             except BlockingIOError:
+                who = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown"
+                os.close(fd)
                 if time.monotonic() >= end:
-                    who = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown"
-                    os.close(fd)
                     raise LockHeld(f"another trainer holds {self.path} (holder: {who}); two trainers must "
                                    "never write one run directory. Wait for it to finish or stop it (STOP "
                                    "file, SIGTERM); use another train.run_name for a separate run") from None
@@ -61,18 +69,26 @@ class RunLock:
             except OSError as e:
                 os.close(fd)
                 if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-                    raise LockHeld(f"the filesystem of {self.path} does not support file locks ({e.strerror}), "
-                                   "so the trainer cannot make sure it is alone on this run; put the run "
-                                   "directory (train.run_dir) on a filesystem with locks (local disk, NFSv4, "
-                                   "Lustre/GPFS with locking enabled)") from None
+                    raise LocksUnsupported(
+                        f"the filesystem of {self.path} does not support file locks ({e.strerror}), so the trainer "
+                        "cannot make sure it is alone on this run; put the run directory (train.run_dir) on a "
+                        "filesystem with locks (local disk, NFSv4, Lustre/GPFS with locking enabled)") from None
                 raise
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(self.holder).encode(), 0)
         self.fd = fd
         return self
 
+    def _current(self, fd: int) -> bool:
+        try:
+            return os.fstat(fd).st_ino == os.stat(self.path).st_ino
+        except FileNotFoundError:
+            return False
+
     def release(self) -> None:
         if self.fd is not None:
+            if self.remove:
+                self.path.unlink(missing_ok=True)  # before the lock drops, so no one locks a removed file unseen
             os.close(self.fd)  # closing the last descriptor drops the lock
             self.fd = None
 

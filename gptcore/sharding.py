@@ -30,6 +30,7 @@ import shutil
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -38,7 +39,8 @@ from tqdm import tqdm
 
 from gptcore import sources
 from gptcore.config import RunConfig, pipeline_home
-from gptcore.files import atomic_write_bytes, cached_sha256, file_sha256, free_disk, remove_stale_temps
+from gptcore.files import atomic_write_bytes, cached_sha256, file_sha256, free_disk, read_json, remove_stale_temps
+from gptcore.runlock import LockHeld, LocksUnsupported, RunLock
 from gptcore.shards import MANIFEST, Manifest, ShardError, ShardInfo, read_shard, write_shard_chunks
 from gptcore.tokenizer import EOT, RANK_FILE_SHA256, get_encoding
 
@@ -547,6 +549,33 @@ def build(cfg: RunConfig, tokenize, full_verify: bool = False, say=None) -> Mani
     corrupted ones). Bad input leaves nothing half-made behind (discard_partial). `say` reports (stderr)."""
     say = say or (lambda msg: print(msg, file=sys.stderr, flush=True))
     cfg = pinned(cfg)  # workers may run with another GPTPIPE_HOME / cwd
+    with build_lock(dataset_dir(cfg), say):
+        return _build(cfg, tokenize, full_verify, say)
+
+
+@contextmanager
+def build_lock(out: Path, say):
+    """One build per dataset directory (e.g. two nightly deployments sharing a dataset): the second waits
+    for the first, then finds the dataset complete. Before, each took the other's pieces for damage and
+    both failed, throwing the work away. An flock, dropped by the kernel when its holder dies."""
+    lock = RunLock(out.parent, name=f".{out.name}.build.lock", remove=True)
+    try:
+        lock.acquire()
+    except LocksUnsupported:
+        say(f"warning: the filesystem of {out} has no file locks: two builds of it at once are not prevented")
+        lock = None
+    except LockHeld:
+        say(f"waiting for another build of {out} to finish (holder: {read_json(lock.path, {}) or 'unknown'})")
+        lock.timeout = float("inf")
+        lock.acquire()
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _build(cfg: RunConfig, tokenize, full_verify: bool, say) -> Manifest:
     out, existed = dataset_dir(cfg), listing_path(cfg).is_file()
     try:
         remove_stale_temps(out)  # what a killed run was writing

@@ -50,10 +50,9 @@ MAX_READ_BYTES = 4 << 20  # per round, so a long backlog goes out in bounded pie
 def run_identity(run_dir: Path) -> dict | None:
     """run_name, identity_hash, manifest_id and the resolved config of a run directory, or None if the
     trainer has not written them yet."""
-    cfg_path = run_dir / "config.json"
-    if not cfg_path.is_file():
+    config = read_json(run_dir / "config.json", {})  # damaged: the trainer rewrites it when it starts
+    if not config:
         return None
-    config = json.loads(cfg_path.read_text())
     cfg = from_dict(config)
     ident = {"run_name": cfg.run_name, "identity_hash": cfg.identity_hash(), "manifest_id": "",
              "config": config}

@@ -191,6 +191,27 @@ def test_sigkill_mid_run_then_resume_gives_identical_dataset(home, uninterrupted
         assert len(recorded) > len(kept)
 
 
+def test_two_builds_of_one_dataset_at_once_both_succeed(home, uninterrupted):
+    """Two nightly deployments sharing a dataset start together: one builds, the other waits for it and
+    then finds the dataset complete (before: each took the other's pieces for damage, both exited 2 and
+    the work was thrown away). The lock is held here first so that both surely overlap."""
+    from gptcore.runlock import RunLock
+
+    out = home / "shards" / "shakespeare-20K"
+    lock = RunLock(out.parent, name=f".{out.name}.build.lock").acquire()
+    procs = [_cli(KILL_OV, home) for _ in range(2)]
+    time.sleep(3.0)
+    assert all(p.poll() is None for p in procs) and not out.exists()  # both wait: nothing written
+    lock.release()
+    results = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], results
+    assert any("waiting for another build" in err for _, err in results)
+    assert sum("is complete" in err for _, err in results) == 1  # the second found the first's work
+    assert shard_bytes(out) == shard_bytes(uninterrupted)
+    assert (out / "manifest.json").read_bytes() == (uninterrupted / "manifest.json").read_bytes()
+    assert not lock.path.exists()  # the last builder removed it: a build leaves only the dataset
+
+
 def test_corrupt_and_truncated_shards_are_detected_and_only_they_rebuilt():
     cfg = cfg_of()
     m = sharding.run(cfg, workers=1)
