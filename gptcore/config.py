@@ -107,7 +107,7 @@ class OptimConfig:
     muon_lr: float = 0.02  # peak lr of the Muon part; follows the same schedule (scaled by muon_lr/max_lr)
     muon_momentum: float = 0.95
     muon_weight_decay: float = 0.0
-    muon_ns_dtype: str = "auto"  # Newton-Schulz precision: auto = bfloat16 on CUDA, float32 elsewhere
+    muon_ns_dtype: str = "auto"  # Newton-Schulz precision: auto = bf16 on native-bf16 GPUs, else fp32
 
     def validate(self) -> None:
         if not 0 <= self.min_lr <= self.max_lr:

@@ -57,11 +57,18 @@ def select_device(pref: str, local_rank: int = 0) -> torch.device:
     return torch.device("cpu")
 
 
+def native_bf16(device_type: str) -> bool:
+    """A GPU with bf16 tensor cores (Ampere and newer). torch also reports emulated bf16 on V100/T4
+    (is_bf16_supported's default), which is slow and which Inductor does not compile."""
+    return device_type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
+
+
 def select_dtype(pref: str, device: torch.device) -> torch.dtype:
+    """auto: bf16 on a GPU that has it natively, fp16 (with the trainer's GradScaler) on older GPUs."""
     if pref != "auto":
         return DTYPES[pref]
     if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if native_bf16("cuda") else torch.float16
     return torch.float32
 
 

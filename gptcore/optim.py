@@ -17,6 +17,7 @@ import math
 import torch
 
 from gptcore.config import OptimConfig, RunConfig
+from gptcore.distributed import native_bf16
 
 
 def lr_at(it: int, cfg: RunConfig) -> float:
@@ -44,18 +45,23 @@ def set_lr(optimizer, lr: float) -> None:
 
 
 def newton_schulz_dtype(setting: str, device_type: str) -> torch.dtype:
-    """bfloat16 where matmuls in it are fast (CUDA); float32 on CPUs, where bf16 matmuls are emulated on
-    most parts and torch.optim.Muon's fixed bf16 is far slower than fp32 (docs/training.md)."""
+    """bfloat16 where matmuls in it are fast (GPUs with native bf16); float32 elsewhere: on CPUs and
+    V100/T4 bf16 matmuls are emulated and torch.optim.Muon's fixed bf16 is far slower than fp32
+    (docs/training.md)."""
     if setting != "auto":
         return getattr(torch, setting)
-    return torch.bfloat16 if device_type == "cuda" else torch.float32
+    return torch.bfloat16 if native_bf16(device_type) else torch.float32
 
 
 class Muon(torch.optim.Muon):
     """torch.optim.Muon (same hyperparameters, same state: one momentum buffer per matrix) with the
     Newton-Schulz iteration's precision chosen by the caller (torch's runs it in bfloat16 always), and a
     `found_inf` like the fused AdamW's: a tensor that, when non-zero, makes the step change nothing,
-    decided on the device (no host sync per step)."""
+    decided on the device (no host sync per step). GradScaler (fp16) sets the same `found_inf` instead of
+    reading its overflow flag on the host, because of `_step_supports_amp_scaling`; the trainer unscales
+    the gradients before (for clipping), so GradScaler's `grad_scale` is then None."""
+
+    _step_supports_amp_scaling = True
 
     def __init__(self, params, ns_dtype: torch.dtype = torch.bfloat16, **kw):
         super().__init__(params, **kw)
@@ -65,13 +71,17 @@ class Muon(torch.optim.Muon):
     @torch.no_grad()
     def step(self, closure=None):
         assert closure is None, "Muon here takes no closure"
-        keep = None if self.found_inf is None else (self.found_inf == 0)
+        assert getattr(self, "grad_scale", None) is None, "unscale the gradients (GradScaler.unscale_) first"
+        found_inf = getattr(self, "found_inf", None)  # GradScaler deletes the attribute after its step
+        keep = None if found_inf is None else (found_inf == 0)
         for g in self.param_groups:
             a, b, c = g["ns_coefficients"]
             for p in g["params"]:
                 if p.grad is None:
                     continue
-                buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
+                if "momentum_buffer" not in self.state[p]:  # (setdefault would allocate one every step)
+                    self.state[p]["momentum_buffer"] = torch.zeros_like(p)
+                buf = self.state[p]["momentum_buffer"]
                 # a skipped step: the gradient is replaced by the buffer itself, so nothing moves (and a
                 # NaN gradient reaches neither the buffer nor the weights)
                 grad = p.grad if keep is None else torch.where(keep, p.grad, buf)

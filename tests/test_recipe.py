@@ -94,8 +94,13 @@ def test_muon_step_is_torch_muon_in_the_chosen_precision():
     s = torch.linalg.svdvals(x32)
     assert 0.5 < s.min() and s.max() < 1.5  # near-orthogonal: singular values around 1
     assert newton_schulz_dtype("auto", "cpu") == torch.float32
-    assert newton_schulz_dtype("auto", "cuda") == torch.bfloat16
     assert newton_schulz_dtype("bfloat16", "cpu") == torch.bfloat16
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["ampere+", "v100-t4"])
+def test_newton_schulz_runs_in_bf16_only_on_native_bf16_gpus(monkeypatch, native):
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: native or including_emulation)
+    assert newton_schulz_dtype("auto", "cuda") == (torch.bfloat16 if native else torch.float32)
 
 
 def test_a_vetoed_muon_step_changes_nothing_and_needs_no_host_sync():
@@ -114,6 +119,33 @@ def test_a_vetoed_muon_step_changes_nothing_and_needs_no_host_sync():
     oa.step(), ob.step()
     torch.testing.assert_close(a, b, atol=0, rtol=0)  # as if the vetoed step never happened
     torch.testing.assert_close(oa.state[a]["momentum_buffer"], ob.state[b]["momentum_buffer"], atol=0, rtol=0)
+
+
+def test_gradscaler_vetoes_an_overflowed_muon_step_on_the_device(monkeypatch):
+    """fp16 (V100/T4): GradScaler hands Muon its overflow flag as `found_inf` instead of reading it on the
+    host; an overflowed step changes neither weights nor momentum, a finite one is the plain step, and
+    the momentum buffer is allocated once, not every step."""
+    torch.manual_seed(0)
+    w, g1, g2 = torch.randn(32, 16), torch.randn(32, 16), torch.randn(32, 16)
+    a, b = w.clone().requires_grad_(), w.clone().requires_grad_()
+    oa, ob = Muon([a], ns_dtype=torch.float32, lr=0.02), Muon([b], ns_dtype=torch.float32, lr=0.02)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    monkeypatch.setattr(torch.Tensor, "item", lambda t: pytest.fail("a host read in the scaled step"))
+    for grad in (g1, torch.full_like(w, float("inf")), g2):
+        a.grad = scaler.scale(grad)
+        scaler.unscale_(oa)  # as the trainer does, for clipping
+        scaler.step(oa)
+        scaler.update()
+    monkeypatch.undo()
+    b.grad = g1.clone()
+    ob.step()
+    monkeypatch.setattr(torch, "zeros_like", lambda *x, **k: pytest.fail("a new momentum buffer"))
+    b.grad = g2.clone()
+    ob.step()
+    monkeypatch.undo()
+    assert scaler.get_scale() == 2.0  # the overflow halved the scale
+    torch.testing.assert_close(a, b)  # as if the overflowed step never happened
+    torch.testing.assert_close(oa.state[a]["momentum_buffer"], ob.state[b]["momentum_buffer"])
 
 
 def test_combined_state_round_trips_and_refuses_an_adamw_state():

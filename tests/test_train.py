@@ -190,7 +190,8 @@ def test_plain_loss_head_trains_the_fused_trajectory(finished, ds, tmp_path):
     assert list(plain.values()) == pytest.approx(list(fused.values()), rel=1e-5)
 
 
-@pytest.mark.parametrize("recipe", [[], ["optim.name=muon", "optim.schedule=wsd"]], ids=["adamw", "muon"])
+@pytest.mark.parametrize("recipe", [[], ["optim.name=muon", "optim.schedule=wsd"],
+                                    ["optim.name=muon", "train.dtype=float16"]], ids=["adamw", "muon", "muon-fp16"])
 def test_no_host_sync_inside_a_step_except_at_log_eval_and_checkpoint_steps(ds, tmp_path, monkeypatch, recipe):
     """With the loss head CUDA runs (plain), the only host reads of device values between two steps
     happen after log, eval and checkpoint steps: every Tensor.item/tolist/cpu/numpy/bool/float/int call
@@ -226,3 +227,19 @@ def test_no_host_sync_inside_a_step_except_at_log_eval_and_checkpoint_steps(ds, 
     assert {s for s, n in after.items() if n} == {1, 4, 8}, after  # log steps (12, the last, ends the run)
     rows = read_metrics(run / "metrics.jsonl", "train")
     assert [r["step"] for r in rows] == list(range(1, 13))  # every step still logged, in batches
+
+
+def test_auto_dtype_uses_bf16_only_where_the_gpu_has_it_natively(monkeypatch):
+    """V100/T4 report bf16 only through emulation (slow, and Inductor will not compile it): auto picks
+    fp16 + GradScaler there, bf16 on Ampere and newer, fp32 on CPU, and an explicit choice is kept."""
+    import torch
+
+    from gptcore.distributed import select_dtype
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
+    assert select_dtype("auto", cuda) == torch.float16  # emulated only
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    assert select_dtype("auto", cuda) == torch.bfloat16  # native
+    assert select_dtype("auto", cpu) == torch.float32
+    assert select_dtype("bfloat16", cpu) == torch.bfloat16
