@@ -30,6 +30,9 @@ CPU_POOL = "cpu-pool"
 GPU_POOL = "gpu-pool"  # the nightly gpt2-124m deployment's pool; its worker runs on a GPU machine
 
 
+LEASE_STORAGE = "prefect.server.concurrency.lease_storage.filesystem"
+
+
 class ServiceError(RuntimeError):
     """A service did not start; the message ends with its log."""
 
@@ -198,7 +201,11 @@ class Stack:
             env = dict(self.env(), PREFECT_UI_ENABLED=str(self.ui).lower(),
                        PREFECT_SERVER_API_HOST="127.0.0.1", PREFECT_SERVER_API_PORT=str(self.prefect_port),
                        # an expired concurrency lease (its holder was killed) is reclaimed within seconds
-                       PREFECT_SERVER_SERVICES_REPOSSESSOR_LOOP_SECONDS="5")
+                       PREFECT_SERVER_SERVICES_REPOSSESSOR_LOOP_SECONDS="5",
+                       # leases on disk (<PREFECT_HOME>/concurrency_leases), not in the server's memory: a
+                       # server restarted after a crash still knows them, so they expire and free their
+                       # slots (in memory they are lost and the slots stay taken for ever)
+                       PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE=LEASE_STORAGE)
             del env["PREFECT_API_URL"]
             self.prefect.spawn([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
                                 "--port", str(self.prefect_port)], env, port=self.prefect_port)

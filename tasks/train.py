@@ -173,7 +173,9 @@ def train_task(preset: str, overrides: dict | None, run_name: str, run_dir: str,
     except TimeoutError:
         raise TrainError(f"another flow run is training run {run_name!r}: the concurrency limit {slot!r} "
                          f"stayed taken for {wait_seconds:.0f}s. Let it finish (or cancel it), then run "
-                         f"again; a holder that was killed frees its slot within ~{LEASE_SECONDS}s.") from None
+                         f"again. A killed holder's slot is freed within ~{LEASE_SECONDS}s if the Prefect "
+                         "server keeps its leases on disk (PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE, "
+                         f"docs/prefect.md); else: prefect gcl update {slot} --active-slots 0") from None
     try:
         if time.time() - t0 > 1:
             log.info("waited %.0fs for concurrency slot %s", time.time() - t0, slot)

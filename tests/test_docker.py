@@ -25,6 +25,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from flows.services import LEASE_STORAGE
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCKER = ROOT / "docker"
 DEPLOY = ROOT / "deployments"
@@ -145,6 +147,7 @@ def test_compose_stack(tmp_path):
         "gpt2-data",
         "gpt2-runs",
         "gpt2-artifacts",
+        "gpt2-prefect-home",
     }
     mounts = {
         n: {m["target"]: (m["type"], m["source"]) for m in s.get("volumes", [])} for n, s in svc.items()
@@ -152,6 +155,10 @@ def test_compose_stack(tmp_path):
     assert mounts["worker"] == {"/data": ("volume", "data"), "/data/runs": ("volume", "runs")}
     assert mounts["mlflow"]["/mlartifacts"] == ("volume", "artifacts")
     assert mounts["postgres"]["/var/lib/postgresql/data"] == ("volume", "pgdata")
+    # concurrency leases survive a server restart (else a crashed run's slots stay taken for ever)
+    env = svc["prefect-server"]["environment"]
+    assert env["PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE"] == LEASE_STORAGE
+    assert mounts["prefect-server"][env["PREFECT_HOME"]] == ("volume", "prefect-home")
     assert (DOCKER / "postgres-init.sql").read_text().count("CREATE DATABASE mlflow") == 1
 
     # the worker: GPUs, the pool the gpt2-124m deployment uses, services by name, the entrypoint

@@ -147,11 +147,16 @@ def test_killed_flow_run_resumes_from_its_checkpoint(prefect_stack):
         time.sleep(0.5)
     step = read_meta(latest_checkpoint(run_dir))["step"]
     assert 8 <= step < 2000
+    # the whole machine went down: the Prefect server too. Its concurrency leases (the run's train slot,
+    # held by the killed flow run) must outlive the restart, or the slot stays taken for ever
+    prefect_stack.prefect.stop()
+    prefect_stack.up()
 
     prefect_stack.start_worker()
     # same run identity (max_steps is part of it); a time budget bounds this invocation
     params["overrides"]["train.max_minutes"] = 0.1
-    fr2 = run_deployment_and_wait(params, timeout=300)
+    params["wait_seconds"] = 150  # the killed holder's lease (60 s) expires well before
+    fr2 = run_deployment_and_wait(params, timeout=400)
     assert fr2.state.is_completed(), fr2.state.message
     logs = "\n".join(flow_logs(fr2.id))
     assert f"resuming from step {step}" in logs, logs[-3000:]
