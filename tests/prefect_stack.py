@@ -23,7 +23,8 @@ def prefect_stack(tmp_path_factory):
 
     home = tmp_path_factory.mktemp("gptpipe-home")
     stack = Stack(home, prefect_port=0, mlflow_port=0, ui=False,
-                  extra_env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
+                  extra_env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+                             "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30"})  # Prefect's minimum
     try:
         stack.up()
         deploy(stack, force=True)

@@ -110,9 +110,20 @@ def test_end_to_end_then_rerun_is_a_no_op(prefect_stack):
     assert set(out["stages"].values()) == {"skipped"} and out["heavy"] == [], out
 
 
+def automations_script(stack, *args) -> subprocess.CompletedProcess:
+    script = Path(__file__).resolve().parents[1] / "deployments" / "automations.py"
+    return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PREFECT_API_URL": stack.prefect_api_url})
+
+
 def test_killed_flow_run_resumes_from_its_checkpoint(prefect_stack):
+    from prefect.automations import Automation
+    from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
 
+    # the unresponsive-run automation for this deployment (heartbeats every 30 s here: prefect_stack)
+    r = automations_script(prefect_stack, "--deployment", "tiny", "--silence-seconds", "60")
+    assert r.returncode == 0, r.stderr[-2000:]
     params = micro("killed", 2000, **{"eval.eval_interval": 1000, "eval.sample_interval": 1000})
     params.update(register=False, evaluate=False)
     fr_id = run_deployment("pretrain/tiny", parameters=params, timeout=0)
@@ -151,6 +162,16 @@ def test_killed_flow_run_resumes_from_its_checkpoint(prefect_stack):
     # held by the killed flow run) must outlive the restart, or the slot stays taken for ever
     prefect_stack.prefect.stop()
     prefect_stack.up()
+    # the dead flow run does not stay Running for ever: without heartbeats it is marked Crashed (and the
+    # failure notification, a Crashed event, would fire)
+    end = time.monotonic() + 300
+    with get_client(sync_client=True) as c:
+        while (state := c.read_flow_run(fr_id.id).state).type.value != "CRASHED":
+            assert state.is_running() and time.monotonic() < end, state
+            time.sleep(2)
+    assert "no heartbeat for 60s" in state.message
+    for name in ("pretrain/tiny: unresponsive run -> crashed", "pretrain/tiny: failed or crashed"):
+        Automation.read(name=name).delete()
 
     prefect_stack.start_worker()
     # same run identity (max_steps is part of it); a time budget bounds this invocation
@@ -255,19 +276,13 @@ def test_failure_automation_for_the_nightly_deployment_is_created(prefect_stack,
     """deployments/automations.py creates (then updates, by name) the automation that fires on a Failed or
     Crashed flow run of pretrain/gpt2-124m, on the real server; with a notification block it sends
     through it."""
-    import subprocess
-    import sys
 
     from prefect.automations import Automation
     from prefect.blocks.notifications import SlackWebhook
     from prefect.client.orchestration import get_client
 
-    script = Path(__file__).resolve().parents[1] / "deployments" / "automations.py"
-    env = {**os.environ, "PREFECT_API_URL": prefect_stack.prefect_api_url}
-
     def run(*args):
-        return subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True, text=True,
-                              timeout=120)
+        return automations_script(prefect_stack, *args)
 
     r = run()
     assert r.returncode == 0, r.stderr[-2000:]
@@ -289,3 +304,14 @@ def test_failure_automation_for_the_nightly_deployment_is_created(prefect_stack,
     assert r.returncode == 2 and "error: notification block" in r.stderr
     r = run("--deployment", "nope")
     assert r.returncode == 2 and "deploy it first" in r.stderr
+    # the unresponsive-run automation: a flow run of the deployment silent for 600 s is marked Crashed
+    zombie = Automation.read(name="pretrain/gpt2-124m: unresponsive run -> crashed")
+    t = zombie.trigger
+    assert t.posture == "Proactive" and t.within.total_seconds() == 600 and set(t.after) == {
+        "prefect.flow-run.heartbeat"}
+    assert {"prefect.flow-run.heartbeat", "prefect.flow-run.Completed", "prefect.flow-run.Crashed"} <= set(t.expect)
+    related = t.match_related[0] if isinstance(t.match_related, list) else t.match_related
+    assert related.model_dump() == {"prefect.resource.id": f"prefect.deployment.{dep.id}"}
+    assert [(a.type, a.state.value) for a in zombie.actions] == [("change-flow-run-state", "CRASHED")]
+    r = run("--silence-seconds", "20")
+    assert r.returncode == 2 and "too short" in r.stderr
