@@ -271,10 +271,9 @@ def tokenize_piece(cfg: RunConfig, piece: Piece, threads: int | None = None) -> 
     if (rec := piece_record(cfg, piece)) is not None:
         return rec["tokens"]
     threads = threads or worker_threads(cfg)
-    f = sources.SourceFile(path=piece.path, kind=piece.kind, size=0, name=piece.name)
     chunks, docs, replaced = [], 0, []
-    for texts in sources.read_texts(f, None, piece.start, piece.stop, cfg.data.text_column, piece.limit,
-                                    strict_utf8=cfg.data.strict_utf8, replaced=replaced):
+    for texts in sources.read_texts(piece.path, piece.kind, piece.start, piece.stop, cfg.data.text_column,
+                                    piece.limit, strict_utf8=cfg.data.strict_utf8, replaced=replaced):
         chunks.append(encode_documents(texts, threads))
         docs += len(texts)
     n = sum(c.size for c in chunks)

@@ -2,7 +2,7 @@
 
     source_dir = fetch(cfg)              # local dir holding source.json (+ downloaded files); idempotent
     files = load_listing(source_dir)     # the verified source files, in document order
-    for texts in read_texts(f, start, stop, text_column): ...   # streaming batches of documents
+    for texts in read_texts(path, kind, start, stop, text_column): ...   # streaming batches of documents
 
 `data.source` selects the source:
   "builtin"   the small public-domain corpus shipped in the package (Shakespeare, ~1.6M tokens)
@@ -334,16 +334,16 @@ def decode_txt(data: bytes, path: Path, strict: bool) -> tuple[str, int]:
     return text, text.count("\ufffd") - data.count("\ufffd".encode())
 
 
-def read_texts(f: SourceFile, source_dir: Path | None, start: int, stop: int, text_column: str,
-               limit: int = -1, batch_docs: int = 512, strict_utf8: bool = False, replaced: list | None = None):
-    """Yield lists of document texts from one piece of a file: parquet row groups [start, stop),
+def read_texts(path: Path, kind: str, start: int, stop: int, text_column: str, limit: int = -1,
+               batch_docs: int = 512, strict_utf8: bool = False, replaced: list | None = None):
+    """Yield lists of document texts from one piece of a `kind` file: parquet row groups [start, stop),
     jsonl bytes [start, stop) (line-aligned), or a whole txt file. At most `limit` documents (-1 = all).
     Memory stays at about one batch. A txt file's replaced invalid UTF-8 sequences are appended to
-    `replaced`. `source_dir` None: f.path is absolute."""
-    path = f.resolve(source_dir) if source_dir is not None else Path(f.path)
+    `replaced`."""
+    path = Path(path)
     left = limit if limit >= 0 else float("inf")
     try:
-        if f.kind == "parquet":
+        if kind == "parquet":
             pf = parquet_text_column(path, text_column)
             for rb in pf.iter_batches(batch_size=batch_docs, row_groups=range(start, stop),
                                       columns=[text_column], use_threads=False):
@@ -352,7 +352,7 @@ def read_texts(f: SourceFile, source_dir: Path | None, start: int, stop: int, te
                 left -= len(texts)
                 if left <= 0:
                     return
-        elif f.kind == "jsonl":
+        elif kind == "jsonl":
             yield from _read_jsonl(path, start, stop, text_column, left, batch_docs)
         else:
             if left > 0:
