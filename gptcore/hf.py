@@ -26,8 +26,8 @@ from safetensors.torch import load_file, save_file
 from gptcore.checkpoint import READ_ERRORS
 from gptcore.config import ModelConfig
 from gptcore.files import atomic_dir
-from gptcore.model import GPT, GPT2_VOCAB, clean_state_dict, unwrap
-from gptcore.tokenizer import EOT, hf_tokenizer_files
+from gptcore.model import GPT, clean_state_dict, unwrap
+from gptcore.tokenizer import EOT, N_VOCAB, hf_tokenizer_files
 
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 BUFFERS = (".attn.bias", ".attn.masked_bias")  # causal masks in old checkpoints (not `c_attn.bias`)
@@ -72,7 +72,7 @@ def load_hf_state_dict(model: GPT, sd: dict[str, torch.Tensor]) -> GPT:
     for k in sorted(expected & set(ours)):
         want, got = tuple(target[k].shape), tuple(ours[k].shape)
         if k == WTE:  # any vocabulary from the real 50257 up to our (padded) size fits
-            ok = len(got) == 2 and got[1] == want[1] and GPT2_VOCAB <= got[0] <= want[0]
+            ok = len(got) == 2 and got[1] == want[1] and N_VOCAB <= got[0] <= want[0]
         else:
             ok = got == want
         if not ok:
@@ -118,8 +118,8 @@ def model_config_from_hf(hf: dict, vocab_size: int = 50304, dropout: float = 0.0
         raise bad("scale_attn_weights=false")
     if not hf.get("tie_word_embeddings", True):
         raise bad("tie_word_embeddings=false (ours ties wte and lm_head)")
-    if not GPT2_VOCAB <= hf.get("vocab_size", GPT2_VOCAB) <= vocab_size:
-        raise bad(f"vocab_size={hf.get('vocab_size')} (the GPT-2 tokenizer has {GPT2_VOCAB})")
+    if not N_VOCAB <= hf.get("vocab_size", N_VOCAB) <= vocab_size:
+        raise bad(f"vocab_size={hf.get('vocab_size')} (the GPT-2 tokenizer has {N_VOCAB})")
     cfg = ModelConfig(block_size=hf.get("n_positions", hf.get("n_ctx", 1024)), vocab_size=vocab_size,
                       n_layer=hf["n_layer"], n_head=hf["n_head"], n_embd=hf["n_embd"], dropout=dropout,
                       bias=True)
@@ -216,7 +216,7 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
     name = str(dtype).removeprefix("torch.")
     return {
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
-        "vocab_size": GPT2_VOCAB, "n_positions": cfg.block_size, "n_embd": cfg.n_embd,
+        "vocab_size": N_VOCAB, "n_positions": cfg.block_size, "n_embd": cfg.n_embd,
         "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_inner": None,
         "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5, "initializer_range": 0.02,
         "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
@@ -237,7 +237,7 @@ def hf_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     for k, v in sd.items():
         v = v.detach().cpu()
         if k == WTE:
-            v = v[:GPT2_VOCAB]
+            v = v[:N_VOCAB]
         out[k] = (v.t() if k.endswith(CONV1D) else v).contiguous().clone()  # own storage: no sharing
     if not m.config.bias:
         for name, mod in m.named_modules():

@@ -19,7 +19,6 @@ from gptcore.config import ModelConfig
 from gptcore.loss import PlainLoss
 from gptcore.tokenizer import N_VOCAB
 
-GPT2_VOCAB = N_VOCAB  # real token ids are < GPT2_VOCAB; ids above are padding
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -101,7 +100,7 @@ class GPT(nn.Module):
         """Parameters counted once (the tied embedding counts once)."""
         n = sum(p.numel() for p in self.parameters())
         if exclude_padding:
-            n -= (self.config.vocab_size - GPT2_VOCAB) * self.config.n_embd
+            n -= (self.config.vocab_size - N_VOCAB) * self.config.n_embd
         if exclude_position:
             n -= self.transformer.wpe.weight.numel()
         return n
@@ -124,7 +123,7 @@ class GPT(nn.Module):
             return None, self.head_loss(x.reshape(-1, x.size(-1)), self.lm_head.weight, targets.reshape(-1),
                                         reduction)
         # the real-vocab rows of the tied weight only: contiguous logits, no logits-sized copy
-        logits = F.linear(x, self.lm_head.weight[:GPT2_VOCAB])
+        logits = F.linear(x, self.lm_head.weight[:N_VOCAB])
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1),

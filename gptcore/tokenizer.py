@@ -17,7 +17,7 @@ import tiktoken
 RANK_FILE = Path(__file__).parent / "assets" / "r50k_base.tiktoken"
 RANK_FILE_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
 EOT = 50256  # <|endoftext|>: separates documents
-N_VOCAB = 50257
+N_VOCAB = 50257  # real token ids are < N_VOCAB; the model pads its vocabulary beyond (ids never produced)
 # The GPT-2 pre-tokenisation regex (identical to tiktoken's r50k_pat_str).
 PAT_STR = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
 

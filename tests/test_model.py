@@ -7,7 +7,8 @@ import torch
 
 from gptcore.config import ModelConfig, model_preset
 from gptcore.loss import FusedLinearCrossEntropy, FusedLoss, PlainLoss
-from gptcore.model import GPT, GPT2_VOCAB, clean_state_dict, unwrap
+from gptcore.model import GPT, clean_state_dict, unwrap
+from gptcore.tokenizer import N_VOCAB
 
 
 def micro(**kw) -> GPT:
@@ -16,7 +17,7 @@ def micro(**kw) -> GPT:
 
 
 def ids(B, T, seed=0):
-    return torch.randint(0, GPT2_VOCAB, (B, T), generator=torch.Generator().manual_seed(seed))
+    return torch.randint(0, N_VOCAB, (B, T), generator=torch.Generator().manual_seed(seed))
 
 
 def test_gpt2_preset_has_exactly_the_hf_parameter_count():
@@ -59,7 +60,7 @@ def test_causality():
         base, _ = m(x)
         for t in (0, 1, 17, 47):
             y = x.clone()
-            y[:, t] = (y[:, t] + 1) % GPT2_VOCAB
+            y[:, t] = (y[:, t] + 1) % N_VOCAB
             out, _ = m(y)
             assert torch.allclose(out[:, :t], base[:, :t], atol=1e-6, rtol=0), t  # the past never sees t
             assert not torch.allclose(out[:, t], base[:, t])  # ...and position t does
@@ -71,8 +72,8 @@ def test_loss_at_init_is_uniform_over_the_real_vocab():
     x = ids(4, 128, seed=1)
     with torch.no_grad():
         logits, loss = m(x, ids(4, 128, seed=2))
-    assert logits.shape == (4, 128, GPT2_VOCAB)  # padded ids are not in the logits
-    assert abs(loss.item() - math.log(GPT2_VOCAB)) < 0.1
+    assert logits.shape == (4, 128, N_VOCAB)  # padded ids are not in the logits
+    assert abs(loss.item() - math.log(N_VOCAB)) < 0.1
 
 
 def test_targets_minus_one_are_ignored_and_reduction_none():
@@ -138,13 +139,13 @@ def test_generate_refuses_to_exceed_block_size():
 def test_padded_ids_are_never_sampled():
     m = micro()
     with torch.no_grad():  # make the padded rows of the head win by a mile if they were ever considered
-        m.lm_head.weight[GPT2_VOCAB:] = 100.0
+        m.lm_head.weight[N_VOCAB:] = 100.0
         m.transformer.ln_f.bias.fill_(1.0)
         full = m.lm_head(torch.ones(1, 32))
-    assert full.argmax().item() >= GPT2_VOCAB  # the trap is armed
+    assert full.argmax().item() >= N_VOCAB  # the trap is armed
     out = m.generate(ids(8, 2), 12, temperature=2.0, seed=1)
-    assert out.max().item() < GPT2_VOCAB
-    assert m.generate(ids(4, 2), 4, temperature=0.0).max().item() < GPT2_VOCAB
+    assert out.max().item() < N_VOCAB
+    assert m.generate(ids(4, 2), 4, temperature=0.0).max().item() < N_VOCAB
 
 
 def test_clean_state_dict_and_unwrap():
@@ -193,7 +194,7 @@ def test_training_loss_heads_match_logits_and_cross_entropy(preset, B, T, reduct
     assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
     for n, p in m.named_parameters():
         assert torch.allclose(p.grad, ref_grads[n], rtol=1e-5, atol=1e-5 * ref_grads[n].abs().max().item()), n
-    assert not m.lm_head.weight.grad[GPT2_VOCAB:].any()  # padded rows get no gradient (no padded targets)
+    assert not m.lm_head.weight.grad[N_VOCAB:].any()  # padded rows get no gradient (no padded targets)
 
 
 def test_fused_training_loss_under_cpu_bf16_autocast():
@@ -217,7 +218,7 @@ def test_fused_training_loss_under_cpu_bf16_autocast():
         ref = 2.0 * ref_grads[n]
         # measured <= 0.13%: the same bf16 matmuls as autocast's path, only summed in another order
         assert (p.grad - ref).norm() <= 0.01 * ref.norm(), n
-    assert not m.lm_head.weight.grad[GPT2_VOCAB:].any()
+    assert not m.lm_head.weight.grad[N_VOCAB:].any()
 
 
 def test_fused_loss_is_exact_where_a_target_probability_underflows():
