@@ -22,7 +22,8 @@ from gptcore.hf import (
     load_hf_state_dict,
     model_config_from_hf,
 )
-from gptcore.model import GPT, GPT2_VOCAB
+from gptcore.model import GPT
+from gptcore.tokenizer import N_VOCAB
 from tests.local_http import serve
 
 SMALL = dict(n_layer=2, n_embd=64, n_head=4, n_positions=64, vocab_size=50257,
@@ -47,7 +48,7 @@ def hf_model():
 
 
 def tokens(B=2, T=64, seed=3):
-    return torch.randint(0, GPT2_VOCAB, (B, T), generator=torch.Generator().manual_seed(seed))
+    return torch.randint(0, N_VOCAB, (B, T), generator=torch.Generator().manual_seed(seed))
 
 
 def ours_loss(model, idx):
@@ -60,7 +61,7 @@ def assert_same(ours, hf, idx):
     with torch.no_grad():
         logits, loss = ours_loss(ours.eval(), idx)
         out = hf(idx, labels=idx)
-    assert logits.shape == out.logits.shape == (*idx.shape, GPT2_VOCAB)
+    assert logits.shape == out.logits.shape == (*idx.shape, N_VOCAB)
     assert (logits - out.logits).abs().max().item() < 1e-5
     assert abs(loss.item() - out.loss.item()) < 1e-5
 
@@ -71,8 +72,8 @@ def test_hf_to_ours_same_logits_loss_and_zero_padding(hf_model):
     load_hf_state_dict(ours, hf_model.state_dict())
     assert_same(ours, hf_model, tokens())
     wte = ours.transformer.wte.weight
-    assert torch.equal(wte[:GPT2_VOCAB], hf_model.transformer.wte.weight)
-    assert not wte[GPT2_VOCAB:].any()  # padded rows zeroed
+    assert torch.equal(wte[:N_VOCAB], hf_model.transformer.wte.weight)
+    assert not wte[N_VOCAB:].any()  # padded rows zeroed
     assert ours.lm_head.weight is wte  # still tied after loading
 
 
@@ -88,14 +89,14 @@ def test_export_loads_in_transformers_same_logits_and_greedy_tokens(tmp_path):
     assert [p.name for p in out.parent.iterdir()] == ["hf"]  # no temp dir left behind
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         assert "lm_head.weight" not in set(f.keys())  # tied: stored once, as HF does
-        assert f.get_tensor("transformer.wte.weight").shape == (GPT2_VOCAB, 64)
+        assert f.get_tensor("transformer.wte.weight").shape == (N_VOCAB, 64)
         # Conv1D layout: (in, out)
         assert f.get_tensor("transformer.h.0.mlp.c_fc.weight").shape == (64, 256)
 
     hf, info = GPT2LMHeadModel.from_pretrained(out, output_loading_info=True)
     assert not any(info.values()), info  # no missing, unexpected or mismatched keys
     hf.eval()
-    assert hf.config.vocab_size == GPT2_VOCAB and hf.config.activation_function == "gelu_new"
+    assert hf.config.vocab_size == N_VOCAB and hf.config.activation_function == "gelu_new"
     assert hf.lm_head.weight.data_ptr() == hf.transformer.wte.weight.data_ptr()
     assert_same(ours, hf, tokens(seed=4))
 
@@ -110,8 +111,8 @@ def test_export_loads_in_transformers_same_logits_and_greedy_tokens(tmp_path):
     again = load_hf_dir(out)
     sd, sd2 = ours.state_dict(), again.state_dict()
     for k in sd:
-        want = sd[k][:GPT2_VOCAB] if k in ("transformer.wte.weight", "lm_head.weight") else sd[k]
-        got = sd2[k][:GPT2_VOCAB] if k in ("transformer.wte.weight", "lm_head.weight") else sd2[k]
+        want = sd[k][:N_VOCAB] if k in ("transformer.wte.weight", "lm_head.weight") else sd[k]
+        got = sd2[k][:N_VOCAB] if k in ("transformer.wte.weight", "lm_head.weight") else sd2[k]
         assert torch.equal(want, got), k
 
 
