@@ -135,7 +135,7 @@ def m_naive(corpus: Path, out: Path, workers: int):
 
     import pyarrow.parquet as pq
 
-    from gptcore.shards import shard_header
+    from gptcore.shard_format import shard_header
     t0 = time.perf_counter()
     texts = pq.read_table(corpus, columns=["text"]).column("text").to_pylist()
     out.mkdir(parents=True, exist_ok=True)
@@ -177,7 +177,7 @@ def m_prefect(corpus: Path, out: Path, workers: int):
     t0 = time.perf_counter()
     tokenize_dataset(cfg)
     dt = time.perf_counter() - t0
-    from gptcore.shards import Manifest
+    from gptcore.shard_format import Manifest
     return Manifest.load(sharding.dataset_dir(cfg)).total_tokens(), dt
 
 
@@ -218,8 +218,8 @@ def run_one(method, corpus, out, workers, env=None, rss=False) -> dict:
 def overheads(corpus: Path, tmp: Path, tokens: int) -> dict:
     import pyarrow.parquet as pq
 
+    from gptcore.shard_format import write_shard_chunks
     from gptcore.sharding import join_documents
-    from gptcore.shards import write_shard_chunks
     res = {}
     t0 = time.perf_counter()
     n = 0

@@ -36,7 +36,7 @@ from gptcore.data import ShardLoader
 from gptcore.distributed import Env, select_loss
 from gptcore.loss import make_loss
 from gptcore.model import GPT
-from gptcore.shards import Manifest, ShardInfo, write_shard
+from gptcore.shard_format import Manifest, ShardInfo, write_shard
 from gptcore.train import train_step
 
 H100_BF16_PEAK = 989e12  # dense bf16 FLOP/s per H100 SXM

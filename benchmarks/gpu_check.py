@@ -35,7 +35,7 @@ STEPS = 12
 
 def make_dataset(d: Path) -> Path:
     """Learnable tokens (a repeating pattern with noise), a val shard and three train shards."""
-    from gptcore.shards import Manifest, ShardInfo, write_shard
+    from gptcore.shard_format import Manifest, ShardInfo, write_shard
 
     d.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)

@@ -141,7 +141,7 @@ def data_stage(cfg: RunConfig, stage: Stages) -> tuple[str, dict]:
     """(dataset dir, {"train": tokens, "val": tokens}) after making the dataset (or finding it complete);
     the shard table artifact."""
     from gptcore import sharding
-    from gptcore.shards import Manifest
+    from gptcore.shard_format import Manifest
 
     dataset_dir, why = str(sharding.dataset_dir(cfg)), sharding.why_incomplete(cfg)
     if why is not None:

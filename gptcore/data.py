@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from gptcore.files import cached_sha256, read_json, write_json
-from gptcore.shards import Manifest, ShardError, read_shard
+from gptcore.shard_format import Manifest, ShardError, read_shard
 
 
 def open_dataset(dataset_dir: Path, full_verify: bool = False) -> Manifest:

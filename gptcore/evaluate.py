@@ -22,7 +22,7 @@ from gptcore.config import ConfigError, RunConfig, TrainConfig, apply_overrides,
 from gptcore.data import val_batches
 from gptcore.model import without_ddp
 from gptcore.run_files import CheckpointError
-from gptcore.shards import Manifest, ShardError
+from gptcore.shard_format import Manifest, ShardError
 
 log = logging.getLogger(__name__)
 

@@ -41,7 +41,7 @@ from gptcore import sources
 from gptcore.config import RunConfig, pipeline_home
 from gptcore.files import atomic_write_bytes, cached_sha256, file_sha256, free_disk, read_json, remove_stale_temps
 from gptcore.runlock import LockHeld, LocksUnsupported, RunLock
-from gptcore.shards import MANIFEST, Manifest, ShardError, ShardInfo, read_shard, write_shard_chunks
+from gptcore.shard_format import MANIFEST, Manifest, ShardError, ShardInfo, read_shard, write_shard_chunks
 from gptcore.tokenizer import EOT, RANK_FILE_SHA256, get_encoding
 
 PIECES = ".pieces"  # work area inside the dataset dir; removed once the manifest is written

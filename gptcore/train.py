@@ -45,8 +45,8 @@ from gptcore.model import GPT, peak_flops_guess
 from gptcore.optim import build_optimizer, lr_at, set_lr, skips_on_device
 from gptcore.run_files import run_dir_for
 from gptcore.runlock import LockHeld, RunLock
+from gptcore.shard_format import Manifest, ShardError
 from gptcore.sharding import dataset_dir
-from gptcore.shards import Manifest, ShardError
 
 EXIT_OK, EXIT_BAD_INPUT, EXIT_DIVERGED = 0, 2, 3
 SHARD_HASHES = "shard_hashes.json"  # the shards' verified sha256s, by (size, mtime, inode): no re-hash on restart

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from gptcore.data import ShardLoader, open_dataset, val_batches
-from gptcore.shards import Manifest, ShardError
+from gptcore.shard_format import Manifest, ShardError
 from tests.test_train_utils import make_dataset
 
 T, B = 16, 2

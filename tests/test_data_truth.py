@@ -15,7 +15,7 @@ import pytest
 
 from gptcore import sharding
 from gptcore.config import load_config
-from gptcore.shards import Manifest
+from gptcore.shard_format import Manifest
 from tests.test_train_utils import env, make_dataset, python_cmd
 
 ROOT = Path(__file__).resolve().parents[1]

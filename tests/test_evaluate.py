@@ -20,7 +20,7 @@ from gptcore.config import load_config
 from gptcore.evaluate import main as evaluate_main
 from gptcore.evaluate import validation_loss
 from gptcore.model import GPT
-from gptcore.shards import Manifest, ShardError, ShardInfo, write_shard
+from gptcore.shard_format import Manifest, ShardError, ShardInfo, write_shard
 from tasks.evaluate import evaluate_dir
 
 FIXTURE = Path(__file__).parent / "fixtures" / "hellaswag_mini.jsonl"

@@ -16,7 +16,7 @@ import pytest
 
 from gptcore import sharding, sources
 from gptcore.config import load_config
-from gptcore.shards import Manifest, read_shard
+from gptcore.shard_format import Manifest, read_shard
 from gptcore.tokenizer import EOT, get_encoding
 
 ROOT = Path(__file__).resolve().parents[1]

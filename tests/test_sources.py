@@ -15,7 +15,7 @@ import pytest
 
 from gptcore import sharding, sources
 from gptcore.config import load_config
-from gptcore.shards import read_shard
+from gptcore.shard_format import read_shard
 from gptcore.tokenizer import EOT, get_encoding
 from tests.local_http import serve
 

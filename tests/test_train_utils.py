@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from gptcore.metrics import read_metrics
-from gptcore.shards import Manifest, ShardInfo, write_shard
+from gptcore.shard_format import Manifest, ShardInfo, write_shard
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,5 @@
-"""The token shard format and the dataset manifest: the one reader and writer everyone uses.
+"""The token shard format and the dataset manifest (the on-disk format; gptcore.sharding makes datasets
+in it): the one reader and writer everyone uses.
 
 A shard is llm.c's layout, so shards interoperate with llm.c and modded-nanogpt:
 
