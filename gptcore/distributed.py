@@ -1,6 +1,6 @@
 """Process-group setup and hardware selection: one place decides device, backend, dtype and compile.
 
-CUDA -> nccl, bf16 autocast (fp16 + GradScaler on GPUs without bf16), TF32 matmuls, compile on.
+CUDA -> nccl, bf16 autocast (fp16 + GradScaler on GPUs without native bf16), TF32 matmuls, compile on.
 CPU  -> gloo, fp32 (bf16 autocast if asked), compile only if asked.
 Runs the same under `torchrun` (RANK/WORLD_SIZE/LOCAL_RANK in the environment) and as a plain process.
 """
