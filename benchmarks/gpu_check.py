@@ -5,7 +5,8 @@
 
 Each check is a row of the table it prints, PASS or FAIL (exit 1 if any fails):
   train   micro and a GPT-2-shaped model train under torchrun on every device (compile + bf16 on CUDA,
-          as `auto` selects): exit 0, finite losses, the loss falls
+          fp16 + GradScaler on GPUs without native bf16, as `auto` selects): exit 0, finite losses, the
+          loss falls
   resume  a run SIGKILLed after its first checkpoint and started again ends with the losses of the
           uninterrupted run (bf16 tolerance on CUDA, fp32 rounding on CPU)
   ranks   2 ranks equal 1 rank with twice the accumulation (when there are >= 2 devices)
@@ -240,8 +241,11 @@ def main(argv: list[str] | None = None) -> int:
         big = list(all_shapes)[-1]
         device = torch.device("cuda", 0) if a.device == "cuda" else torch.device("cpu")
         rows.append((f"speed {big}", *check_speed(device, all_shapes[big], dataset, a.speed_steps)))
+    from gptcore.distributed import select_dtype
+
     name = torch.cuda.get_device_name(0) if a.device == "cuda" else "CPU"
-    print(f"\ngpu_check on {ndev} x {name} (torch {torch.__version__})")
+    autocast = str(select_dtype("auto", device)).removeprefix("torch.")
+    print(f"\ngpu_check on {ndev} x {name} (torch {torch.__version__}, auto dtype {autocast})")
     for check, ok, detail in rows:
         mark = "PASS" if ok else "info" if ok is None else "FAIL"
         print(f"  {mark:4s}  {check:22s} {detail}")

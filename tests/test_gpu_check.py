@@ -25,7 +25,7 @@ def test_every_check_runs_and_passes_on_cpu(tmp_path):
     for row in ("PASS  train micro", "PASS  resume after SIGKILL", "PASS  2 ranks == 1 rank",
                 "PASS  train gpt2-shaped", "info  speed gpt2-shaped"):
         assert row in table, table
-    assert "killed mid-run: True" in table
+    assert "killed mid-run: True" in table and "auto dtype float32)" in table
     assert json.loads(r.stdout.strip().splitlines()[-1]) == {"passed": True}
 
 
