@@ -91,7 +91,10 @@ def _upsert(wanted):
 def deploy(deployment: str = "gpt2-124m", notify_block: str | None = None,
            silence_seconds: float = SILENCE_SECONDS):
     """Create or update both automations; returns (failure notification, unresponsive -> crashed).
-    ValueError names what is missing."""
+    ValueError names what is missing or wrong (the silence first: before any call to the server)."""
+    if not silence_seconds >= 60:
+        raise ValueError(f"--silence-seconds {silence_seconds} is too short: heartbeats come at most every 30 s "
+                         "(PREFECT_FLOWS_HEARTBEAT_FREQUENCY); use at least 60, a few heartbeats")
     from prefect.blocks.core import Block
     from prefect.client.orchestration import get_client
 
@@ -108,9 +111,6 @@ def deploy(deployment: str = "gpt2-124m", notify_block: str | None = None,
         except Exception as e:  # noqa: BLE001
             raise ValueError(f"notification block {notify_block!r} not found ({e}); create it first "
                              "(e.g. a slack-webhook block) and pass its <type>/<name>") from None
-    if not silence_seconds >= 60:
-        raise ValueError(f"--silence-seconds {silence_seconds} is too short: heartbeats come at most every 30 s "
-                         "(PREFECT_FLOWS_HEARTBEAT_FREQUENCY); use at least 60, a few heartbeats")
     return (_upsert(build(str(dep.id), deployment, block_id)),
             _upsert(build_unresponsive(str(dep.id), deployment, silence_seconds)))
 
