@@ -17,9 +17,8 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from gptcore import hellaswag
-from gptcore.config import model_preset
-from gptcore.evaluate import pick_device
+from gptcore import distributed, hellaswag
+from gptcore.config import TrainConfig, model_preset
 from gptcore.model import GPT
 from gptcore.tokenizer import encode
 
@@ -69,7 +68,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    device, autocast_ctx = pick_device(args.device)
+    env = distributed.select(TrainConfig(device=args.device))
+    device, autocast_ctx = env.device, env.autocast()
     model = GPT(model_preset(args.preset)).to(device).eval()
     if args.compile:
         model = torch.compile(model)

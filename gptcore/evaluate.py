@@ -21,7 +21,7 @@ from gptcore import distributed
 from gptcore.config import ConfigError, RunConfig, TrainConfig, apply_overrides, from_dict, load_config
 from gptcore.data import val_batches
 from gptcore.model import without_ddp
-from gptcore.run_files import CheckpointError
+from gptcore.run_files import CheckpointError, checkpoint_of
 from gptcore.shard_format import Manifest, ShardError
 
 log = logging.getLogger(__name__)
@@ -55,29 +55,15 @@ def validation_loss(model: torch.nn.Module, cfg: RunConfig, manifest_dir: Path, 
 
 # --- standalone evaluation ----------------------------------------------------------------------
 
-def pick_device(name: str = "auto") -> tuple[torch.device, object]:
-    """(device, autocast context) for a single-process evaluation, by the trainer's hardware rules
-    (gptcore.distributed): bf16 autocast on a GPU that supports it, fp16 on older ones, none on a CPU."""
-    device = distributed.select_device(name)
-    dtype = distributed.select_dtype("auto", device)
-    ctx = nullcontext() if dtype == torch.float32 else torch.autocast(device_type=device.type, dtype=dtype)
-    return device, ctx
-
-
 def load_target(path: Path, device="cpu") -> tuple[torch.nn.Module, dict]:
     """Load the model behind `path`: a checkpoint dir, a run dir (its newest checkpoint) or a Hugging Face
     export dir. Returns (model in eval mode, info) where info names what was loaded."""
     from gptcore import checkpoint
 
-    path = Path(path)
+    path = checkpoint_of(Path(path))
     if (path / checkpoint.META_FILE).is_file():
         model, meta = checkpoint.load_model(path, device)
         return model, {"kind": "checkpoint", "path": str(path), "step": meta.get("step"), "meta": meta}
-    if (path / "checkpoints").is_dir():
-        ckpt = checkpoint.latest_checkpoint(path)
-        if ckpt is None:
-            raise FileNotFoundError(f"run directory {path} has no complete checkpoint yet; train first")
-        return load_target(ckpt, device)
     if (path / "config.json").is_file():
         from gptcore.hf import load_hf_dir  # the Hugging Face export/import module
 

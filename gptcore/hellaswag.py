@@ -106,11 +106,6 @@ def make_example(ctx: str, endings: list[str], label: int) -> Example:
     return Example(ctx, endings, label, encode(ctx), [encode(" " + e) for e in endings])
 
 
-def load_examples(path: Path, limit: int = 0) -> list[Example]:
-    """The first `limit` examples (0 = all), tokenized once so periodic evals only run the model."""
-    return [make_example(*r) for r in read_records(path, limit)]
-
-
 def verify_bytes(data: bytes, expected_examples: int = VAL_EXAMPLES, sha256: str | None = None) -> str:
     """'' if `data` is a complete HellaSwag validation file, else what is wrong with it."""
     sha256 = VAL_SHA256 if sha256 is None else sha256
@@ -180,15 +175,6 @@ def shared_examples(cfg: RunConfig, path: Path | None = None, limit: int = 0,
     if status == "skip":
         return None, payload
     return [make_example(*r) for r in payload], ""
-
-
-def ensure_dataset(cfg: RunConfig) -> Path | None:
-    """Path of the verified validation split (downloaded once), or None with the reason logged.
-    Never raises for network problems: a missing benchmark must not stop a training run."""
-    path, reason = fetch(cfg)
-    if path is None:
-        log.warning("HellaSwag evaluation skipped: %s", reason)
-    return path
 
 
 # --- scoring -------------------------------------------------------------------------------------

@@ -103,6 +103,17 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return None
 
 
+def checkpoint_of(path: Path) -> Path:
+    """A run directory means its newest checkpoint; any other path (a checkpoint, an HF export) itself."""
+    path = Path(path)
+    if (path / "checkpoints").is_dir():
+        ckpt = latest_checkpoint(path)
+        if ckpt is None:
+            raise FileNotFoundError(f"run directory {path} has no complete checkpoint yet; train first")
+        return ckpt
+    return path
+
+
 def best_checkpoint(run_dir: Path) -> Path | None:
     """The checkpoint with the lowest recorded val loss (latest step wins ties); the latest checkpoint
     if none has a val loss; None if there are no checkpoints."""

@@ -22,25 +22,14 @@ from pathlib import Path
 
 from prefect import get_run_logger, task
 
-from gptcore.config import RunConfig, from_dict
+from gptcore.config import RunConfig, TrainConfig, from_dict
 from gptcore.files import read_json, write_json
-from gptcore.run_files import META_FILE, latest_checkpoint, read_meta
+from gptcore.run_files import META_FILE, checkpoint_of, read_meta
 from gptcore.runlock import RunLock
 
 EVAL_FILE = "eval.json"
 EVAL_LOCK = "eval.lock"  # held while a checkpoint is being evaluated
 EVAL_WAIT_SECONDS = 3600.0  # a second evaluation of the same checkpoint waits this long for the first
-
-
-def resolve_target(target: str | Path) -> Path:
-    """A run dir means its newest checkpoint; a checkpoint or HF export dir is used as is."""
-    path = Path(target)
-    if (path / "checkpoints").is_dir():
-        ckpt = latest_checkpoint(path)
-        if ckpt is None:
-            raise FileNotFoundError(f"run directory {path} has no complete checkpoint to evaluate")
-        return ckpt
-    return path
 
 
 def settings(cfg: RunConfig, val: bool) -> dict:
@@ -66,7 +55,7 @@ def evaluate_dir(target: str | Path, cfg_dict: dict | None = None, val: bool = T
                  device: str = "auto", log=None) -> dict:
     """Evaluate (or return the stored evaluation of) the checkpoint behind `target`. Plain function:
     the Prefect task below wraps it, and tests / other tools can call it directly."""
-    ckpt = resolve_target(target)
+    ckpt = checkpoint_of(Path(target))
     if not cfg_dict and (ckpt / META_FILE).is_file():
         cfg_dict = read_meta(ckpt).get("config")  # the config the checkpoint was trained with
     cfg = from_dict(cfg_dict or {})
@@ -82,13 +71,14 @@ def evaluate_dir(target: str | Path, cfg_dict: dict | None = None, val: bool = T
 
 
 def _evaluate(ckpt: Path, cfg, val: bool, device: str, log) -> dict:
-    from gptcore import evaluate as ev  # torch: only when there is work to do
+    from gptcore import distributed  # torch: only when there is work to do
+    from gptcore.evaluate import evaluate_model, load_target
 
     t0 = time.time()
-    dev, autocast_ctx = ev.pick_device(device)
-    model, info = ev.load_target(ckpt, dev)
-    result = ev.evaluate_model(model, cfg, dev, autocast_ctx, hellaswag=cfg.eval.hellaswag,
-                               hellaswag_path=None, limit=cfg.eval.hellaswag_limit, val=val)
+    env = distributed.select(TrainConfig(device=device))  # the trainer's hardware rules (dtype, TF32)
+    model, info = load_target(ckpt, env.device)
+    result = evaluate_model(model, cfg, env.device, env.autocast(), hellaswag=cfg.eval.hellaswag,
+                            hellaswag_path=None, limit=cfg.eval.hellaswag_limit, val=val)
     result = {"target": str(ckpt), "kind": info["kind"], "step": info.get("step"), **result,
               "settings": settings(cfg, val), "seconds": round(time.time() - t0, 2)}
     write_json(ckpt / EVAL_FILE, result)

@@ -142,7 +142,7 @@ def run_torchrun(args, timeout=180) -> subprocess.CompletedProcess:
 
 def in_process(model: GPT, home: Path) -> dict:
     cfg = load_config("micro", OVERRIDES)
-    examples = hellaswag.load_examples(FIXTURE)
+    examples = [hellaswag.make_example(*r) for r in hellaswag.read_records(FIXTURE)]
     return {"val_loss": validation_loss(model, cfg, home / "shards" / "evaltest", "cpu"),
             "hellaswag": hellaswag.evaluate(model, examples, "cpu")}
 
@@ -171,7 +171,7 @@ def test_hf_export_dir_cli_and_stage(tmp_path, capsys):
 
     model = micro_model(3)
     hf_dir = export_hf(model, tmp_path / "hf")
-    expected = hellaswag.evaluate(model, hellaswag.load_examples(FIXTURE), "cpu")
+    expected = hellaswag.evaluate(model, [hellaswag.make_example(*r) for r in hellaswag.read_records(FIXTURE)], "cpu")
     code, stdout, stderr = run_cli([str(hf_dir), "--hellaswag", str(FIXTURE), "--device", "cpu"], capsys)
     assert code == 0, stderr
     out = json.loads(stdout)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import http.server
 import json
-import logging
 import os
 import socket
 import subprocess
@@ -36,15 +35,19 @@ def micro_model(seed: int = 0) -> GPT:
 
 # --- the file ------------------------------------------------------------------------------------
 
-def test_load_examples_tokenizes_ctx_and_spaced_endings():
-    ex = hellaswag.load_examples(FIXTURE)
+def load(path, limit=0):
+    return [hellaswag.make_example(*r) for r in hellaswag.read_records(path, limit)]
+
+
+def test_make_example_tokenizes_ctx_and_spaced_endings():
+    ex = load(FIXTURE)
     assert len(ex) == 7 and [e.label for e in ex] == [0, 1, 2, 3, 0, 1, 2]
     first = ex[0]
     assert first.ctx == "A baker dusts a wooden table with flour. She"
     from gptcore.tokenizer import decode, encode
     assert first.ctx_tokens == encode(first.ctx)
     assert decode(first.ending_tokens[0]) == " " + first.endings[0]  # the leading space is part of it
-    assert len(hellaswag.load_examples(FIXTURE, limit=3)) == 3
+    assert len(load(FIXTURE, limit=3)) == 3
 
 
 @pytest.mark.parametrize("mutate, line, words", [
@@ -60,13 +63,13 @@ def test_malformed_jsonl_error_names_the_line(tmp_path, mutate, line, words):
     bad = tmp_path / "bad.jsonl"
     bad.write_text("\n".join(mutate(FIXTURE.read_text().splitlines())) + "\n")
     with pytest.raises(hellaswag.HellaSwagError) as e:
-        hellaswag.load_examples(bad)
+        hellaswag.read_records(bad)
     assert f"{bad} line {line}" in str(e.value) and words in str(e.value)
 
 
 def test_missing_file_error_says_what_to_do(tmp_path):
     with pytest.raises(hellaswag.HellaSwagError, match="eval.hellaswag_path"):
-        hellaswag.load_examples(tmp_path / "nope.jsonl")
+        hellaswag.read_records(tmp_path / "nope.jsonl")
 
 
 # --- download and cache --------------------------------------------------------------------------
@@ -107,68 +110,63 @@ def home(tmp_path, monkeypatch):
     return tmp_path / "home"
 
 
-def test_ensure_dataset_downloads_once_then_uses_cache(home, http_server, monkeypatch):
+def test_fetch_downloads_once_then_uses_cache(home, http_server, monkeypatch):
     url, files, hits, srv = http_server
     data = full_size_file()
     files["/hellaswag_val.jsonl"] = data
     monkeypatch.setenv(hellaswag.URL_ENV, url + "/hellaswag_val.jsonl")
     cfg = load_config("micro")
-    path = hellaswag.ensure_dataset(cfg)
+    path, _ = hellaswag.fetch(cfg)
     assert path == home / "hellaswag" / "hellaswag_val.jsonl" and path.read_bytes() == data
     assert hits == ["/hellaswag_val.jsonl"]
     assert [p.name for p in path.parent.iterdir()] == ["hellaswag_val.jsonl"]  # no temp files left
     srv.shutdown()  # the second call must not need the network
-    assert hellaswag.ensure_dataset(cfg) == path and hits == ["/hellaswag_val.jsonl"]
-    assert len(hellaswag.load_examples(path)) == hellaswag.VAL_EXAMPLES
+    assert hellaswag.fetch(cfg) == (path, "") and hits == ["/hellaswag_val.jsonl"]
+    assert len(hellaswag.read_records(path)) == hellaswag.VAL_EXAMPLES
 
 
-def test_ensure_dataset_verifies_pinned_sha256(home, http_server, monkeypatch, caplog):
+def test_fetch_verifies_pinned_sha256(home, http_server, monkeypatch):
     url, files, _, _ = http_server
     data = full_size_file()
     files["/v.jsonl"] = data
     monkeypatch.setenv(hellaswag.URL_ENV, url + "/v.jsonl")
     monkeypatch.setattr(hellaswag, "VAL_SHA256", "0" * 64)
-    with caplog.at_level(logging.WARNING, logger="gptcore.hellaswag"):
-        assert hellaswag.ensure_dataset(load_config("micro")) is None
-    assert "sha256" in caplog.text and not (home / "hellaswag" / "hellaswag_val.jsonl").exists()
+    path, reason = hellaswag.fetch(load_config("micro"))
+    assert path is None and "sha256" in reason and not (home / "hellaswag" / "hellaswag_val.jsonl").exists()
     import hashlib
     monkeypatch.setattr(hellaswag, "VAL_SHA256", hashlib.sha256(data).hexdigest())
-    assert hellaswag.ensure_dataset(load_config("micro")) is not None
+    assert hellaswag.fetch(load_config("micro"))[0] is not None
 
 
-def test_ensure_dataset_rejects_incomplete_download(home, http_server, monkeypatch, caplog):
+def test_fetch_rejects_incomplete_download(home, http_server, monkeypatch):
     url, files, _, _ = http_server
     files["/short.jsonl"] = FIXTURE.read_bytes()  # valid lines, but 7 instead of 10,042
     monkeypatch.setenv(hellaswag.URL_ENV, url + "/short.jsonl")
-    with caplog.at_level(logging.WARNING, logger="gptcore.hellaswag"):
-        assert hellaswag.ensure_dataset(load_config("micro")) is None
-    assert "7 lines, expected 10042" in caplog.text
+    path, reason = hellaswag.fetch(load_config("micro"))
+    assert path is None and "7 lines, expected 10042" in reason
     assert not (home / "hellaswag" / "hellaswag_val.jsonl").exists()
     monkeypatch.setenv(hellaswag.URL_ENV, url + "/moved.jsonl")  # HTTP 404
     path, reason = hellaswag.fetch(load_config("micro"))
     assert path is None and "404" in reason
 
 
-def test_ensure_dataset_unreachable_returns_none_with_reason(home, monkeypatch, caplog):
+def test_fetch_unreachable_returns_none_with_reason(home, monkeypatch):
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     monkeypatch.setenv(hellaswag.URL_ENV, f"http://127.0.0.1:{port}/hellaswag_val.jsonl")
-    with caplog.at_level(logging.WARNING, logger="gptcore.hellaswag"):
-        assert hellaswag.ensure_dataset(load_config("micro")) is None
-    assert "cannot download" in caplog.text and "eval.hellaswag_path" in caplog.text
     path, reason = hellaswag.fetch(load_config("micro"))
     assert path is None and f"127.0.0.1:{port}" in reason
+    assert "cannot download" in reason and "eval.hellaswag_path" in reason
 
 
-def test_ensure_dataset_local_path(home, tmp_path, monkeypatch, caplog):
+def test_fetch_local_path(home, tmp_path, monkeypatch):
     monkeypatch.setenv(hellaswag.URL_ENV, "http://127.0.0.1:9/never-used")
     cfg = load_config("micro", [f"eval.hellaswag_path={FIXTURE}"])
-    assert hellaswag.ensure_dataset(cfg) == FIXTURE
+    assert hellaswag.fetch(cfg) == (FIXTURE, "")
     cfg = load_config("micro", [f"eval.hellaswag_path={tmp_path / 'missing.jsonl'}"])
-    with caplog.at_level(logging.WARNING, logger="gptcore.hellaswag"):
-        assert hellaswag.ensure_dataset(cfg) is None
-    assert "missing.jsonl does not exist" in caplog.text
+    path, reason = hellaswag.fetch(cfg)
+    assert path is None and "missing.jsonl does not exist" in reason
 
 
 # --- scoring -------------------------------------------------------------------------------------
@@ -199,7 +197,7 @@ def test_compiled_model_compiles_once_per_bucket_not_per_example():
 
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=counting_backend, dynamic=False)
-    base = hellaswag.load_examples(FIXTURE)
+    base = load(FIXTURE)
     # lengths spread over every bucket of the micro model (32, 48, 64), including rows longer than the
     # block, which keep their last 64 tokens
     examples = [hellaswag.make_example(" word" * n + ex.ctx, ex.endings, ex.label)
@@ -235,7 +233,7 @@ def train_to_prefer(model: GPT, examples, choice: list[int], steps: int = 40) ->
 
 
 def test_model_taught_the_labelled_endings_scores_one():
-    examples = hellaswag.load_examples(FIXTURE)
+    examples = load(FIXTURE)
     # Teach a different ending than the fixture's label: (label + 2) % 4. Relabelled, every example must
     # be right (1.0); against the original labels every one must be wrong (0.0), so the score follows
     # what the model learned rather than a quirk of the fixture (an untrained model gets acc_norm 1.0
@@ -277,7 +275,7 @@ dist.destroy_process_group()
 
 @pytest.mark.slow
 def test_ddp_two_ranks_gives_the_same_counts(tmp_path):
-    examples = hellaswag.load_examples(FIXTURE)  # 7 examples: ranks get 4 and 3
+    examples = load(FIXTURE)  # 7 examples: ranks get 4 and 3
     model = micro_model(0)
     single = hellaswag.evaluate(model, examples, "cpu")
     sums, _ = hellaswag.score(model, examples, "cpu")
