@@ -2,7 +2,7 @@
 
     pieces = plan_pieces(cfg, source_dir)      # fixed contiguous document ranges of the source
     for p in pieces: tokenize_piece(cfg, p)    # in parallel (processes / Prefect tasks), any order
-    manifest = build_shards(cfg, pieces)       # cut shards from the ordered concatenation of pieces
+    manifest = ShardCutter(cfg, pieces).finish()   # cut shards from the ordered concatenation of pieces
 
     manifest = build(cfg, tokenize)            # all of it: fetch, plan, `tokenize` runs the pieces (a process
                                                # pool in run(), Prefect tasks in tasks/tokenize.py), cut as they finish
@@ -487,11 +487,6 @@ class ShardCutter:
                                  "the tokenize stage to re-make it")
             self.arrays[i] = read_shard(path)
         return self.arrays[i]
-
-
-def build_shards(cfg: RunConfig, pieces: list[Piece]) -> Manifest:
-    """Cut every shard once all pieces are tokenized (ShardCutter without the overlap)."""
-    return ShardCutter(cfg, pieces).finish()
 
 
 def _spec(cfg: RunConfig, pieces: list[Piece]) -> dict:

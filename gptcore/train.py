@@ -133,12 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(argv[0], argv[1:], world_size=world)
         prep = prepare(cfg, rank)
-    except (ConfigError, ShardError, RunError, LockHeld, checkpoint.CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except OSError as e:
-        print(f"error: {cannot_use(e)}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    except (ConfigError, ShardError, RunError, LockHeld, checkpoint.CheckpointError, OSError) as e:
+        return fail(e)
     if prep is None:
         return EXIT_OK
     # flag-only handlers for the run; the previous ones come back after it (main may run in-process: a
@@ -146,15 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         return train(cfg, prep, t_start)
-    except RunError as e:  # found only once the ranks talk (e.g. a run dir not shared between nodes)
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except Diverged as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_DIVERGED
-    except OSError as e:  # after the checks: e.g. the disk filled up, or a file turned into a directory
-        print(f"error: {cannot_use(e)}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    # RunError: found only once the ranks talk (e.g. a run dir not shared between nodes); OSError after
+    # the checks: e.g. the disk filled up, or a file turned into a directory
+    except (RunError, Diverged, OSError) as e:
+        return fail(e)
     finally:
         distributed.teardown()
         if prep.lock is not None:
@@ -164,10 +155,15 @@ def main(argv: list[str] | None = None) -> int:
         _STOP["signal"] = None
 
 
-def cannot_use(e: OSError) -> str:
-    return (f"{type(e).__name__}: {e}. The run directory or the dataset cannot be read or written there: check "
-            "that path (a file where a directory belongs, or the reverse), its permissions and the free disk, "
-            "then run again: the run continues from its newest checkpoint")
+def fail(e: Exception) -> int:
+    """Print the one error line for a failure the trainer knows; returns its exit code."""
+    why = str(e)
+    if isinstance(e, OSError):
+        why = (f"{type(e).__name__}: {e}. The run directory or the dataset cannot be read or written there: "
+               "check that path (a file where a directory belongs, or the reverse), its permissions and the "
+               "free disk, then run again: the run continues from its newest checkpoint")
+    print(f"error: {why}", file=sys.stderr)
+    return EXIT_DIVERGED if isinstance(e, Diverged) else EXIT_BAD_INPUT
 
 
 def prepare(cfg: RunConfig, rank: int) -> Prepared | None:

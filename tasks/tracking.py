@@ -4,7 +4,7 @@ The trainer only appends JSON lines to `<run_dir>/metrics.jsonl` (gptcore.metric
 mlflow, so a slow or dead tracking server cannot slow down or kill training. This module tails that
 file and sends what is new with `MlflowClient.log_batch`:
 
-    python -m tasks.tracking var/runs/tiny-cpu             # ship what is there, once
+    python -m tasks.tracking var/runs/tiny-cpu             # ship what is there, once (Shipper.ship_once)
     python -m tasks.tracking var/runs/tiny-cpu --follow    # keep shipping until the run is DONE
     Shipper(run_dir).start() ... .stop()                   # the same, as a background thread
 
@@ -253,14 +253,6 @@ class Shipper:
         path = self.run_dir / METRICS_FILE
         size = path.stat().st_size if path.is_file() else 0
         return max(0, size - self._load_cursor()["offset"])
-
-
-def ship(run_dir: str | Path, tracking_uri: str | None = None, experiment: str = store.EXPERIMENT,
-         flow_run_id: str | None = None) -> dict:
-    """Ship once (e.g. after a run, or to catch up after an outage): {"run_id", "shipped"}."""
-    s = Shipper(run_dir, tracking_uri, experiment, flow_run_id)
-    n = s.ship_once(final=True)
-    return {"run_id": s.run_id, "shipped": n}
 
 
 def main(argv: list[str] | None = None) -> int:

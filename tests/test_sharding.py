@@ -78,7 +78,7 @@ def test_output_identical_for_any_worker_count_and_completion_order():
     assert len(pieces) >= 3
     for p in reversed(pieces):
         sharding.tokenize_piece(c, p, threads=1)
-    mc = sharding.build_shards(c, pieces)
+    mc = sharding.ShardCutter(c, pieces).finish()
     one = shard_bytes(sharding.dataset_dir(a))
     assert one == shard_bytes(sharding.dataset_dir(c))
     assert list(one.values()) == list(shard_bytes(sharding.dataset_dir(b)).values())
@@ -126,7 +126,7 @@ def test_a_damaged_piece_from_an_earlier_run_is_caught_before_it_is_cut():
     data[-3] ^= 0xFF  # same length: only the hash can tell
     bad.write_bytes(bytes(data))
     with pytest.raises(sharding.ShardError, match="piece_000001.bin is missing or corrupt"):
-        sharding.build_shards(cfg, pieces)
+        sharding.ShardCutter(cfg, pieces).finish()
     assert not bad.with_suffix(".json").exists()
     sharding.run(cfg, workers=1)
     assert shard_bytes(sharding.dataset_dir(cfg)) == shard_bytes(sharding.dataset_dir(ref))

@@ -29,6 +29,13 @@ def fast_failures(monkeypatch):
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
 
 
+def ship(run_dir, uri=None, flow_run_id=None) -> dict:
+    """Ship once, as `python -m tasks.tracking <run_dir>` does."""
+    s = tracking.Shipper(run_dir, uri, flow_run_id=flow_run_id)
+    n = s.ship_once(final=True)
+    return {"run_id": s.run_id, "shipped": n}
+
+
 def make_run_dir(root: Path, run_name: str, manifest_id: str = "manifest-abc") -> Path:
     cfg = load_config("micro", [f"train.run_name={run_name}"])
     rd = root / "runs" / run_name
@@ -85,7 +92,7 @@ def test_ship_values_steps_params_artifacts_and_no_duplicates(mlflow_server, tmp
     with open(rd / "metrics.jsonl", "a") as f:  # the trainer is mid-way through writing a line
         f.write('{"step": 31, "time": 1760000007.75, "kind": "train", "train/lo')
 
-    out = tracking.ship(rd, mlflow_server.uri, flow_run_id="flow-123")
+    out = ship(rd, mlflow_server.uri, flow_run_id="flow-123")
     assert out["shipped"] == len(recs)
     mlc = MlflowClient(mlflow_server.uri, registry_uri=mlflow_server.uri)
     run_id = out["run_id"]
@@ -116,7 +123,7 @@ def test_ship_values_steps_params_artifacts_and_no_duplicates(mlflow_server, tmp
     # sent again. The server must keep exactly one copy of each point.
     cursor["offset"] = 0
     (rd / tracking.CURSOR).write_text(json.dumps(cursor))
-    assert tracking.ship(rd, mlflow_server.uri)["shipped"] == len(recs)
+    assert ship(rd, mlflow_server.uri)["shipped"] == len(recs)
     for key in KEYS:
         assert history(mlc, run_id, key) == expected(recs, key), key
 
@@ -124,7 +131,7 @@ def test_ship_values_steps_params_artifacts_and_no_duplicates(mlflow_server, tmp
     # the identity tags and re-shipped from the start, still without duplicates.
     cursor["run_id"] = "f" * 32
     (rd / tracking.CURSOR).write_text(json.dumps(cursor))
-    assert tracking.ship(rd, mlflow_server.uri)["run_id"] == run_id
+    assert ship(rd, mlflow_server.uri)["run_id"] == run_id
     for key in KEYS:
         assert history(mlc, run_id, key) == expected(recs, key), key
 
@@ -136,7 +143,7 @@ def test_ship_values_steps_params_artifacts_and_no_duplicates(mlflow_server, tmp
                 + "\n")
     append(rd, rest[1:])
     (rd / "DONE").write_text("")
-    out2 = tracking.ship(rd, mlflow_server.uri, flow_run_id="flow-456")
+    out2 = ship(rd, mlflow_server.uri, flow_run_id="flow-456")
     assert out2["run_id"] == run_id and out2["shipped"] == len(rest)
     for key in KEYS:
         assert history(mlc, run_id, key) == expected(recs + rest, key), key
@@ -148,10 +155,10 @@ def test_ship_values_steps_params_artifacts_and_no_duplicates(mlflow_server, tmp
     # Another training run identity gets its own MLflow run, found again on the next ship
     rd2 = make_run_dir(tmp_path, "ship-other")
     append(rd2, records(range(1, 3)))
-    other = tracking.ship(rd2, mlflow_server.uri)["run_id"]
+    other = ship(rd2, mlflow_server.uri)["run_id"]
     assert other != run_id
     (rd2 / tracking.CURSOR).unlink()  # even without the cursor, the identity tags find the run
-    assert tracking.ship(rd2, mlflow_server.uri)["run_id"] == other
+    assert ship(rd2, mlflow_server.uri)["run_id"] == other
     assert len(mlc.get_metric_history(other, "train/loss")) == 2
 
 
@@ -226,7 +233,7 @@ def test_embedded_sqlite_store(tmp_path, monkeypatch):
     rd = make_run_dir(tmp_path / "home", "embedded")
     recs = records(range(1, 11))
     append(rd, recs)
-    out = tracking.ship(rd)
+    out = ship(rd)
     mlc = MlflowClient(uri, registry_uri=uri)
     assert history(mlc, out["run_id"], "val/loss") == expected(recs, "val/loss")
     art_root = tmp_path / "home" / "mlflow" / "artifacts"
