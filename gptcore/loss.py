@@ -32,7 +32,7 @@ class PlainLoss:
 
 class FusedLoss:
     """The chunked loss. Holds its scratch buffers between steps (why: on CPU a fresh multi-MB tensor
-    costs page faults on first touch, ~20-40 ms per 51 MB chunk, more than the softmax on it). The
+    costs page faults on first touch, more than the softmax on it: docs/training.md). The
     trainer owns one per model; it is used only inside one forward call, so reuse across calls is safe."""
 
     def __init__(self, chunk: int = LOSS_CHUNK):
@@ -82,7 +82,7 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
         dev_type = x.device.type
         mm_dtype = torch.get_autocast_dtype(dev_type) if torch.is_autocast_enabled(dev_type) else weight.dtype
         mixed = mm_dtype != torch.float32
-        # all matmuls at the padded width (MKL is ~20% slower at the odd 50257; tensor cores want x64)
+        # all matmuls at the padded width (MKL is slower at the odd 50257; tensor cores want x64)
         w = weight.to(mm_dtype)  # the parameter itself when there is no autocast
         V, n, rows, dev = w.size(0), x.size(0), min(owner.chunk, x.size(0)), x.device
         logits = owner.buffer("logits", (rows, V), mm_dtype, dev)  # also the bf16 gradient if mixed

@@ -277,7 +277,7 @@ def tokenize_piece(cfg: RunConfig, piece: Piece, threads: int | None = None) -> 
         chunks.append(encode_documents(texts, threads))
         docs += len(texts)
     n = sum(c.size for c in chunks)
-    # scratch, so no fsync (a worker's pieces are ~2% faster): after a crash a piece is redone when its
+    # scratch, so no fsync (docs/data.md): after a crash a piece is redone when its
     # record or length is off, and the cutter re-hashes pieces from earlier runs before using them
     sha = write_shard_chunks(bin_path, chunks, n, durable=False)
     rec = {"key": piece.key(cfg.data.text_column), "tokens": n, "docs": docs, "sha256": sha}
