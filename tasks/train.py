@@ -56,9 +56,8 @@ class TrainError(RuntimeError):
 
 
 def resolve_nproc(nproc: int = 0) -> int:
-    """Processes per node: `nproc` if given, else (0) one per visible GPU, else 1 (CPU)."""
-    if nproc < 0:
-        raise TrainError(f"nproc must be >= 0 (0 = one per GPU, or 1 on CPU), got {nproc}")
+    """Processes per node: `nproc` if given, else (0) one per visible GPU, else 1 (CPU). (The flow checks
+    nproc >= 0 at its edge: flows.pretrain.check_params.)"""
     if nproc > 0:
         return nproc
     import torch
