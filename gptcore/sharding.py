@@ -119,9 +119,8 @@ def why_incomplete(cfg: RunConfig, full: bool = False) -> str | None:
     sizes; with `full`, every sha256) and whose source files are unchanged (a local source is re-stat'ed
     and only files whose size or mtime changed are re-hashed; hub and built-in files are fixed by their
     hashes). Otherwise what is missing or changed. Does not contact the hub."""
-    try:
-        m = Manifest.load(dataset_dir(cfg))
-    except ShardError:
+    m = _existing_manifest(dataset_dir(cfg))
+    if m is None:
         return "no manifest yet"
     s, d = m.source, cfg.data
     if (m.shard_tokens, s.get("source"), s.get("text_column"), s.get("max_docs")) != (
@@ -341,16 +340,6 @@ def _shard_ok(out: Path, info: ShardInfo | None, a: int, b: int, fname: str, cut
 _HASHED: dict = {}  # planning and cutting hash each shard once per process (files.cached_sha256)
 
 
-def _overlapping(starts: list[int], a: int, b: int) -> list[int]:
-    """Indices of the pieces whose tokens fall in the global range [a, b)."""
-    return [i for i in range(len(starts) - 1) if starts[i] < b and starts[i + 1] > a]
-
-
-def _cut_from(keys: list[str], starts: list[int], idx: list[int]) -> list[str]:
-    """What a shard's bytes are made of: each piece's content key and its global token offset."""
-    return [f"{keys[i]}@{int(starts[i])}" for i in idx]
-
-
 def pieces_to_tokenize(cfg: RunConfig, pieces: list[Piece]) -> list[Piece]:
     """The pieces whose token files must be (re)made before cutting: those without a valid record and
     file, except pieces whose every token is in a shard that is kept as it is (the cutter deletes a
@@ -423,26 +412,35 @@ class ShardCutter:
     def pieces_in_kept_shards(self) -> set[int]:
         """Pieces all of whose tokens lie in shards that can be kept as they are. Global offsets are known
         up to the first piece without a record; pieces past it are not counted."""
-        starts = [0]
-        for r in itertools.takewhile(lambda r: r is not None, self.records):
-            starts.append(starts[-1] + r["tokens"])
-        total, S, complete = starts[-1], self.S, len(starts) == len(self.records) + 1
+        total, S = self._grow_prefix(), self.S
+        complete = len(self.starts) == len(self.records) + 1
         if complete:
             _check_total(total, S)
         stale, end, k = set(), 0, 0
         while (k + 1) * S <= total or (complete and k * S < total):
             a, b = k * S, min((k + 1) * S, total)
-            idx = _overlapping(starts, a, b)
-            if not _shard_ok(self.out, self.known.get(k), a, b, _shard_file(self.name, k)[0],
-                             _cut_from(self.keys, starts, idx)):
+            idx = self._overlapping(a, b)
+            if not _shard_ok(self.out, self.known.get(k), a, b, _shard_file(self.name, k)[0], self._cut_from(idx)):
                 stale |= set(idx)
             end, k = b, k + 1
-        return {i for i in range(len(starts) - 1) if starts[i + 1] <= end} - stale
+        return {i for i in range(len(self.starts) - 1) if self.starts[i + 1] <= end} - stale
 
-    def _cut(self, final: bool) -> None:
+    def _grow_prefix(self) -> int:
+        """Extend `starts` over the pieces recorded since; returns the end of the recorded prefix."""
         while len(self.starts) <= len(self.records) and self.records[len(self.starts) - 1] is not None:
             self.starts.append(self.starts[-1] + self.records[len(self.starts) - 1]["tokens"])
-        done, S = self.starts[-1], self.S
+        return self.starts[-1]
+
+    def _overlapping(self, a: int, b: int) -> list[int]:
+        """Indices of the pieces whose tokens fall in the global range [a, b)."""
+        return [i for i in range(len(self.starts) - 1) if self.starts[i] < b and self.starts[i + 1] > a]
+
+    def _cut_from(self, idx: list[int]) -> list[str]:
+        """What a shard's bytes are made of: each piece's content key and its global token offset."""
+        return [f"{self.keys[i]}@{int(self.starts[i])}" for i in idx]
+
+    def _cut(self, final: bool) -> None:
+        done, S = self._grow_prefix(), self.S
         if final:
             _check_total(done, S)
         while True:
@@ -454,8 +452,8 @@ class ShardCutter:
 
     def _shard(self, k: int, a: int, b: int) -> None:
         (fname, split), info = _shard_file(self.name, k), self.known.get(k)
-        idx = _overlapping(self.starts, a, b)
-        cut_from = _cut_from(self.keys, self.starts, idx)
+        idx = self._overlapping(a, b)
+        cut_from = self._cut_from(idx)
         if not _shard_ok(self.out, info, a, b, fname, cut_from):
             chunks = [self._tokens(i)[max(a, self.starts[i]) - self.starts[i]: min(b, self.starts[i + 1])
                                       - self.starts[i]] for i in idx]
@@ -500,8 +498,7 @@ def _spec(cfg: RunConfig, pieces: list[Piece]) -> dict:
 
 
 def _existing_manifest(out: Path) -> Manifest | None:
-    if not (out / MANIFEST).is_file():
-        return None
+    """The dataset dir's manifest, None when there is none or it does not load."""
     try:
         return Manifest.load(out)
     except ShardError:
