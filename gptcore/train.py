@@ -212,15 +212,16 @@ def check_checkpoints_fit(run_dir: Path, cfg: RunConfig, manifest: Manifest) -> 
         return
 
 
-def resume_point(run_dir: Path, model: GPT, master: bool) -> tuple[Path | None, dict | None]:
-    """Load the newest checkpoint that verifies whole into `model`; rank 0 moves each one that fails to
-    checkpoints/rejected/. (None, None) for a run with no checkpoint yet; RunError if the run had
-    checkpoints and none is intact (starting over would silently throw the run away)."""
-    stuck = []  # failed, and could not be moved aside
+def newest_intact(run_dir: Path, model: GPT, master: bool, healthy_only: bool = False
+                  ) -> tuple[Path | None, dict | None, list[str]]:
+    """Load the newest checkpoint that verifies whole (with `healthy_only`, also written from a finite train
+    loss) into `model`: (its directory, its trainer state, stuck). Rank 0 moves each one that fails to
+    checkpoints/rejected/; `stuck` names those that failed and could not be moved. (None, None, stuck)
+    when there is none."""
+    stuck = []
     for ck in reversed(checkpoint.step_dirs(run_dir)):
         try:
-            _, state = checkpoint.load_for_resume(ck, model)
-            return ck, state
+            meta, state = checkpoint.load_for_resume(ck, model)
         except checkpoint.CheckpointError as e:
             dest = checkpoint.reject(ck, str(e)) if master else ck
             if dest is None:
@@ -228,6 +229,19 @@ def resume_point(run_dir: Path, model: GPT, master: bool) -> tuple[Path | None, 
             if master:
                 print(f"warning: checkpoint {ck.name} skipped: {e}; {f'moved to {dest}' if dest else 'left in place'}",
                       file=sys.stderr, flush=True)
+            continue
+        if not healthy_only or checkpoint.healthy(meta):
+            return ck, state, stuck
+    return None, None, stuck
+
+
+def resume_point(run_dir: Path, model: GPT, master: bool) -> tuple[Path | None, dict | None]:
+    """Load the newest checkpoint that verifies whole into `model` (newest_intact). (None, None) for a run
+    with no checkpoint yet; RunError if the run had checkpoints and none is intact (starting over would
+    silently throw the run away)."""
+    ck, state, stuck = newest_intact(run_dir, model, master)
+    if ck is not None:
+        return ck, state
     gone = checkpoint.rejected(run_dir)
     if gone or stuck:
         why = "; ".join([*(f"{p.name}: {_why(p)}" for p in gone), *stuck])
@@ -497,25 +511,19 @@ def roll_back(loop: Loop, why: str) -> Progress:
                        "optim.max_lr (or raise optim.warmup_steps), check the data near loader position "
                        f"{loader.position}, then run the same command to continue from the newest checkpoint "
                        "(guard.max_rollbacks allows more tries)")
-    for ck in reversed(checkpoint.list_checkpoints(run_dir)):
-        try:
-            meta, ts = checkpoint.load_for_resume(ck, raw)
-        except checkpoint.CheckpointError as e:
-            if env.master:
-                checkpoint.reject(ck, str(e))
-            continue
-        if not checkpoint.healthy(meta):
-            continue  # written during the trouble
-        skipped = loader.position - int(ts["loader"]["position"])
-        loop.optimizer.zero_grad(set_to_none=True)
-        back = restore(ts, loop.optimizer, loader, loop.scaler, env, data=False)
-        event(env, loop.logger, at.step, f"{why}: rolled back to {ck.name}; the {skipped} sequences since it are "
-              f"skipped (rollback {guard.rollbacks}/{cfg.guard.max_rollbacks})",
-              **{"guard/rollback_from": at.step, "guard/rollback_to": back.step, "guard/skipped_sequences": skipped})
-        return back
-    raise Diverged(f"the run diverged ({why} at step {at.step}) before it had a good checkpoint to roll back to; "
-                   "lower optim.max_lr or raise optim.warmup_steps, or lower train.checkpoint_interval so a "
-                   "rollback has somewhere to go")
+    # healthy only: a checkpoint written during the trouble is no way out of it
+    ck, ts, _ = newest_intact(run_dir, raw, env.master, healthy_only=True)
+    if ck is None:
+        raise Diverged(f"the run diverged ({why} at step {at.step}) before it had a good checkpoint to roll back "
+                       "to; lower optim.max_lr or raise optim.warmup_steps, or lower train.checkpoint_interval so a "
+                       "rollback has somewhere to go")
+    skipped = loader.position - int(ts["loader"]["position"])
+    loop.optimizer.zero_grad(set_to_none=True)
+    back = restore(ts, loop.optimizer, loader, loop.scaler, env, data=False)
+    event(env, loop.logger, at.step, f"{why}: rolled back to {ck.name}; the {skipped} sequences since it are "
+          f"skipped (rollback {guard.rollbacks}/{cfg.guard.max_rollbacks})",
+          **{"guard/rollback_from": at.step, "guard/rollback_to": back.step, "guard/skipped_sequences": skipped})
+    return back
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loader: ShardLoader, accum: int,
