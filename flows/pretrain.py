@@ -108,13 +108,13 @@ def mlflow_links(reg: dict | None, run_name: str) -> str:
         return f"MLflow store: `{uri}` (no UI server); run `mlflow ui --backend-store-uri {uri}` to browse."
     lines = []
     try:
-        exp = (store.rest_get(uri, "experiments/get-by-name", {"experiment_name": store.EXPERIMENT})
+        exp = (store.rest_read(uri, "experiments/get-by-name", {"experiment_name": store.EXPERIMENT})
                or {}).get("experiment")
         run_id = reg["run_id"] if reg else None
         if exp is not None and run_id is None:
-            runs = store.rest_post(uri, "runs/search", {
+            runs = (store.rest_read(uri, "runs/search", body={
                 "experiment_ids": [exp["experiment_id"]], "max_results": 1,
-                "filter": f"tags.`{store.TAG_RUN_NAME}` = '{run_name}'"}).get("runs") or []
+                "filter": f"tags.`{store.TAG_RUN_NAME}` = '{run_name}'"}) or {}).get("runs") or []
             run_id = runs[0]["info"]["run_id"] if runs else None
         if exp is not None and run_id:
             lines.append(f"- MLflow run: [{run_name}]({uri}/#/experiments/{exp['experiment_id']}/runs/{run_id})")

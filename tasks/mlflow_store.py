@@ -3,7 +3,7 @@ metrics shipper in tasks/tracking.py).
 
     tracking_uri()            $MLFLOW_TRACKING_URI, else the embedded SQLite store under the pipeline home
     client(uri)               an MlflowClient for tracking and registry
-    rest_get(uri, endpoint)   a read through MLflow's REST API without importing mlflow (a second or more):
+    rest_read(uri, endpoint)  a read through MLflow's REST API without importing mlflow (a second or more):
                               the flow's skip decisions use it against a tracking server
 
 One MLflow experiment (`gpt2-pretrain`) holds one MLflow run per training run identity (tags below).
@@ -136,7 +136,10 @@ def _auth(req: urllib.request.Request) -> urllib.request.Request:
     return req
 
 
-def _call(uri: str, endpoint: str, params: dict | None, body: dict | None, timeout: float) -> dict | None:
+def rest_read(uri: str, endpoint: str, params: dict | None = None, body: dict | None = None,
+              timeout: float = 10.0) -> dict | None:
+    """A read from <uri>/api/2.0/mlflow/<endpoint>: GET with query `params`, or POST with a JSON `body` (the
+    searches that take one, e.g. runs/search). The JSON reply, or None when the resource does not exist."""
     if not uri.startswith(("http://", "https://")):
         raise RestUnavailable(f"{uri} is not an MLflow server")
     url = f"{uri.rstrip('/')}/api/2.0/mlflow/{endpoint}"
@@ -155,21 +158,11 @@ def _call(uri: str, endpoint: str, params: dict | None, body: dict | None, timeo
         raise RestUnavailable(f"{url}: {e}") from e
 
 
-def rest_get(uri: str, endpoint: str, params: dict | None = None, timeout: float = 10.0) -> dict | None:
-    """GET <uri>/api/2.0/mlflow/<endpoint>: the JSON reply, or None when the resource does not exist."""
-    return _call(uri, endpoint, params, None, timeout)
-
-
-def rest_post(uri: str, endpoint: str, body: dict, timeout: float = 10.0) -> dict:
-    """POST a read (e.g. runs/search) to <uri>/api/2.0/mlflow/<endpoint>: the JSON reply."""
-    return _call(uri, endpoint, None, body, timeout) or {}
-
-
 def rest_versions(uri: str, filter_string: str, order_by: str = "version_number ASC",
                   max_results: int = 1000) -> list[dict]:
     """Model versions matching an MLflow filter, as the REST API returns them (tags as a dict)."""
-    reply = rest_get(uri, "model-versions/search", {"filter": filter_string, "order_by": order_by,
-                                                     "max_results": max_results}) or {}
+    reply = rest_read(uri, "model-versions/search", {"filter": filter_string, "order_by": order_by,
+                                                      "max_results": max_results}) or {}
     out = []
     for mv in reply.get("model_versions", []):
         mv["tags"] = {t["key"]: t["value"] for t in mv.get("tags", [])}

@@ -279,7 +279,7 @@ def _registered_over_rest(uri: str, name: str, sha: str, ident: str | None) -> d
     if not found:
         return None
     mv = min(found, key=lambda v: int(v["version"]))
-    full = (store.rest_get(uri, "model-versions/get", {"name": name, "version": mv["version"]}) or {})
+    full = (store.rest_read(uri, "model-versions/get", {"name": name, "version": mv["version"]}) or {})
     full = full.get("model_version") or mv
     newest = store.rest_versions(uri, f"name = '{name}'", order_by="version_number DESC", max_results=1)
     aliases = sorted(full.get("aliases", [])) + (["latest"] if newest and newest[0]["version"] == mv["version"]
