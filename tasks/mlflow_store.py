@@ -83,18 +83,16 @@ def experiment_id(mlc, name: str = EXPERIMENT) -> str:
         return exp.experiment_id
 
 
-def find_or_create_run(mlc, run_name: str, identity_hash: str, experiment: str = EXPERIMENT) -> str:
-    """The MLflow run id of this training run identity, creating the run the first time."""
+def find_or_create_run(mlc, run_name: str, identity_hash: str, experiment: str = EXPERIMENT):
+    """The MLflow run (an mlflow Run) of this training run identity, creating it the first time."""
     exp_id = experiment_id(mlc, experiment)
     found = mlc.search_runs(
         [exp_id], filter_string=f"tags.`{TAG_RUN_NAME}` = '{run_name}' and "
                                 f"tags.`{TAG_IDENTITY}` = '{identity_hash}'",
         order_by=["attributes.start_time ASC"], max_results=1)
     if found:
-        return found[0].info.run_id
-    run = mlc.create_run(exp_id, run_name=run_name,
-                         tags={TAG_RUN_NAME: run_name, TAG_IDENTITY: identity_hash})
-    return run.info.run_id
+        return found[0]
+    return mlc.create_run(exp_id, run_name=run_name, tags={TAG_RUN_NAME: run_name, TAG_IDENTITY: identity_hash})
 
 
 def as_params(config: dict) -> dict[str, str]:

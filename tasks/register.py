@@ -138,16 +138,16 @@ def _keep_oldest(mlc, name: str, sha: str, ident: str | None, mine):
 
 
 def _log_model(mlc, uri: str, ckpt_dir: Path, meta: dict, name: str, tags: dict, hf: bool,
-               experiment: str) -> str:
-    """Log the LoggedModel (pyfunc + HF export) under the training run; returns its model_id."""
+               experiment: str) -> tuple[str, str]:
+    """Log the LoggedModel (pyfunc + HF export) under the training run; returns its model_id and that run's id."""
     import mlflow
     from mlflow.entities import LoggedModelOutput
 
     from gptcore.checkpoint import load_model
     from tasks.mlflow_model import SIGNATURE
 
-    run_id = store.find_or_create_run(mlc, meta["run_name"], meta["identity_hash"], experiment)
-    exp_id = mlc.get_run(run_id).info.experiment_id
+    run = store.find_or_create_run(mlc, meta["run_name"], meta["identity_hash"], experiment).info
+    run_id, exp_id = run.run_id, run.experiment_id
     store.use_store(uri)  # the fluent log_model below resolves the store from it
     params = store.as_params({"model": meta.get("model_config") or meta["config"]["model"]})
     lm = mlflow.initialize_logged_model(name=name, source_run_id=run_id, experiment_id=exp_id,
@@ -175,7 +175,7 @@ def _log_model(mlc, uri: str, ckpt_dir: Path, meta: dict, name: str, tags: dict,
     except BaseException:
         mlc.finalize_logged_model(lm.model_id, "FAILED")
         raise
-    return lm.model_id
+    return lm.model_id, run_id
 
 
 def _move_best(mlc, name: str, mv) -> bool:
@@ -226,8 +226,7 @@ def register_checkpoint(ckpt_dir: str | Path, model_name: str | None = None, tra
                 mlc.set_model_version_tag(name, mv.version, k, v)
         mv = mlc.get_model_version(name, mv.version)
     else:
-        model_id = _log_model(mlc, uri, ckpt_dir, meta, name, tags, hf, experiment)
-        run_id = mlc.get_logged_model(model_id).source_run_id
+        model_id, run_id = _log_model(mlc, uri, ckpt_dir, meta, name, tags, hf, experiment)
         # the sha256 tag (the idempotency key) arrives with the version in one call
         mine = mlc.create_model_version(name, source=f"models:/{model_id}", run_id=run_id, tags=tags,
                                         model_id=model_id)

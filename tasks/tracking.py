@@ -128,8 +128,7 @@ class Shipper:
                             cur["run_id"], self.uri, self.run_dir)
                 cur["offset"] = 0
         if run is None:
-            run = mlc.get_run(store.find_or_create_run(mlc, ident["run_name"], ident["identity_hash"],
-                                                       self.experiment))
+            run = store.find_or_create_run(mlc, ident["run_name"], ident["identity_hash"], self.experiment)
         run_id = run.info.run_id
         # Params are immutable in MLflow: the first invocation's values stay; settings that may change
         # between invocations (time budget, device, cadence) are in each invocation's config artifact.
