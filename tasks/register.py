@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
 import shutil
 import sys
@@ -36,7 +35,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from gptcore.files import file_sha256, read_json
-from gptcore.run_files import CheckpointError, read_meta
+from gptcore.run_files import CheckpointError, finite, read_meta
 from tasks import mlflow_store as store
 
 log = logging.getLogger("gptpipe.register")
@@ -68,24 +67,18 @@ def _requirements() -> list[str]:
     return out
 
 
-def _scores(ckpt_dir: Path, meta: dict) -> tuple[float | None, dict]:
-    """Val loss and HellaSwag of a checkpoint: the training-time numbers in meta.json, completed by the
-    evaluate stage's <ckpt>/eval.json (a full HellaSwag run usually happens there, after training)."""
+def _version_tags(ckpt_dir: Path, meta: dict, sha: str, flow_run_id: str | None) -> dict[str, str]:
+    # val loss and HellaSwag: the training-time numbers in meta.json, completed by the evaluate stage's
+    # <ckpt>/eval.json (a full HellaSwag run usually happens there, after training)
     val, hs = meta.get("val_loss"), meta.get("hellaswag") or {}
     ev = read_json(ckpt_dir / "eval.json", {})
     val = val if val is not None else ev.get("val_loss")
     if isinstance(ev.get("hellaswag"), dict) and ev["hellaswag"].get("acc") is not None:
         hs = ev["hellaswag"]
-    if not isinstance(val, int | float) or not math.isfinite(val):
-        val = None  # a diverged (NaN) run must never become `best`
-    return val, hs
-
-
-def _version_tags(ckpt_dir: Path, meta: dict, sha: str, flow_run_id: str | None) -> dict[str, str]:
-    val, hs = _scores(ckpt_dir, meta)
     optim = (meta.get("config") or {}).get("optim") or {}
     tags = {
-        "step": meta["step"], "tokens_seen": meta.get("tokens_seen"), "val_loss": val,
+        "step": meta["step"], "tokens_seen": meta.get("tokens_seen"),
+        "val_loss": val if finite(val) else None,  # a diverged (NaN) run must never become `best`
         "hellaswag_acc": hs.get("acc"), "hellaswag_acc_norm": hs.get("acc_norm"), "hellaswag_n": hs.get("n"),
         "manifest_id": meta.get("manifest_id"), "config_hash": meta.get("identity_hash"),
         "run_name": meta.get("run_name"), "code_version": store.code_version(),
