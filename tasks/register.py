@@ -171,23 +171,20 @@ def _log_model(mlc, uri: str, ckpt_dir: Path, meta: dict, name: str, tags: dict,
     return lm.model_id, run_id
 
 
-def _move_best(mlc, name: str, mv) -> bool:
+def _move_best(mlc, name: str, mv) -> None:
     """Point `best` at mv if its val loss beats the current holder's (or there is no holder)."""
     from mlflow.exceptions import MlflowException
 
     if "val_loss" not in mv.tags:
-        return False
+        return
     try:
         holder = mlc.get_model_version_by_alias(name, BEST)
-    except MlflowException:
+    except MlflowException:  # nobody holds it
         holder = None
-    if holder is not None and holder.version == mv.version:
-        return True
-    if holder is not None and "val_loss" in holder.tags and \
-            float(holder.tags["val_loss"]) <= float(mv.tags["val_loss"]):
-        return False
+    if holder is not None and (holder.version == mv.version or (
+            "val_loss" in holder.tags and float(holder.tags["val_loss"]) <= float(mv.tags["val_loss"]))):
+        return  # it holds `best` already, or a version at least as good does
     mlc.set_registered_model_alias(name, BEST, mv.version)
-    return True
 
 
 def register_checkpoint(ckpt_dir: str | Path, model_name: str | None = None, tracking_uri: str | None = None,
