@@ -155,14 +155,3 @@ def rest_read(uri: str, endpoint: str, params: dict | None = None, body: dict | 
     except (OSError, ValueError) as e:
         raise RestUnavailable(f"{url}: {e}") from e
 
-
-def rest_versions(uri: str, filter_string: str, order_by: str = "version_number ASC",
-                  max_results: int = 1000) -> list[dict]:
-    """Model versions matching an MLflow filter, as the REST API returns them (tags as a dict)."""
-    reply = rest_read(uri, "model-versions/search", {"filter": filter_string, "order_by": order_by,
-                                                      "max_results": max_results}) or {}
-    out = []
-    for mv in reply.get("model_versions", []):
-        mv["tags"] = {t["key"]: t["value"] for t in mv.get("tags", [])}
-        out.append(mv)
-    return out

@@ -264,19 +264,22 @@ def registered_version(ckpt_dir: str | Path, model_name: str | None = None,
 
 
 def _registered_over_rest(uri: str, name: str, sha: str, ident: str | None) -> dict | None:
-    found = store.rest_versions(uri, _same_checkpoint_filter(name, sha, ident))
-    if not found:
+    def first(filter_string: str, order_by: str) -> dict | None:  # the first matching version, in that order
+        reply = store.rest_read(uri, "model-versions/search", {"filter": filter_string, "order_by": order_by,
+                                                               "max_results": 1})
+        return ((reply or {}).get("model_versions") or [None])[0]
+
+    mv = first(_same_checkpoint_filter(name, sha, ident), "version_number ASC")  # the oldest, as _existing_version
+    if mv is None:
         return None
-    mv = min(found, key=lambda v: int(v["version"]))
     full = (store.rest_read(uri, "model-versions/get", {"name": name, "version": mv["version"]}) or {})
     full = full.get("model_version") or mv
-    newest = store.rest_versions(uri, f"name = '{name}'", order_by="version_number DESC", max_results=1)
-    aliases = sorted(full.get("aliases", [])) + (["latest"] if newest and newest[0]["version"] == mv["version"]
-                                                 else [])
+    newest = first(f"name = '{name}'", "version_number DESC")
+    aliases = sorted(full.get("aliases", [])) + (["latest"] if newest and newest["version"] == mv["version"] else [])
     return {"name": name, "version": str(mv["version"]), "aliases": aliases, "created": False,
             "model_uri": f"models:/{name}/{mv['version']}", "run_id": full.get("run_id"),
             "model_id": full.get("model_id") or full.get("source", "").removeprefix("models:/"),
-            "tags": mv["tags"], "tracking_uri": uri}
+            "tags": {t["key"]: t["value"] for t in mv.get("tags", [])}, "tracking_uri": uri}
 
 
 # no Prefect caching: the registry itself is the idempotency record (checkpoint_sha256 + config_hash tags)
