@@ -101,8 +101,7 @@ class Shipper:
 
     # cursor: {"tracking_uri", "run_id", "offset"}; another server means starting over at offset 0
     def _load_cursor(self) -> dict:
-        p = self.run_dir / CURSOR
-        cur = read_json(p, {})
+        cur = read_json(self.run_dir / CURSOR, {})
         if cur.get("tracking_uri") != self.uri or not isinstance(cur.get("offset"), int) or cur["offset"] < 0:
             cur = {"tracking_uri": self.uri, "run_id": None, "offset": 0}
         return cur
@@ -151,26 +150,25 @@ class Shipper:
         write_json(self.run_dir / CURSOR, cur)
         return True
 
-    def ship_once(self, final: bool = False) -> int:
-        """Send every complete, unacknowledged line; returns the number of records acknowledged.
+    def ship_once(self, final: bool = False) -> None:
+        """Send every complete, unacknowledged line (`shipped` counts the records acknowledged).
         Raises on tracking-server errors (the cursor keeps what was not acknowledged)."""
         with self._lock:
             cur = self._load_cursor()
             if self.run_id is None or cur.get("run_id") != self.run_id:
                 if not self._setup(cur):
-                    return 0
-            mlc, path, n = self._client, self.run_dir / METRICS_FILE, 0
+                    return
+            mlc, path = self._client, self.run_dir / METRICS_FILE
             if path.is_file() and path.stat().st_size < cur["offset"]:
                 log.warning("%s is shorter than the shipped offset %d (rewritten?); re-shipping it from the "
                             "start (duplicates are skipped by the server)", path, cur["offset"])
                 cur["offset"] = 0
             while lines := read_new_lines(path, cur["offset"], MAX_READ_BYTES):
-                n += self._ship_lines(mlc, cur, lines)
+                self._ship_lines(mlc, cur, lines)
             if final and (self.run_dir / "DONE").exists() and mlc.get_run(self.run_id).info.status != "FINISHED":
                 mlc.set_terminated(self.run_id, "FINISHED")
-            return n
 
-    def _ship_lines(self, mlc, cur: dict, lines: list[tuple[int, bytes]]) -> int:
+    def _ship_lines(self, mlc, cur: dict, lines: list[tuple[int, bytes]]) -> None:
         batch, end, n = [], cur["offset"], 0
 
         def flush():
@@ -199,7 +197,6 @@ class Shipper:
             end, n = line_end, n + 1
         flush()
         self.shipped += n
-        return n
 
     # --- background thread ---
 
@@ -278,10 +275,7 @@ def main(argv: list[str] | None = None) -> int:
                 stop.wait(args.interval)
         except KeyboardInterrupt:
             pass
-        ok = s.stop()
-    else:
-        ok = s._try_ship(final=True)
-    if not ok:
+    if not s.stop():  # without --follow (no thread started): one final attempt
         print(f"error: could not ship to {s.uri}: {s.last_error}. Nothing is lost: the unsent lines stay "
               f"in {run_dir / METRICS_FILE}; run this command again when the server is reachable.",
               file=sys.stderr)
