@@ -43,15 +43,14 @@ def tracking_uri() -> str:
     return f"sqlite:///{root / 'mlflow.db'}"
 
 
-def use_store(uri: str | None = None) -> str:
-    """Point MLflow's fluent API (tracking and model registry) at `uri`, default tracking_uri(); returns it.
-    For the calls that take no client: log_model, pyfunc.load_model, artifacts.download_artifacts."""
+def use_store(uri: str | None = None) -> None:
+    """Point MLflow's fluent API (tracking and model registry) at `uri`, default tracking_uri(). For the
+    calls that take no client: log_model, pyfunc.load_model, artifacts.download_artifacts."""
     import mlflow
 
     uri = uri or tracking_uri()
     mlflow.set_tracking_uri(uri)
     mlflow.set_registry_uri(uri)
-    return uri
 
 
 def _artifact_location(uri: str) -> str | None:
