@@ -82,7 +82,7 @@ def _version_tags(ckpt_dir: Path, meta: dict, sha: str, flow_run_id: str | None)
         "hellaswag_acc": hs.get("acc"), "hellaswag_acc_norm": hs.get("acc_norm"), "hellaswag_n": hs.get("n"),
         "manifest_id": meta.get("manifest_id"), "config_hash": meta.get("identity_hash"),
         "run_name": meta.get("run_name"), "code_version": store.code_version(),
-        "flow_run_id": flow_run_id, "checkpoint_sha256": sha, "checkpoint": meta.get("checkpoint_dir"),
+        "flow_run_id": flow_run_id, "checkpoint_sha256": sha, "checkpoint": str(ckpt_dir.resolve()),
         # the recipe, so versions trained either way stay comparable in the registry
         "optimizer": optim.get("name", "adamw"), "schedule": optim.get("schedule", "cosine"),
     }
@@ -98,7 +98,6 @@ def _read_checkpoint(ckpt_dir: Path) -> tuple[dict, str]:
     if meta.get("model_sha256") and meta["model_sha256"] != sha:
         raise RegistryError(f"{ckpt_dir}/model.safetensors has sha256 {sha} but meta.json records "
                             f"{meta['model_sha256']}: the checkpoint is corrupt; register another one")
-    meta["checkpoint_dir"] = str(ckpt_dir.resolve())
     return meta, sha
 
 
@@ -109,7 +108,7 @@ def _same_checkpoint_filter(name: str, sha: str, ident: str | None) -> str:
     return query + (f" and tags.config_hash = '{ident}'" if ident else "")
 
 
-def _existing_version(mlc, name: str, sha: str, ident: str | None = None):
+def _existing_version(mlc, name: str, sha: str, ident: str | None):
     """The oldest version of _same_checkpoint_filter, or None."""
     found = mlc.search_model_versions(_same_checkpoint_filter(name, sha, ident))
     return min(found, key=lambda mv: int(mv.version)) if found else None
