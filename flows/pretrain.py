@@ -80,18 +80,18 @@ def sample_task(ckpt: str, model_uri: str | None, prompt: str, max_new_tokens: i
     registered); stored in <checkpoint>/sample.json."""
     from gptcore.files import write_json
 
+    params = {"max_new_tokens": max_new_tokens, "seed": 0}  # the rest: the pyfunc's DEFAULT_PARAMS
     if model_uri:
         from tasks.generate import load
 
-        text = load(model_uri).predict([prompt], params={"max_new_tokens": max_new_tokens, "seed": 0})[0]
-    else:
+        text = load(model_uri).predict([prompt], params=params)[0]
+    else:  # the same generator, straight from the checkpoint
+        from gptcore.checkpoint import load_model
         from tasks.mlflow_model import GPTTextGenerator
 
         gen = GPTTextGenerator()
-        from gptcore.checkpoint import load_model
-
         gen.model, gen.meta = load_model(Path(ckpt))
-        text = gen.generate(prompt, max_new_tokens, temperature=1.0, top_k=50, seed=0)
+        text = gen.predict(None, [prompt], params)[0]
     out = {"model_uri": model_uri, "checkpoint": ckpt, "prompt": prompt, "max_new_tokens": max_new_tokens,
            "text": text}
     write_json(Path(ckpt) / SAMPLE_FILE, out)
