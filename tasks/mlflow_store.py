@@ -53,14 +53,6 @@ def use_store(uri: str | None = None) -> None:
     mlflow.set_registry_uri(uri)
 
 
-def _artifact_location(uri: str) -> str | None:
-    """For the embedded SQLite store, keep artifacts beside the database (MLflow would otherwise use
-    ./mlruns relative to wherever the process happens to run). A server decides for itself."""
-    if uri.startswith("sqlite:///"):
-        return (Path(uri[len("sqlite:///"):]).parent / "artifacts").resolve().as_uri()
-    return None
-
-
 def client(uri: str | None = None):
     from mlflow import MlflowClient
 
@@ -73,8 +65,12 @@ def experiment_id(mlc, name: str = EXPERIMENT) -> str:
         return exp.experiment_id
     from mlflow.exceptions import MlflowException
 
+    # The embedded SQLite store keeps artifacts beside the database (MLflow would otherwise use ./mlruns
+    # relative to wherever the process happens to run); a server decides for itself.
+    db = mlc.tracking_uri.removeprefix("sqlite:///")
+    artifacts = (Path(db).parent / "artifacts").resolve().as_uri() if db != mlc.tracking_uri else None
     try:
-        return mlc.create_experiment(name, artifact_location=_artifact_location(mlc.tracking_uri))
+        return mlc.create_experiment(name, artifact_location=artifacts)
     except MlflowException:  # created concurrently by another process
         exp = mlc.get_experiment_by_name(name)
         if exp is None:
