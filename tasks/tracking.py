@@ -134,14 +134,12 @@ class Shipper:
         params = store.as_params(ident["config"])
         params["data.manifest_id"] = ident["manifest_id"]
         params["code_version"] = store.code_version()
+        tags = {store.TAG_MANIFEST: ident["manifest_id"], store.TAG_CODE: params["code_version"]}
         if self.flow_run_id:
-            params["prefect.flow_run_id"] = self.flow_run_id
+            params["prefect.flow_run_id"] = tags[store.TAG_FLOW_RUN] = self.flow_run_id
         new = [Param(k, v) for k, v in sorted(params.items()) if k not in run.data.params]
         for i in range(0, len(new), MAX_PARAMS_PER_BATCH):
             mlc.log_batch(run_id, params=new[i:i + MAX_PARAMS_PER_BATCH], synchronous=True)
-        tags = {store.TAG_MANIFEST: ident["manifest_id"], store.TAG_CODE: params["code_version"]}
-        if self.flow_run_id:
-            tags[store.TAG_FLOW_RUN] = self.flow_run_id
         mlc.log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()], synchronous=True)
         mlc.log_dict(run_id, ident["config"], "config.json")
         if run.info.status != "RUNNING" and not (self.run_dir / "DONE").exists():
