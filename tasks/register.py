@@ -139,10 +139,9 @@ def _log_model(mlc, uri: str, ckpt_dir: Path, meta: dict, name: str, tags: dict,
     from tasks.mlflow_model import SIGNATURE
 
     run = store.find_or_create_run(mlc, meta["run_name"], meta["identity_hash"], experiment).info
-    run_id, exp_id = run.run_id, run.experiment_id
     store.use_store(uri)  # the fluent log_model below resolves the store from it
     params = store.as_params({"model": meta.get("model_config") or meta["config"]["model"]})
-    lm = mlflow.initialize_logged_model(name=name, source_run_id=run_id, experiment_id=exp_id,
+    lm = mlflow.initialize_logged_model(name=name, source_run_id=run.run_id, experiment_id=run.experiment_id,
                                         tags=tags, params=params, model_type="gpt2-text-generation")
     try:
         with tempfile.TemporaryDirectory() as tmp:
@@ -156,7 +155,7 @@ def _log_model(mlc, uri: str, ckpt_dir: Path, meta: dict, name: str, tags: dict,
                 code_paths=[str(GPTCORE_DIR)], signature=SIGNATURE, pip_requirements=_requirements(),
                 model_id=lm.model_id, step=int(meta["step"]))
             # the run lists the model among its outputs, at the checkpoint's step
-            mlc.log_outputs(run_id, [LoggedModelOutput(lm.model_id, step=int(meta["step"]))])
+            mlc.log_outputs(run.run_id, [LoggedModelOutput(lm.model_id, step=int(meta["step"]))])
             if hf:
                 from gptcore.hf import export_hf
 
@@ -167,7 +166,7 @@ def _log_model(mlc, uri: str, ckpt_dir: Path, meta: dict, name: str, tags: dict,
     except BaseException:
         mlc.finalize_logged_model(lm.model_id, "FAILED")
         raise
-    return lm.model_id, run_id
+    return lm.model_id, run.run_id
 
 
 def _move_best(mlc, name: str, mv) -> None:
