@@ -80,18 +80,18 @@ def sample_task(ckpt: str, model_uri: str | None, prompt: str, max_new_tokens: i
     registered); stored in <checkpoint>/sample.json."""
     from gptcore.files import write_json
 
+    params = {"max_new_tokens": max_new_tokens, "seed": 0}  # the rest: the pyfunc's DEFAULT_PARAMS
     if model_uri:
         from tasks.generate import load
 
-        text = load(model_uri).predict([prompt], params={"max_new_tokens": max_new_tokens, "seed": 0})[0]
-    else:
+        text = load(model_uri).predict([prompt], params=params)[0]
+    else:  # the same generator, straight from the checkpoint
+        from gptcore.checkpoint import load_model
         from tasks.mlflow_model import GPTTextGenerator
 
         gen = GPTTextGenerator()
-        from gptcore.checkpoint import load_model
-
         gen.model, gen.meta = load_model(Path(ckpt))
-        text = gen.generate(prompt, max_new_tokens, temperature=1.0, top_k=50, seed=0)
+        text = gen.predict(None, [prompt], params)[0]
     out = {"model_uri": model_uri, "checkpoint": ckpt, "prompt": prompt, "max_new_tokens": max_new_tokens,
            "text": text}
     write_json(Path(ckpt) / SAMPLE_FILE, out)
@@ -108,13 +108,13 @@ def mlflow_links(reg: dict | None, run_name: str) -> str:
         return f"MLflow store: `{uri}` (no UI server); run `mlflow ui --backend-store-uri {uri}` to browse."
     lines = []
     try:
-        exp = (store.rest_get(uri, "experiments/get-by-name", {"experiment_name": store.EXPERIMENT})
+        exp = (store.rest_read(uri, "experiments/get-by-name", {"experiment_name": store.EXPERIMENT})
                or {}).get("experiment")
         run_id = reg["run_id"] if reg else None
         if exp is not None and run_id is None:
-            runs = store.rest_post(uri, "runs/search", {
+            runs = (store.rest_read(uri, "runs/search", body={
                 "experiment_ids": [exp["experiment_id"]], "max_results": 1,
-                "filter": f"tags.`{store.TAG_RUN_NAME}` = '{run_name}'"}).get("runs") or []
+                "filter": f"tags.`{store.TAG_RUN_NAME}` = '{run_name}'"}) or {}).get("runs") or []
             run_id = runs[0]["info"]["run_id"] if runs else None
         if exp is not None and run_id:
             lines.append(f"- MLflow run: [{run_name}]({uri}/#/experiments/{exp['experiment_id']}/runs/{run_id})")

@@ -67,21 +67,17 @@ def evaluate_dir(target: str | Path, cfg_dict: dict | None = None, val: bool = T
             if log:
                 log.info("%s already evaluated (%s); skipping", ckpt, ckpt / EVAL_FILE)
             return done
-        return _evaluate(ckpt, cfg, val, device, log)
+        from gptcore import distributed  # torch: only when there is work to do
+        from gptcore.evaluate import evaluate_model, load_target
 
-
-def _evaluate(ckpt: Path, cfg, val: bool, device: str, log) -> dict:
-    from gptcore import distributed  # torch: only when there is work to do
-    from gptcore.evaluate import evaluate_model, load_target
-
-    t0 = time.time()
-    env = distributed.select(TrainConfig(device=device))  # the trainer's hardware rules (dtype, TF32)
-    model, info = load_target(ckpt, env.device)
-    result = evaluate_model(model, cfg, env.device, env.autocast(), hellaswag=cfg.eval.hellaswag,
-                            hellaswag_path=None, limit=cfg.eval.hellaswag_limit, val=val)
-    result = {"target": str(ckpt), "kind": info["kind"], "step": info.get("step"), **result,
-              "settings": settings(cfg, val), "seconds": round(time.time() - t0, 2)}
-    write_json(ckpt / EVAL_FILE, result)
+        t0 = time.time()
+        env = distributed.select(TrainConfig(device=device))  # the trainer's hardware rules (dtype, TF32)
+        model, info = load_target(ckpt, env.device)
+        result = evaluate_model(model, cfg, env.device, env.autocast(), hellaswag=cfg.eval.hellaswag,
+                                hellaswag_path=None, limit=cfg.eval.hellaswag_limit, val=val)
+        result = {"target": str(ckpt), "kind": info["kind"], "step": info.get("step"), **result,
+                  "settings": settings(cfg, val), "seconds": round(time.time() - t0, 2)}
+        write_json(ckpt / EVAL_FILE, result)
     if log:
         log.info("evaluated %s: %s", ckpt, {k: result[k] for k in ("val_loss", "hellaswag") if k in result})
     return result

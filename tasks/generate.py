@@ -44,8 +44,7 @@ def main(argv: list[str] | None = None) -> int:
               "MLflow UI; register one with `python -m tasks.register <checkpoint>`.",
               file=sys.stderr)
         return 2
-    params = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_k": args.top_k,
-              "seed": args.seed}
+    params = {k: getattr(args, k) for k in DEFAULT_PARAMS}  # --max-new-tokens, --temperature, --top-k, --seed
     try:
         texts = model.predict(args.prompt, params=params)
     except ValueError as e:

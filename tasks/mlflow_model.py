@@ -27,10 +27,8 @@ DEFAULT_PARAMS = {"max_new_tokens": 32, "temperature": 1.0, "top_k": 50, "seed":
 SIGNATURE = ModelSignature(
     inputs=Schema([ColSpec("string")]),
     outputs=Schema([ColSpec("string")]),
-    params=ParamSchema([ParamSpec("max_new_tokens", "long", DEFAULT_PARAMS["max_new_tokens"]),
-                        ParamSpec("temperature", "double", DEFAULT_PARAMS["temperature"]),
-                        ParamSpec("top_k", "long", DEFAULT_PARAMS["top_k"]),
-                        ParamSpec("seed", "long", DEFAULT_PARAMS["seed"])]),
+    params=ParamSchema([ParamSpec(name, "double" if isinstance(default, float) else "long", default)
+                        for name, default in DEFAULT_PARAMS.items()]),
 )
 
 
@@ -47,8 +45,7 @@ class GPTTextGenerator(mlflow.pyfunc.PythonModel):
     def load_context(self, context):
         from gptcore.checkpoint import load_model
 
-        self.model, self.meta = load_model(context.artifacts["checkpoint"], device="cpu")
-        self.model.eval()
+        self.model, self.meta = load_model(context.artifacts["checkpoint"], device="cpu")  # in eval mode
 
     def generate(self, prompt: str, max_new_tokens: int, temperature: float, top_k: int, seed: int) -> str:
         import torch

@@ -3,7 +3,7 @@ metrics shipper in tasks/tracking.py).
 
     tracking_uri()            $MLFLOW_TRACKING_URI, else the embedded SQLite store under the pipeline home
     client(uri)               an MlflowClient for tracking and registry
-    rest_get(uri, endpoint)   a read through MLflow's REST API without importing mlflow (a second or more):
+    rest_read(uri, endpoint)  a read through MLflow's REST API without importing mlflow (a second or more):
                               the flow's skip decisions use it against a tracking server
 
 One MLflow experiment (`gpt2-pretrain`) holds one MLflow run per training run identity (tags below).
@@ -43,23 +43,14 @@ def tracking_uri() -> str:
     return f"sqlite:///{root / 'mlflow.db'}"
 
 
-def use_store(uri: str | None = None) -> str:
-    """Point MLflow's fluent API (tracking and model registry) at `uri`, default tracking_uri(); returns it.
-    For the calls that take no client: log_model, pyfunc.load_model, artifacts.download_artifacts."""
+def use_store(uri: str | None = None) -> None:
+    """Point MLflow's fluent API (tracking and model registry) at `uri`, default tracking_uri(). For the
+    calls that take no client: log_model, pyfunc.load_model, artifacts.download_artifacts."""
     import mlflow
 
     uri = uri or tracking_uri()
     mlflow.set_tracking_uri(uri)
     mlflow.set_registry_uri(uri)
-    return uri
-
-
-def _artifact_location(uri: str) -> str | None:
-    """For the embedded SQLite store, keep artifacts beside the database (MLflow would otherwise use
-    ./mlruns relative to wherever the process happens to run). A server decides for itself."""
-    if uri.startswith("sqlite:///"):
-        return (Path(uri[len("sqlite:///"):]).parent / "artifacts").resolve().as_uri()
-    return None
 
 
 def client(uri: str | None = None):
@@ -74,8 +65,12 @@ def experiment_id(mlc, name: str = EXPERIMENT) -> str:
         return exp.experiment_id
     from mlflow.exceptions import MlflowException
 
+    # The embedded SQLite store keeps artifacts beside the database (MLflow would otherwise use ./mlruns
+    # relative to wherever the process happens to run); a server decides for itself.
+    db = mlc.tracking_uri.removeprefix("sqlite:///")
+    artifacts = (Path(db).parent / "artifacts").resolve().as_uri() if db != mlc.tracking_uri else None
     try:
-        return mlc.create_experiment(name, artifact_location=_artifact_location(mlc.tracking_uri))
+        return mlc.create_experiment(name, artifact_location=artifacts)
     except MlflowException:  # created concurrently by another process
         exp = mlc.get_experiment_by_name(name)
         if exp is None:
@@ -83,18 +78,16 @@ def experiment_id(mlc, name: str = EXPERIMENT) -> str:
         return exp.experiment_id
 
 
-def find_or_create_run(mlc, run_name: str, identity_hash: str, experiment: str = EXPERIMENT) -> str:
-    """The MLflow run id of this training run identity, creating the run the first time."""
+def find_or_create_run(mlc, run_name: str, identity_hash: str, experiment: str = EXPERIMENT):
+    """The MLflow run (an mlflow Run) of this training run identity, creating it the first time."""
     exp_id = experiment_id(mlc, experiment)
     found = mlc.search_runs(
         [exp_id], filter_string=f"tags.`{TAG_RUN_NAME}` = '{run_name}' and "
                                 f"tags.`{TAG_IDENTITY}` = '{identity_hash}'",
         order_by=["attributes.start_time ASC"], max_results=1)
     if found:
-        return found[0].info.run_id
-    run = mlc.create_run(exp_id, run_name=run_name,
-                         tags={TAG_RUN_NAME: run_name, TAG_IDENTITY: identity_hash})
-    return run.info.run_id
+        return found[0]
+    return mlc.create_run(exp_id, run_name=run_name, tags={TAG_RUN_NAME: run_name, TAG_IDENTITY: identity_hash})
 
 
 def as_params(config: dict) -> dict[str, str]:
@@ -136,7 +129,10 @@ def _auth(req: urllib.request.Request) -> urllib.request.Request:
     return req
 
 
-def _call(uri: str, endpoint: str, params: dict | None, body: dict | None, timeout: float) -> dict | None:
+def rest_read(uri: str, endpoint: str, params: dict | None = None, body: dict | None = None,
+              timeout: float = 10.0) -> dict | None:
+    """A read from <uri>/api/2.0/mlflow/<endpoint>: GET with query `params`, or POST with a JSON `body` (the
+    searches that take one, e.g. runs/search). The JSON reply, or None when the resource does not exist."""
     if not uri.startswith(("http://", "https://")):
         raise RestUnavailable(f"{uri} is not an MLflow server")
     url = f"{uri.rstrip('/')}/api/2.0/mlflow/{endpoint}"
@@ -154,24 +150,3 @@ def _call(uri: str, endpoint: str, params: dict | None, body: dict | None, timeo
     except (OSError, ValueError) as e:
         raise RestUnavailable(f"{url}: {e}") from e
 
-
-def rest_get(uri: str, endpoint: str, params: dict | None = None, timeout: float = 10.0) -> dict | None:
-    """GET <uri>/api/2.0/mlflow/<endpoint>: the JSON reply, or None when the resource does not exist."""
-    return _call(uri, endpoint, params, None, timeout)
-
-
-def rest_post(uri: str, endpoint: str, body: dict, timeout: float = 10.0) -> dict:
-    """POST a read (e.g. runs/search) to <uri>/api/2.0/mlflow/<endpoint>: the JSON reply."""
-    return _call(uri, endpoint, None, body, timeout) or {}
-
-
-def rest_versions(uri: str, filter_string: str, order_by: str = "version_number ASC",
-                  max_results: int = 1000) -> list[dict]:
-    """Model versions matching an MLflow filter, as the REST API returns them (tags as a dict)."""
-    reply = rest_get(uri, "model-versions/search", {"filter": filter_string, "order_by": order_by,
-                                                     "max_results": max_results}) or {}
-    out = []
-    for mv in reply.get("model_versions", []):
-        mv["tags"] = {t["key"]: t["value"] for t in mv.get("tags", [])}
-        out.append(mv)
-    return out

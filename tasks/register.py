@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
 import shutil
 import sys
@@ -36,7 +35,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from gptcore.files import file_sha256, read_json
-from gptcore.run_files import CheckpointError, read_meta
+from gptcore.run_files import CheckpointError, finite, read_meta
 from tasks import mlflow_store as store
 
 log = logging.getLogger("gptpipe.register")
@@ -68,28 +67,22 @@ def _requirements() -> list[str]:
     return out
 
 
-def _scores(ckpt_dir: Path, meta: dict) -> tuple[float | None, dict]:
-    """Val loss and HellaSwag of a checkpoint: the training-time numbers in meta.json, completed by the
-    evaluate stage's <ckpt>/eval.json (a full HellaSwag run usually happens there, after training)."""
+def _version_tags(ckpt_dir: Path, meta: dict, sha: str, flow_run_id: str | None) -> dict[str, str]:
+    # val loss and HellaSwag: the training-time numbers in meta.json, completed by the evaluate stage's
+    # <ckpt>/eval.json (a full HellaSwag run usually happens there, after training)
     val, hs = meta.get("val_loss"), meta.get("hellaswag") or {}
     ev = read_json(ckpt_dir / "eval.json", {})
     val = val if val is not None else ev.get("val_loss")
     if isinstance(ev.get("hellaswag"), dict) and ev["hellaswag"].get("acc") is not None:
         hs = ev["hellaswag"]
-    if not isinstance(val, int | float) or not math.isfinite(val):
-        val = None  # a diverged (NaN) run must never become `best`
-    return val, hs
-
-
-def _version_tags(ckpt_dir: Path, meta: dict, sha: str, flow_run_id: str | None) -> dict[str, str]:
-    val, hs = _scores(ckpt_dir, meta)
     optim = (meta.get("config") or {}).get("optim") or {}
     tags = {
-        "step": meta["step"], "tokens_seen": meta.get("tokens_seen"), "val_loss": val,
+        "step": meta["step"], "tokens_seen": meta.get("tokens_seen"),
+        "val_loss": val if finite(val) else None,  # a diverged (NaN) run must never become `best`
         "hellaswag_acc": hs.get("acc"), "hellaswag_acc_norm": hs.get("acc_norm"), "hellaswag_n": hs.get("n"),
         "manifest_id": meta.get("manifest_id"), "config_hash": meta.get("identity_hash"),
         "run_name": meta.get("run_name"), "code_version": store.code_version(),
-        "flow_run_id": flow_run_id, "checkpoint_sha256": sha, "checkpoint": meta.get("checkpoint_dir"),
+        "flow_run_id": flow_run_id, "checkpoint_sha256": sha, "checkpoint": str(ckpt_dir.resolve()),
         # the recipe, so versions trained either way stay comparable in the registry
         "optimizer": optim.get("name", "adamw"), "schedule": optim.get("schedule", "cosine"),
     }
@@ -105,7 +98,6 @@ def _read_checkpoint(ckpt_dir: Path) -> tuple[dict, str]:
     if meta.get("model_sha256") and meta["model_sha256"] != sha:
         raise RegistryError(f"{ckpt_dir}/model.safetensors has sha256 {sha} but meta.json records "
                             f"{meta['model_sha256']}: the checkpoint is corrupt; register another one")
-    meta["checkpoint_dir"] = str(ckpt_dir.resolve())
     return meta, sha
 
 
@@ -116,7 +108,7 @@ def _same_checkpoint_filter(name: str, sha: str, ident: str | None) -> str:
     return query + (f" and tags.config_hash = '{ident}'" if ident else "")
 
 
-def _existing_version(mlc, name: str, sha: str, ident: str | None = None):
+def _existing_version(mlc, name: str, sha: str, ident: str | None):
     """The oldest version of _same_checkpoint_filter, or None."""
     found = mlc.search_model_versions(_same_checkpoint_filter(name, sha, ident))
     return min(found, key=lambda mv: int(mv.version)) if found else None
@@ -138,19 +130,18 @@ def _keep_oldest(mlc, name: str, sha: str, ident: str | None, mine):
 
 
 def _log_model(mlc, uri: str, ckpt_dir: Path, meta: dict, name: str, tags: dict, hf: bool,
-               experiment: str) -> str:
-    """Log the LoggedModel (pyfunc + HF export) under the training run; returns its model_id."""
+               experiment: str) -> tuple[str, str]:
+    """Log the LoggedModel (pyfunc + HF export) under the training run; returns its model_id and that run's id."""
     import mlflow
     from mlflow.entities import LoggedModelOutput
 
     from gptcore.checkpoint import load_model
     from tasks.mlflow_model import SIGNATURE
 
-    run_id = store.find_or_create_run(mlc, meta["run_name"], meta["identity_hash"], experiment)
-    exp_id = mlc.get_run(run_id).info.experiment_id
+    run = store.find_or_create_run(mlc, meta["run_name"], meta["identity_hash"], experiment).info
     store.use_store(uri)  # the fluent log_model below resolves the store from it
     params = store.as_params({"model": meta.get("model_config") or meta["config"]["model"]})
-    lm = mlflow.initialize_logged_model(name=name, source_run_id=run_id, experiment_id=exp_id,
+    lm = mlflow.initialize_logged_model(name=name, source_run_id=run.run_id, experiment_id=run.experiment_id,
                                         tags=tags, params=params, model_type="gpt2-text-generation")
     try:
         with tempfile.TemporaryDirectory() as tmp:
@@ -164,7 +155,7 @@ def _log_model(mlc, uri: str, ckpt_dir: Path, meta: dict, name: str, tags: dict,
                 code_paths=[str(GPTCORE_DIR)], signature=SIGNATURE, pip_requirements=_requirements(),
                 model_id=lm.model_id, step=int(meta["step"]))
             # the run lists the model among its outputs, at the checkpoint's step
-            mlc.log_outputs(run_id, [LoggedModelOutput(lm.model_id, step=int(meta["step"]))])
+            mlc.log_outputs(run.run_id, [LoggedModelOutput(lm.model_id, step=int(meta["step"]))])
             if hf:
                 from gptcore.hf import export_hf
 
@@ -175,26 +166,23 @@ def _log_model(mlc, uri: str, ckpt_dir: Path, meta: dict, name: str, tags: dict,
     except BaseException:
         mlc.finalize_logged_model(lm.model_id, "FAILED")
         raise
-    return lm.model_id
+    return lm.model_id, run.run_id
 
 
-def _move_best(mlc, name: str, mv) -> bool:
+def _move_best(mlc, name: str, mv) -> None:
     """Point `best` at mv if its val loss beats the current holder's (or there is no holder)."""
     from mlflow.exceptions import MlflowException
 
     if "val_loss" not in mv.tags:
-        return False
+        return
     try:
         holder = mlc.get_model_version_by_alias(name, BEST)
-    except MlflowException:
+    except MlflowException:  # nobody holds it
         holder = None
-    if holder is not None and holder.version == mv.version:
-        return True
-    if holder is not None and "val_loss" in holder.tags and \
-            float(holder.tags["val_loss"]) <= float(mv.tags["val_loss"]):
-        return False
+    if holder is not None and (holder.version == mv.version or (
+            "val_loss" in holder.tags and float(holder.tags["val_loss"]) <= float(mv.tags["val_loss"]))):
+        return  # it holds `best` already, or a version at least as good does
     mlc.set_registered_model_alias(name, BEST, mv.version)
-    return True
 
 
 def register_checkpoint(ckpt_dir: str | Path, model_name: str | None = None, tracking_uri: str | None = None,
@@ -226,8 +214,7 @@ def register_checkpoint(ckpt_dir: str | Path, model_name: str | None = None, tra
                 mlc.set_model_version_tag(name, mv.version, k, v)
         mv = mlc.get_model_version(name, mv.version)
     else:
-        model_id = _log_model(mlc, uri, ckpt_dir, meta, name, tags, hf, experiment)
-        run_id = mlc.get_logged_model(model_id).source_run_id
+        model_id, run_id = _log_model(mlc, uri, ckpt_dir, meta, name, tags, hf, experiment)
         # the sha256 tag (the idempotency key) arrives with the version in one call
         mine = mlc.create_model_version(name, source=f"models:/{model_id}", run_id=run_id, tags=tags,
                                         model_id=model_id)
@@ -275,19 +262,22 @@ def registered_version(ckpt_dir: str | Path, model_name: str | None = None,
 
 
 def _registered_over_rest(uri: str, name: str, sha: str, ident: str | None) -> dict | None:
-    found = store.rest_versions(uri, _same_checkpoint_filter(name, sha, ident))
-    if not found:
+    def first(filter_string: str, order_by: str) -> dict | None:  # the first matching version, in that order
+        reply = store.rest_read(uri, "model-versions/search", {"filter": filter_string, "order_by": order_by,
+                                                               "max_results": 1})
+        return ((reply or {}).get("model_versions") or [None])[0]
+
+    mv = first(_same_checkpoint_filter(name, sha, ident), "version_number ASC")  # the oldest, as _existing_version
+    if mv is None:
         return None
-    mv = min(found, key=lambda v: int(v["version"]))
-    full = (store.rest_get(uri, "model-versions/get", {"name": name, "version": mv["version"]}) or {})
+    full = (store.rest_read(uri, "model-versions/get", {"name": name, "version": mv["version"]}) or {})
     full = full.get("model_version") or mv
-    newest = store.rest_versions(uri, f"name = '{name}'", order_by="version_number DESC", max_results=1)
-    aliases = sorted(full.get("aliases", [])) + (["latest"] if newest and newest[0]["version"] == mv["version"]
-                                                 else [])
+    newest = first(f"name = '{name}'", "version_number DESC")
+    aliases = sorted(full.get("aliases", [])) + (["latest"] if newest and newest["version"] == mv["version"] else [])
     return {"name": name, "version": str(mv["version"]), "aliases": aliases, "created": False,
             "model_uri": f"models:/{name}/{mv['version']}", "run_id": full.get("run_id"),
             "model_id": full.get("model_id") or full.get("source", "").removeprefix("models:/"),
-            "tags": mv["tags"], "tracking_uri": uri}
+            "tags": {t["key"]: t["value"] for t in mv.get("tags", [])}, "tracking_uri": uri}
 
 
 # no Prefect caching: the registry itself is the idempotency record (checkpoint_sha256 + config_hash tags)

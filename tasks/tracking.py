@@ -101,8 +101,7 @@ class Shipper:
 
     # cursor: {"tracking_uri", "run_id", "offset"}; another server means starting over at offset 0
     def _load_cursor(self) -> dict:
-        p = self.run_dir / CURSOR
-        cur = read_json(p, {})
+        cur = read_json(self.run_dir / CURSOR, {})
         if cur.get("tracking_uri") != self.uri or not isinstance(cur.get("offset"), int) or cur["offset"] < 0:
             cur = {"tracking_uri": self.uri, "run_id": None, "offset": 0}
         return cur
@@ -128,22 +127,19 @@ class Shipper:
                             cur["run_id"], self.uri, self.run_dir)
                 cur["offset"] = 0
         if run is None:
-            run = mlc.get_run(store.find_or_create_run(mlc, ident["run_name"], ident["identity_hash"],
-                                                       self.experiment))
+            run = store.find_or_create_run(mlc, ident["run_name"], ident["identity_hash"], self.experiment)
         run_id = run.info.run_id
         # Params are immutable in MLflow: the first invocation's values stay; settings that may change
         # between invocations (time budget, device, cadence) are in each invocation's config artifact.
         params = store.as_params(ident["config"])
         params["data.manifest_id"] = ident["manifest_id"]
         params["code_version"] = store.code_version()
+        tags = {store.TAG_MANIFEST: ident["manifest_id"], store.TAG_CODE: params["code_version"]}
         if self.flow_run_id:
-            params["prefect.flow_run_id"] = self.flow_run_id
+            params["prefect.flow_run_id"] = tags[store.TAG_FLOW_RUN] = self.flow_run_id
         new = [Param(k, v) for k, v in sorted(params.items()) if k not in run.data.params]
         for i in range(0, len(new), MAX_PARAMS_PER_BATCH):
             mlc.log_batch(run_id, params=new[i:i + MAX_PARAMS_PER_BATCH], synchronous=True)
-        tags = {store.TAG_MANIFEST: ident["manifest_id"], store.TAG_CODE: params["code_version"]}
-        if self.flow_run_id:
-            tags[store.TAG_FLOW_RUN] = self.flow_run_id
         mlc.log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()], synchronous=True)
         mlc.log_dict(run_id, ident["config"], "config.json")
         if run.info.status != "RUNNING" and not (self.run_dir / "DONE").exists():
@@ -152,26 +148,25 @@ class Shipper:
         write_json(self.run_dir / CURSOR, cur)
         return True
 
-    def ship_once(self, final: bool = False) -> int:
-        """Send every complete, unacknowledged line; returns the number of records acknowledged.
+    def ship_once(self, final: bool = False) -> None:
+        """Send every complete, unacknowledged line (`shipped` counts the records acknowledged).
         Raises on tracking-server errors (the cursor keeps what was not acknowledged)."""
         with self._lock:
             cur = self._load_cursor()
             if self.run_id is None or cur.get("run_id") != self.run_id:
                 if not self._setup(cur):
-                    return 0
-            mlc, path, n = self._client, self.run_dir / METRICS_FILE, 0
+                    return
+            mlc, path = self._client, self.run_dir / METRICS_FILE
             if path.is_file() and path.stat().st_size < cur["offset"]:
                 log.warning("%s is shorter than the shipped offset %d (rewritten?); re-shipping it from the "
                             "start (duplicates are skipped by the server)", path, cur["offset"])
                 cur["offset"] = 0
             while lines := read_new_lines(path, cur["offset"], MAX_READ_BYTES):
-                n += self._ship_lines(mlc, cur, lines)
+                self._ship_lines(mlc, cur, lines)
             if final and (self.run_dir / "DONE").exists() and mlc.get_run(self.run_id).info.status != "FINISHED":
                 mlc.set_terminated(self.run_id, "FINISHED")
-            return n
 
-    def _ship_lines(self, mlc, cur: dict, lines: list[tuple[int, bytes]]) -> int:
+    def _ship_lines(self, mlc, cur: dict, lines: list[tuple[int, bytes]]) -> None:
         batch, end, n = [], cur["offset"], 0
 
         def flush():
@@ -200,7 +195,6 @@ class Shipper:
             end, n = line_end, n + 1
         flush()
         self.shipped += n
-        return n
 
     # --- background thread ---
 
@@ -279,10 +273,7 @@ def main(argv: list[str] | None = None) -> int:
                 stop.wait(args.interval)
         except KeyboardInterrupt:
             pass
-        ok = s.stop()
-    else:
-        ok = s._try_ship(final=True)
-    if not ok:
+    if not s.stop():  # without --follow (no thread started): one final attempt
         print(f"error: could not ship to {s.uri}: {s.last_error}. Nothing is lost: the unsent lines stay "
               f"in {run_dir / METRICS_FILE}; run this command again when the server is reachable.",
               file=sys.stderr)

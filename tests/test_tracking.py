@@ -32,8 +32,8 @@ def fast_failures(monkeypatch):
 def ship(run_dir, uri=None, flow_run_id=None) -> dict:
     """Ship once, as `python -m tasks.tracking <run_dir>` does."""
     s = tracking.Shipper(run_dir, uri, flow_run_id=flow_run_id)
-    n = s.ship_once(final=True)
-    return {"run_id": s.run_id, "shipped": n}
+    s.ship_once(final=True)
+    return {"run_id": s.run_id, "shipped": s.shipped}
 
 
 def make_run_dir(root: Path, run_name: str, manifest_id: str = "manifest-abc") -> Path:
