@@ -32,40 +32,31 @@ DEPLOYMENT = "pretrain/tiny"
 PREFECT_FILE = REPO / "deployments" / "prefect.yaml"
 
 
-def _deploy_stamp(stack: Stack) -> dict:
-    """What the deployments were made from: the yaml, the flow's source, the server."""
-    h = hashlib.sha256(PREFECT_FILE.read_bytes() + (REPO / "flows" / "pretrain.py").read_bytes()).hexdigest()
-    return {"sha256": h, "api_url": stack.prefect_api_url}
-
-
-def _deployed(stack: Stack) -> bool:
+def deploy(stack: Stack, force: bool = False) -> bool:
+    """`prefect deploy` of deployments/prefect.yaml from the repository root (the flow code location).
+    Skipped when the same yaml + flow source were already deployed to this server. True if deployed."""
     from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    stamp = stack.state_dir / "deployed.json"
-    if read_json(stamp) != _deploy_stamp(stack):
-        return False
-    with temporary_settings({PREFECT_API_URL: stack.prefect_api_url}), get_client(sync_client=True) as c:
-        try:
-            c.read_deployment_by_name(DEPLOYMENT)
-            return True
-        except ObjectNotFound:
-            return False
-
-
-def deploy(stack: Stack, force: bool = False) -> bool:
-    """`prefect deploy` of deployments/prefect.yaml from the repository root (the flow code location).
-    Skipped when the same yaml + flow source were already deployed to this server. True if deployed."""
-    if not force and _deployed(stack):
-        return False
+    # what the deployments were made from: the yaml, the flow's source, the server
+    h = hashlib.sha256(PREFECT_FILE.read_bytes() + (REPO / "flows" / "pretrain.py").read_bytes()).hexdigest()
+    stamp = {"sha256": h, "api_url": stack.prefect_api_url}
+    stamp_file = stack.state_dir / "deployed.json"
+    if not force and read_json(stamp_file) == stamp:
+        with temporary_settings({PREFECT_API_URL: stack.prefect_api_url}), get_client(sync_client=True) as c:
+            try:
+                c.read_deployment_by_name(DEPLOYMENT)
+                return False
+            except ObjectNotFound:
+                pass
     stack.ensure_pool(GPU_POOL)  # so the gpt2-124m deployment has its pool (its worker lives elsewhere)
     cmd = [sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--prefect-file", str(PREFECT_FILE), "--all"]
     r = subprocess.run(cmd, cwd=REPO, env=stack.env(), capture_output=True, text=True, timeout=300)
     if r.returncode != 0:
         raise SystemExit(f"error: `{' '.join(cmd[2:])}` failed ({r.returncode}):\n"
                          f"{r.stdout[-3000:]}{r.stderr[-3000:]}")
-    write_json(stack.state_dir / "deployed.json", _deploy_stamp(stack))
+    write_json(stamp_file, stamp)
     return True
 
 
