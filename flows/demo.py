@@ -60,29 +60,27 @@ def deploy(stack: Stack, force: bool = False) -> bool:
     return True
 
 
-def run_and_follow(deployment: str, parameters: dict | None = None, timeout: float = 1800.0,
-                   echo=print) -> tuple[object, list[str]]:
-    """Create a flow run of `deployment` on the server, stream its logs until it is final; returns the
-    final flow run and the log lines."""
+def run_and_follow(deployment: str, parameters: dict, timeout: float):
+    """Create a flow run of `deployment` on the server, print its logs until it is final; returns the final
+    flow run."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterFlowRunId
     from prefect.client.schemas.sorting import LogSort
     from prefect.deployments import run_deployment
 
-    fr = run_deployment(deployment, parameters=parameters or {}, timeout=0)
-    echo(f"flow run {fr.name} ({fr.id}) created; waiting for the worker to pick it up")
-    lines, seen, end = [], 0, time.monotonic() + timeout
+    fr = run_deployment(deployment, parameters=parameters, timeout=0)
+    print(f"flow run {fr.name} ({fr.id}) created; waiting for the worker to pick it up", flush=True)
+    seen, end = 0, time.monotonic() + timeout
     with get_client(sync_client=True) as c:
         while True:
             logs = c.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[fr.id])), limit=200, offset=seen,
                                sort=LogSort.TIMESTAMP_ASC)
             seen += len(logs)
             for lg in logs:
-                lines.append(lg.message)
-                echo(f"  | {lg.message}")
+                print(f"  | {lg.message}", flush=True)
             fr = c.read_flow_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[fr.id])))[0]
             if fr.state is not None and fr.state.is_final() and not logs:
-                return fr, lines
+                return fr
             if time.monotonic() > end:
                 raise SystemExit(f"error: flow run {fr.id} not finished after {timeout:.0f}s (state "
                                  f"{fr.state.name if fr.state else None}); see the Prefect UI")
@@ -172,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     with temporary_settings({PREFECT_API_URL: stack.prefect_api_url}):  # prefect read its env at import
-        fr, _ = run_and_follow(args.deployment, params, args.timeout, echo=lambda m: print(m, flush=True))
+        fr = run_and_follow(args.deployment, params, args.timeout)
         if not fr.state.is_completed():
             print(f"\nerror: flow run {fr.name} ended {fr.state.name}: {fr.state.message}\n"
                   f"logs: Prefect UI {stack.prefect_ui_url}/runs/flow-run/{fr.id}; worker log "
