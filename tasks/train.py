@@ -1,7 +1,7 @@
 """The train stage: run `torchrun -m gptcore.train` as a child process of the flow run.
 
-    train_task(preset="tiny-cpu", overrides={"train.max_steps": 50}, nproc=0)
-    -> {"run_dir", "checkpoint", "step", "done", "returncode", "seconds"}
+    train_task(preset="tiny-cpu", overrides={"train.max_steps": 50}, run_name="tiny-cpu", nproc=1)
+    -> {"run_dir", "checkpoint", "step", "done", "returncode", "seconds", "resumed_from"}
 
 What the launcher guarantees:
 - torchrun runs in its own process group (start_new_session) with a parent-death signal: if the flow
@@ -31,7 +31,7 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from gptcore.run_files import run_state
+from gptcore.run_files import run_dir_for, run_state
 from tasks import processes
 
 TRAIN_LOG = "train.log"  # the trainer's stdout/stderr, appended per invocation
@@ -53,16 +53,6 @@ _PDEATHSIG_EXEC = (
 
 class TrainError(RuntimeError):
     """Training could not run or failed; the message says why and what to do."""
-
-
-def resolve_nproc(nproc: int = 0) -> int:
-    """Processes per node: `nproc` if given, else (0) one per visible GPU, else 1 (CPU). (The flow checks
-    nproc >= 0 at its edge: flows.pretrain.check_params.)"""
-    if nproc > 0:
-        return nproc
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 1
 
 
 def override_args(overrides: dict | None) -> list[str]:
@@ -151,15 +141,18 @@ def launch(cmd: list[str], run_dir: Path, log, env: dict, on_tick) -> tuple[int,
 
 
 @task(name="train", cache_policy=NO_CACHE, task_run_name="train {run_name}")
-def train_task(preset: str, overrides: dict | None, run_name: str, run_dir: str, identity_hash: str,
-               nproc: int = 0, wait_seconds: float = 600.0, tracking: bool = True) -> dict:
-    """Train (or continue) run `run_name` (in `run_dir`, gptcore.run_files.run_dir_for(cfg)) to max_steps or
-    its time budget; returns the run's state."""
+def train_task(preset: str, overrides: dict | None, run_name: str, nproc: int, wait_seconds: float = 600.0,
+               tracking: bool = True) -> dict:
+    """Train (or continue) run `run_name` (the config's run name; `nproc` >= 1, as the flow resolved it) in
+    gptcore.run_files.run_dir_for(cfg) to max_steps or its time budget; returns the run's state."""
     from prefect.runtime import flow_run
 
+    from gptcore.config import load_config
+    from tasks.progress import TrainProgress
+
     log = get_run_logger()
-    nproc = resolve_nproc(nproc)
-    run_dir = Path(run_dir)
+    cfg = load_config(preset, overrides, world_size=nproc)
+    run_dir, identity_hash = run_dir_for(cfg), cfg.identity_hash()
     flow_run_id = flow_run.get_id()
     slot, guard = prefect_slot(run_name, wait_seconds)
     t0 = time.time()
@@ -190,10 +183,6 @@ def train_task(preset: str, overrides: dict | None, run_name: str, run_dir: str,
         # the trainer's lock record names this flow run, so a second trainer's error points at it
         env = dict(os.environ, GPTPIPE_LAUNCHED_BY=json.dumps({"flow_run_id": str(flow_run_id),
                                                                 "pid": os.getpid()}))
-        from gptcore.config import load_config
-        from tasks.progress import TrainProgress
-
-        cfg = load_config(preset, overrides, world_size=nproc)
         progress = TrainProgress(run_dir, run_name, cfg.train.max_steps, cfg.train.max_minutes * 60, shipper, log)
         try:
             rc, tail = launch(torchrun_cmd(preset, overrides, nproc), run_dir, log, env, on_tick=progress.tick)
