@@ -32,7 +32,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from gptcore.config import ConfigError, RunConfig, load_config
-from gptcore.files import read_json
+from gptcore.files import read_json, write_json
 from gptcore.run_files import read_meta, run_dir_for, run_state
 from tasks.progress import artifact_key
 from tasks.train import train_task
@@ -78,8 +78,6 @@ def check_params(nproc: int, wait_seconds: float, model_name: str) -> None:
 def sample_task(ckpt: str, model_uri: str | None, prompt: str, max_new_tokens: int) -> dict:
     """Generate text from the registered model version (or straight from the checkpoint when nothing was
     registered); stored in <checkpoint>/sample.json."""
-    from gptcore.files import write_json
-
     if model_uri:
         from tasks.generate import load
 
