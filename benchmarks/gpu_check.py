@@ -89,9 +89,9 @@ def losses(run: Path) -> dict[int, float]:
 
 def kill_session(proc: subprocess.Popen) -> None:
     """SIGKILL torchrun and its workers (they run in their own sessions: walk /proc for descendants)."""
-    from tasks.processes import descendants
+    from tasks.processes import tree_of
 
-    for pid in [proc.pid, *descendants(proc.pid)]:
+    for pid in tree_of(proc.pid):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:

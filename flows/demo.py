@@ -32,66 +32,55 @@ DEPLOYMENT = "pretrain/tiny"
 PREFECT_FILE = REPO / "deployments" / "prefect.yaml"
 
 
-def _deploy_stamp(stack: Stack) -> dict:
-    """What the deployments were made from: the yaml, the flow's source, the server."""
-    h = hashlib.sha256(PREFECT_FILE.read_bytes() + (REPO / "flows" / "pretrain.py").read_bytes()).hexdigest()
-    return {"sha256": h, "api_url": stack.prefect_api_url}
-
-
-def _deployed(stack: Stack) -> bool:
+def deploy(stack: Stack, force: bool = False) -> bool:
+    """`prefect deploy` of deployments/prefect.yaml from the repository root (the flow code location).
+    Skipped when the same yaml + flow source were already deployed to this server. True if deployed."""
     from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    stamp = stack.state_dir / "deployed.json"
-    if read_json(stamp) != _deploy_stamp(stack):
-        return False
-    with temporary_settings({PREFECT_API_URL: stack.prefect_api_url}), get_client(sync_client=True) as c:
-        try:
-            c.read_deployment_by_name(DEPLOYMENT)
-            return True
-        except ObjectNotFound:
-            return False
-
-
-def deploy(stack: Stack, force: bool = False) -> bool:
-    """`prefect deploy` of deployments/prefect.yaml from the repository root (the flow code location).
-    Skipped when the same yaml + flow source were already deployed to this server. True if deployed."""
-    if not force and _deployed(stack):
-        return False
+    # what the deployments were made from: the yaml, the flow's source, the server
+    h = hashlib.sha256(PREFECT_FILE.read_bytes() + (REPO / "flows" / "pretrain.py").read_bytes()).hexdigest()
+    stamp = {"sha256": h, "api_url": stack.prefect_api_url}
+    stamp_file = stack.state_dir / "deployed.json"
+    if not force and read_json(stamp_file) == stamp:
+        with temporary_settings({PREFECT_API_URL: stack.prefect_api_url}), get_client(sync_client=True) as c:
+            try:
+                c.read_deployment_by_name(DEPLOYMENT)
+                return False
+            except ObjectNotFound:
+                pass
     stack.ensure_pool(GPU_POOL)  # so the gpt2-124m deployment has its pool (its worker lives elsewhere)
     cmd = [sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--prefect-file", str(PREFECT_FILE), "--all"]
     r = subprocess.run(cmd, cwd=REPO, env=stack.env(), capture_output=True, text=True, timeout=300)
     if r.returncode != 0:
         raise SystemExit(f"error: `{' '.join(cmd[2:])}` failed ({r.returncode}):\n"
                          f"{r.stdout[-3000:]}{r.stderr[-3000:]}")
-    write_json(stack.state_dir / "deployed.json", _deploy_stamp(stack))
+    write_json(stamp_file, stamp)
     return True
 
 
-def run_and_follow(deployment: str, parameters: dict | None = None, timeout: float = 1800.0,
-                   echo=print) -> tuple[object, list[str]]:
-    """Create a flow run of `deployment` on the server, stream its logs until it is final; returns the
-    final flow run and the log lines."""
+def run_and_follow(deployment: str, parameters: dict, timeout: float):
+    """Create a flow run of `deployment` on the server, print its logs until it is final; returns the final
+    flow run."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterFlowRunId
     from prefect.client.schemas.sorting import LogSort
     from prefect.deployments import run_deployment
 
-    fr = run_deployment(deployment, parameters=parameters or {}, timeout=0)
-    echo(f"flow run {fr.name} ({fr.id}) created; waiting for the worker to pick it up")
-    lines, seen, end = [], 0, time.monotonic() + timeout
+    fr = run_deployment(deployment, parameters=parameters, timeout=0)
+    print(f"flow run {fr.name} ({fr.id}) created; waiting for the worker to pick it up", flush=True)
+    seen, end = 0, time.monotonic() + timeout
     with get_client(sync_client=True) as c:
         while True:
             logs = c.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[fr.id])), limit=200, offset=seen,
                                sort=LogSort.TIMESTAMP_ASC)
             seen += len(logs)
             for lg in logs:
-                lines.append(lg.message)
-                echo(f"  | {lg.message}")
+                print(f"  | {lg.message}", flush=True)
             fr = c.read_flow_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[fr.id])))[0]
             if fr.state is not None and fr.state.is_final() and not logs:
-                return fr, lines
+                return fr
             if time.monotonic() > end:
                 raise SystemExit(f"error: flow run {fr.id} not finished after {timeout:.0f}s (state "
                                  f"{fr.state.name if fr.state else None}); see the Prefect UI")
@@ -181,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     with temporary_settings({PREFECT_API_URL: stack.prefect_api_url}):  # prefect read its env at import
-        fr, _ = run_and_follow(args.deployment, params, args.timeout, echo=lambda m: print(m, flush=True))
+        fr = run_and_follow(args.deployment, params, args.timeout)
         if not fr.state.is_completed():
             print(f"\nerror: flow run {fr.name} ended {fr.state.name}: {fr.state.message}\n"
                   f"logs: Prefect UI {stack.prefect_ui_url}/runs/flow-run/{fr.id}; worker log "

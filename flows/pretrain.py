@@ -32,10 +32,10 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from gptcore.config import ConfigError, RunConfig, load_config
-from gptcore.files import read_json
+from gptcore.files import read_json, write_json
 from gptcore.run_files import read_meta, run_dir_for, run_state
 from tasks.progress import artifact_key
-from tasks.train import resolve_nproc, train_task
+from tasks.train import train_task
 
 # pydantic notes that the parameter name `register` shadows a BaseModel method; harmless for validation
 warnings.filterwarnings("ignore", message='Field name "register"')
@@ -78,8 +78,6 @@ def check_params(nproc: int, wait_seconds: float, model_name: str) -> None:
 def sample_task(ckpt: str, model_uri: str | None, prompt: str, max_new_tokens: int) -> dict:
     """Generate text from the registered model version (or straight from the checkpoint when nothing was
     registered); stored in <checkpoint>/sample.json."""
-    from gptcore.files import write_json
-
     params = {"max_new_tokens": max_new_tokens, "seed": 0}  # the rest: the pyfunc's DEFAULT_PARAMS
     if model_uri:
         from tasks.generate import load
@@ -170,12 +168,14 @@ def train_stage(cfg: RunConfig, preset: str, overrides: dict | None, nproc: int,
     if state["done"]:
         stage("train", "skipped", f"{run_dir} is DONE at step {state['step']}")
         return state
-    # nproc=0 (one per GPU) is resolved only here: counting GPUs imports torch, which a re-run that skips
-    # everything should not pay for
-    nproc = resolve_nproc(nproc)
+    # nproc=0 (one per GPU, else 1 on CPU) is resolved only here: counting GPUs imports torch, which a re-run
+    # that skips everything should not pay for
+    if nproc == 0:
+        import torch
+
+        nproc = torch.cuda.device_count() if torch.cuda.is_available() else 1
     cfg.validate(nproc)  # the batch must split over the real number of processes (ConfigError if not)
-    state = train_task(preset, overrides, cfg.run_name, str(run_dir), ident, nproc, wait_seconds=wait_seconds,
-                       tracking=tracking)
+    state = train_task(preset, overrides, cfg.run_name, nproc, wait_seconds=wait_seconds, tracking=tracking)
     stage("train", "ran", f"steps {state.get('resumed_from') or 0} -> {state['step']}"
                           f"{'' if state['done'] else ' (time budget reached; continues next run)'}")
     return state

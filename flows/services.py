@@ -38,18 +38,14 @@ class ServiceError(RuntimeError):
 
 
 def free_port(preferred: int = 0) -> int:
-    """`preferred` if nothing listens there, else any free port."""
-    if preferred:
-        with socket.socket() as s:
-            # as the servers do: a port left in TIME_WAIT by a server we just stopped is free
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                s.bind(("127.0.0.1", preferred))
-                return preferred
-            except OSError:
-                pass
+    """`preferred` if nothing listens there, else (or with 0) any free port."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        # as the servers do: a port left in TIME_WAIT by a server we just stopped is free
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", preferred))
+        except OSError:
+            s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
@@ -96,12 +92,10 @@ class Service:
     def stop(self, grace: float = 15.0) -> bool:
         """SIGTERM the process group and the processes below the leader, SIGKILL after `grace` s. True
         if something was stopped."""
-        st = self.state()
-        if not st:
-            return False
-        stopped = start_time(st["pid"]) == st["start_time"]
+        stopped = self.alive()
         if stopped:
-            stop_tree(st["pid"], tree_of(st["pid"]), grace, poll=self._reap)
+            pid = self.state()["pid"]
+            stop_tree(pid, tree_of(pid), grace, poll=self._reap)
         self._reap()
         self.state_path.unlink(missing_ok=True)
         return stopped
@@ -136,9 +130,8 @@ class Stack:
         self.worker = Service(f"worker-{self.pool}", self.state_dir)
         # a running server of this home keeps its port
         for svc, attr in ((self.prefect, "prefect_port"), (self.mlflow, "mlflow_port")):
-            st = svc.state()
-            if st and svc.alive():
-                setattr(self, attr, st["port"])
+            if svc.alive():
+                setattr(self, attr, svc.state()["port"])
 
     @property
     def prefect_ui_url(self) -> str:

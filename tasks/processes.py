@@ -29,15 +29,16 @@ def start_time(pid: int) -> str | None:
     return None if fields is None or fields[0] in ("Z", "X") else fields[19]
 
 
-def descendants(pid: int) -> dict[int, str]:
-    """All live processes below `pid` (pid -> start time). torchrun starts each trainer in its own
-    session, so signalling a process group alone would miss them."""
+def tree_of(pid: int) -> dict[int, str]:
+    """`pid` and every process below it that is alive now (pid -> start time). torchrun starts each trainer
+    in its own session, so signalling a process group alone would miss them."""
     parent_of = {}
     for d in Path("/proc").iterdir():
         fields = _stat(d.name) if d.name.isdigit() else None
         if fields is not None and fields[0] not in ("Z", "X"):
             parent_of[int(d.name)] = (int(fields[1]), fields[19])
-    found, todo = {}, [pid]
+    found = {pid: parent_of[pid][1]} if pid in parent_of else {}
+    todo = [pid]
     while todo:
         parent = todo.pop()
         for child, (ppid, started) in parent_of.items():
@@ -45,12 +46,6 @@ def descendants(pid: int) -> dict[int, str]:
                 found[child] = started
                 todo.append(child)
     return found
-
-
-def tree_of(pid: int) -> dict[int, str]:
-    """`pid` and everything below it that is alive now (pid -> start time)."""
-    st = start_time(pid)
-    return {**({pid: st} if st else {}), **descendants(pid)}
 
 
 def alive(tree: dict[int, str]) -> list[int]:

@@ -60,7 +60,7 @@ class TrainProgress:
     def __init__(self, run_dir: Path, run_name: str, max_steps: int, budget_s: float, shipper, log,
                  every: float = 5.0):
         self.path = Path(run_dir) / METRICS_FILE
-        self.run_name, self.max_steps, self.budget_s = run_name, max_steps, budget_s
+        self.max_steps, self.budget_s = max_steps, budget_s
         self.shipper, self.log, self.every = shipper, log, every
         self.offset = self.path.stat().st_size if self.path.is_file() else 0
         self.t0, self.last_publish = time.time(), 0.0
@@ -120,12 +120,9 @@ class TrainProgress:
         try:
             self._read()
             self._health(now)
-            self._publish()
+            self.artifact.set(100.0 * min(self.step, self.max_steps) / max(self.max_steps, 1), self.describe())
         except Exception as e:  # noqa: BLE001 -- progress is a convenience: never fail training for it
             self.log.debug("progress update failed: %s", e)
-
-    def _publish(self) -> None:
-        self.artifact.set(100.0 * min(self.step, self.max_steps) / max(self.max_steps, 1), self.describe())
 
     def _health(self, now: float) -> None:
         s = self.shipper

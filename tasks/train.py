@@ -1,7 +1,7 @@
 """The train stage: run `torchrun -m gptcore.train` as a child process of the flow run.
 
-    train_task(preset="tiny-cpu", overrides={"train.max_steps": 50}, nproc=0)
-    -> {"run_dir", "checkpoint", "step", "done", "returncode", "seconds"}
+    train_task(preset="tiny-cpu", overrides={"train.max_steps": 50}, run_name="tiny-cpu", nproc=1)
+    -> {"run_dir", "checkpoint", "step", "done", "returncode", "seconds", "resumed_from"}
 
 What the launcher guarantees:
 - torchrun runs in its own process group (start_new_session) with a parent-death signal: if the flow
@@ -31,7 +31,7 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from gptcore.run_files import run_state
+from gptcore.run_files import run_dir_for, run_state
 from tasks import processes
 
 TRAIN_LOG = "train.log"  # the trainer's stdout/stderr, appended per invocation
@@ -55,16 +55,6 @@ class TrainError(RuntimeError):
     """Training could not run or failed; the message says why and what to do."""
 
 
-def resolve_nproc(nproc: int = 0) -> int:
-    """Processes per node: `nproc` if given, else (0) one per visible GPU, else 1 (CPU). (The flow checks
-    nproc >= 0 at its edge: flows.pretrain.check_params.)"""
-    if nproc > 0:
-        return nproc
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 1
-
-
 def override_args(overrides: dict | None) -> list[str]:
     """{"train.max_steps": 50, "model": {"n_layer": 2}} -> ["train.max_steps=50", "model.n_layer=2"]."""
     from gptcore.config import flatten
@@ -72,11 +62,9 @@ def override_args(overrides: dict | None) -> list[str]:
     return [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in flatten(overrides or {}).items()]
 
 
-def torchrun_cmd(preset: str, overrides: dict | None, nproc: int,
-                 shutdown_seconds: float = SHUTDOWN_SECONDS) -> list[str]:
+def torchrun_cmd(preset: str, overrides: dict | None, nproc: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            f"--shutdown-timeout={shutdown_seconds:.0f}", "-m", "gptcore.train", preset,
-            *override_args(overrides)]
+            f"--shutdown-timeout={SHUTDOWN_SECONDS}", "-m", "gptcore.train", preset, *override_args(overrides)]
 
 
 # --- one trainer per run directory -----------------------------------------------------------------
@@ -112,15 +100,15 @@ def end_group(proc: subprocess.Popen, grace: float, log) -> None:
     proc.wait()
 
 
-def launch(cmd: list[str], run_dir: Path, log, grace: float = GRACE_SECONDS,
-           env: dict | None = None, on_tick=None) -> tuple[int, list[str]]:
-    """Run the trainer, streaming its output to `log`; returns (exit code, last lines).
+def launch(cmd: list[str], run_dir: Path, log, env: dict, on_tick) -> tuple[int, list[str]]:
+    """Run the trainer, streaming its output to `log` and calling `on_tick` as it goes; returns (exit code,
+    last lines).
 
     The trainer writes to <run_dir>/train.log (appended), which this thread tails: if the flow run's
     process dies, the trainer's prints do not hit a broken pipe, so it can still checkpoint and exit."""
     tail: collections.deque[str] = collections.deque(maxlen=60)
     full = [sys.executable, "-c", _PDEATHSIG_EXEC, str(os.getpid()), *cmd]
-    env = dict(env or os.environ, PYTHONUNBUFFERED="1")
+    env = dict(env, PYTHONUNBUFFERED="1")
     log.info("launching: %s", " ".join(cmd))
     log_path = run_dir / TRAIN_LOG
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -146,24 +134,25 @@ def launch(cmd: list[str], run_dir: Path, log, grace: float = GRACE_SECONDS,
                     break
                 else:
                     time.sleep(0.2)
-                if on_tick is not None:
-                    on_tick()
+                on_tick()
     finally:  # also on cancellation / termination signals / a failing logger: never leave the group
-        end_group(proc, grace, log)
+        end_group(proc, GRACE_SECONDS, log)
     return proc.returncode, list(tail)
 
 
 @task(name="train", cache_policy=NO_CACHE, task_run_name="train {run_name}")
-def train_task(preset: str, overrides: dict | None, run_name: str, run_dir: str, identity_hash: str,
-               nproc: int = 0, wait_seconds: float = 600.0, tracking: bool = True,
-               shutdown_seconds: float = SHUTDOWN_SECONDS) -> dict:
-    """Train (or continue) run `run_name` (in `run_dir`, gptcore.run_files.run_dir_for(cfg)) to max_steps or
-    its time budget; returns the run's state."""
+def train_task(preset: str, overrides: dict | None, run_name: str, nproc: int, wait_seconds: float = 600.0,
+               tracking: bool = True) -> dict:
+    """Train (or continue) run `run_name` (the config's run name; `nproc` >= 1, as the flow resolved it) in
+    gptcore.run_files.run_dir_for(cfg) to max_steps or its time budget; returns the run's state."""
     from prefect.runtime import flow_run
 
+    from gptcore.config import load_config
+    from tasks.progress import TrainProgress
+
     log = get_run_logger()
-    nproc = resolve_nproc(nproc)
-    run_dir = Path(run_dir)
+    cfg = load_config(preset, overrides, world_size=nproc)
+    run_dir, identity_hash = run_dir_for(cfg), cfg.identity_hash()
     flow_run_id = flow_run.get_id()
     slot, guard = prefect_slot(run_name, wait_seconds)
     t0 = time.time()
@@ -194,14 +183,9 @@ def train_task(preset: str, overrides: dict | None, run_name: str, run_dir: str,
         # the trainer's lock record names this flow run, so a second trainer's error points at it
         env = dict(os.environ, GPTPIPE_LAUNCHED_BY=json.dumps({"flow_run_id": str(flow_run_id),
                                                                 "pid": os.getpid()}))
-        from gptcore.config import load_config
-        from tasks.progress import TrainProgress
-
-        cfg = load_config(preset, overrides, world_size=nproc)
         progress = TrainProgress(run_dir, run_name, cfg.train.max_steps, cfg.train.max_minutes * 60, shipper, log)
         try:
-            cmd = torchrun_cmd(preset, overrides, nproc, shutdown_seconds)
-            rc, tail = launch(cmd, run_dir, log, shutdown_seconds + 30.0, env, on_tick=progress.tick)
+            rc, tail = launch(torchrun_cmd(preset, overrides, nproc), run_dir, log, env, on_tick=progress.tick)
             progress.tick(final=True)
         finally:
             if shipper is not None and not shipper.stop():
