@@ -366,43 +366,46 @@ def read_texts(path: Path, kind: str, start: int, stop: int, text_column: str, l
 
 def _read_jsonl(path: Path, start: int, stop: int, text_column: str, left, batch_docs: int):
     batch = []
+    for at, line in _jsonl_lines(path, start, stop):
+        if left <= 0:
+            break
+        try:
+            doc = json.loads(line)
+        except ValueError as e:
+            raise SourceError(f"{path} at byte {at}: not valid JSON ({e}); fix or remove that line") from e
+        if not isinstance(doc, dict) or text_column not in doc:
+            keys = list(doc) if isinstance(doc, dict) else type(doc).__name__
+            raise SourceError(f"{path} at byte {at}: no field {text_column!r} (has {keys}); set "
+                              "data.text_column to the field holding the text")
+        text = doc[text_column]
+        if text is not None and not isinstance(text, str):
+            raise SourceError(f"{path}, line at byte {at}: field {text_column!r} is a "
+                              f"{type(text).__name__}, not a string; fix that line or set data.text_column")
+        if text and b"\\u" in line:  # only a JSON escape can make a lone surrogate
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                raise SourceError(f"{path}, line at byte {at}: field {text_column!r} holds a lone UTF-16 "
+                                  "surrogate escape (e.g. \\ud800), which is not text; fix that line"
+                                  ) from None
+        batch.append(text or "")
+        left -= 1
+        if len(batch) == batch_docs:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def _jsonl_lines(path: Path, start: int, stop: int):
+    """(byte offset, line) of each non-blank line (= document) in a line-aligned jsonl byte range."""
     with open(path, "rb") as fh:
         fh.seek(start)
         pos = start
-        while pos < stop and left > 0:
-            line = fh.readline()
-            if not line:
-                break
+        while pos < stop and (line := fh.readline()):
             at, pos = pos, pos + len(line)
-            if not line.strip():
-                continue
-            try:
-                doc = json.loads(line)
-            except ValueError as e:
-                raise SourceError(f"{path} at byte {at}: not valid JSON ({e}); fix or remove that line"
-                                  ) from e
-            if not isinstance(doc, dict) or text_column not in doc:
-                keys = list(doc) if isinstance(doc, dict) else type(doc).__name__
-                raise SourceError(f"{path} at byte {at}: no field {text_column!r} (has {keys}); set "
-                                  "data.text_column to the field holding the text")
-            text = doc[text_column]
-            if text is not None and not isinstance(text, str):
-                raise SourceError(f"{path}, line at byte {at}: field {text_column!r} is a "
-                                  f"{type(text).__name__}, not a string; fix that line or set data.text_column")
-            if text and b"\\u" in line:  # only a JSON escape can make a lone surrogate
-                try:
-                    text.encode("utf-8")
-                except UnicodeEncodeError:
-                    raise SourceError(f"{path}, line at byte {at}: field {text_column!r} holds a lone UTF-16 "
-                                      "surrogate escape (e.g. \\ud800), which is not text; fix that line"
-                                      ) from None
-            batch.append(text or "")
-            left -= 1
-            if len(batch) == batch_docs:
-                yield batch
-                batch = []
-    if batch:
-        yield batch
+            if line.strip():
+                yield at, line
 
 
 def jsonl_boundaries(path: Path, piece_bytes: int) -> list[int]:
@@ -421,11 +424,4 @@ def jsonl_boundaries(path: Path, piece_bytes: int) -> list[int]:
 
 def count_lines(path: Path, start: int, stop: int) -> int:
     """Non-blank lines (= documents) in a line-aligned jsonl byte range."""
-    n = 0
-    with open(path, "rb") as fh:
-        fh.seek(start)
-        pos = start
-        while pos < stop and (line := fh.readline()):
-            pos += len(line)
-            n += bool(line.strip())
-    return n
+    return sum(1 for _ in _jsonl_lines(path, start, stop))
