@@ -30,7 +30,7 @@ import shutil
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -257,10 +257,10 @@ def join_documents(arrays: list[np.ndarray]) -> np.ndarray:
     return out
 
 
-def worker_threads(cfg: RunConfig) -> int:
-    """tiktoken threads per worker process so that workers x threads ~ cores."""
+def worker_threads(cfg: RunConfig, workers: int | None = None) -> int:
+    """tiktoken threads per worker process so that workers (default data.num_workers) x threads ~ cores."""
     cores = os.cpu_count() or 1
-    return max(1, cores // (cfg.data.num_workers or cores))
+    return max(1, cores // (workers or cfg.data.num_workers or cores))
 
 
 def tokenize_piece(cfg: RunConfig, piece: Piece, threads: int | None = None) -> int:
@@ -607,14 +607,11 @@ def run(cfg: RunConfig, workers: int | None = None, full_verify: bool = False) -
 
 def _pool_tokenize(cfg: RunConfig, pieces: list[Piece], todo: list[Piece], piece_done, workers: int | None):
     workers = min(workers or cfg.data.num_workers or os.cpu_count() or 1, max(1, len(todo)))
-    jobs = [(cfg, p, max(1, (os.cpu_count() or 1) // workers)) for p in todo]
+    jobs = [(cfg, p, worker_threads(cfg, workers)) for p in todo]
     with tqdm(total=int(sum(p.est_bytes for p in todo) / 4.2), unit="tok", unit_scale=True, desc="tokenize",
-              disable=None) as bar:
-        if workers == 1:
-            for i, n in map(_tokenize_job, jobs):
-                piece_done(i, n)
-                bar.update(n)
-        elif todo:
+              disable=None) as bar, ExitStack() as stack:
+        results = map(_tokenize_job, jobs)
+        if workers > 1:
             import multiprocessing as mp
 
             from gptcore import sharding  # the job must pickle as gptcore.sharding.*, not __main__.*
@@ -622,11 +619,11 @@ def _pool_tokenize(cfg: RunConfig, pieces: list[Piece], todo: list[Piece], piece
             # in milliseconds instead of re-importing and re-building it. The parent has only read parquet
             # metadata so far (no arrow compute threads that fork could strand).
             get_encoding()
-            ctx = mp.get_context("fork" if sys.platform == "linux" else "spawn")
-            with ctx.Pool(workers) as pool:
-                for i, n in pool.imap_unordered(sharding._tokenize_job, jobs):
-                    piece_done(i, n)
-                    bar.update(n)
+            pool = stack.enter_context(mp.get_context("fork" if sys.platform == "linux" else "spawn").Pool(workers))
+            results = pool.imap_unordered(sharding._tokenize_job, jobs)
+        for i, n in results:
+            piece_done(i, n)
+            bar.update(n)
 
 
 def main(argv: list[str] | None = None) -> int:
