@@ -40,8 +40,10 @@ def _load_ranks(path: Path) -> dict[bytes, int]:
     return {binascii.a2b_base64(token): int(rank) for token, rank in (ln.split() for ln in data.splitlines() if ln)}
 
 
-def load_encoding(rank_file: Path = RANK_FILE) -> tiktoken.Encoding:
-    """Build the GPT-2 Encoding from a (verified) rank file without touching the network."""
+@functools.cache
+def get_encoding(rank_file: Path = RANK_FILE) -> tiktoken.Encoding:
+    """The process-wide GPT-2 Encoding, built once (tiktoken encodings are thread-safe) from a (verified) rank
+    file without touching the network."""
     return tiktoken.Encoding(
         name="gpt2",
         pat_str=PAT_STR,
@@ -49,12 +51,6 @@ def load_encoding(rank_file: Path = RANK_FILE) -> tiktoken.Encoding:
         special_tokens={"<|endoftext|>": EOT},
         explicit_n_vocab=N_VOCAB,
     )
-
-
-@functools.cache
-def get_encoding() -> tiktoken.Encoding:
-    """The process-wide GPT-2 encoding (built once; tiktoken encodings are thread-safe)."""
-    return load_encoding()
 
 
 # --- the same vocabulary as Hugging Face GPT-2 tokenizer files (vocab.json + merges.txt) ----------------
