@@ -159,7 +159,6 @@ def plan_pieces(cfg: RunConfig, source_dir: Path) -> list[Piece]:
         if not f.sha256:
             raise DataError(f"source file {path} has no fingerprint in {sources.LISTING}; re-run the "
                             "download stage")
-        fid = f.sha256
         ranges = []  # (start, stop, docs or -1 if unknown, est_bytes)
         if f.kind == "parquet":
             meta = sources.parquet_text_column(path, d.text_column).metadata
@@ -186,7 +185,7 @@ def plan_pieces(cfg: RunConfig, source_dir: Path) -> list[Piece]:
                 limit = -1 if limit == ndocs else limit
             if ndocs == 0:
                 continue
-            pieces.append(Piece(len(pieces), str(path), f.kind, f.name, fid, start, stop, limit, nbytes))
+            pieces.append(Piece(len(pieces), str(path), f.kind, f.name, f.sha256, start, stop, limit, nbytes))
     if not pieces:
         raise DataError(f"source {d.source!r} has no documents (empty files); nothing to tokenize")
     check_disk(cfg, pieces)
@@ -372,10 +371,8 @@ class ShardCutter:
         self.keys = [p.key(cfg.data.text_column) for p in pieces]
         self.streaming = _existing_manifest(self.out) is None
         self.known = _known_shards(cfg, self.spec)  # refuses a dir holding another dataset, before any work
-        self.progress = dict(self.known)
         self.starts = [0]  # global token offset of each piece of the finished prefix, then the prefix's end
         self.shards: list[ShardInfo] = []
-        self.docs_before = 0  # documents started before the next shard
         self.arrays: dict[int, np.ndarray] = {}  # piece token files opened lazily (memmaps), checked once
         self.fresh: set[int] = set()  # pieces tokenized by this run: their writer hashed them moments ago
 
@@ -458,16 +455,16 @@ class ShardCutter:
             chunks = [self._tokens(i)[max(a, self.starts[i]) - self.starts[i]: min(b, self.starts[i + 1])
                                       - self.starts[i]] for i in idx]
             n_eot = sum(int(np.count_nonzero(c == EOT)) for c in chunks)
-            first_doc = self.docs_before + int(chunks[0][0] == EOT) - 1  # a shard may start mid-document
-            srange = {"tokens": [a, b], "docs": [first_doc, self.docs_before + n_eot - 1],
+            before = self.shards[-1].source_range["docs"][1] + 1 if self.shards else 0  # docs started before
+            first_doc = before + int(chunks[0][0] == EOT) - 1  # a shard may start mid-document
+            srange = {"tokens": [a, b], "docs": [first_doc, before + n_eot - 1],
                       "pieces": [idx[0], idx[-1]], "cut_from": cut_from,
                       "files": sorted({self.pieces[i].name for i in idx})[:2]}
             info = ShardInfo(fname, split, b - a, write_shard_chunks(self.out / fname, chunks, b - a), srange)
-            self.progress[k] = info
+            self.known[k] = info  # recorded with the earlier run's shards, whose later ones may yet be kept
             doc = {"spec": self.spec, "shard_tokens": self.S,
-                   "shards": {str(j): asdict(v) for j, v in self.progress.items()}}
+                   "shards": {str(j): asdict(v) for j, v in self.known.items()}}
             atomic_write_bytes(self.out / PROGRESS, [json.dumps(doc).encode()])
-        self.docs_before = info.source_range["docs"][1] + 1
         self.shards.append(info)
         for i in idx:  # recorded above: a piece whose last token is in this shard is needed no more
             if self.starts[i + 1] <= b:
