@@ -19,6 +19,7 @@ Documents: a parquet row or a jsonl line (its `data.text_column` field), or a wh
 from __future__ import annotations
 
 import fnmatch
+import functools
 import glob
 import hashlib
 import json
@@ -208,9 +209,10 @@ def _fetch_hub(cfg: RunConfig, source_dir: Path) -> list[SourceFile]:
     endpoint = os.environ.get("HF_ENDPOINT") or None  # read now, not at huggingface_hub import time
     token = os.environ.get("HF_TOKEN") or None
     api = HfApi(endpoint=endpoint, token=token)
+    get = functools.partial(hf_hub_download, d.hf_repo, repo_type="dataset", revision=d.hf_revision,
+                            endpoint=endpoint, token=token)  # a file of this repo and revision, into local_dir
     try:
-        card = hf_hub_download(d.hf_repo, "README.md", repo_type="dataset", revision=d.hf_revision,
-                               local_dir=Path(source_dir) / "card", endpoint=endpoint, token=token)
+        card = get("README.md", local_dir=Path(source_dir) / "card")
         remote = _hub_data_files(api, Path(card), d.hf_repo, d.hf_config, d.hf_revision)
     except SourceError:
         raise
@@ -226,7 +228,7 @@ def _fetch_hub(cfg: RunConfig, source_dir: Path) -> list[SourceFile]:
             break
         f = done.pop(entry.path, None)
         if f is None or f.sha256 != entry.lfs_sha256:
-            f = _download_one(hf_hub_download, d, endpoint, token, source_dir, entry)
+            f = _download_one(get, source_dir, entry)
         files.append(f)
         # record progress: a kill now resumes at the next file (earlier verified ones stay listed)
         _save_listing(source_dir, cfg, [*files, *done.values()], complete=False)
@@ -255,18 +257,17 @@ def _hub_data_files(api, card_path: Path, repo: str, config: str, revision: str)
     the dataset card's `configs:` (e.g. sample-10BT -> sample/10BT/*), as `datasets` does it."""
     from huggingface_hub import DatasetCard
 
-    card = DatasetCard.load(card_path)
+    configs = DatasetCard.load(card_path).data.to_dict().get("configs") or []
     patterns = []
-    for c in (card.data.to_dict().get("configs") or []):
+    for c in configs:
         if c.get("config_name") == config:
             data_files = c.get("data_files", [])
             for item in data_files if isinstance(data_files, list) else [data_files]:
                 paths = item.get("path") if isinstance(item, dict) else item
                 patterns += paths if isinstance(paths, list) else [paths]
     if not patterns:
-        names = [c.get("config_name") for c in (card.data.to_dict().get("configs") or [])]
         raise SourceError(f"{repo} has no config {config!r} in its dataset card; choose data.hf_config "
-                          f"from {names}")
+                          f"from {[c.get('config_name') for c in configs]}")
     out = {}
     for pat in patterns:
         prefix = pat.split("*")[0].rsplit("/", 1)[0] if "/" in pat.split("*")[0] else None
@@ -282,23 +283,19 @@ def _hub_data_files(api, card_path: Path, repo: str, config: str, revision: str)
     return [out[k] for k in sorted(out)]
 
 
-def _download_one(hf_hub_download, d, endpoint, token, source_dir: Path, entry: _Remote) -> SourceFile:
+def _download_one(get, source_dir: Path, entry: _Remote) -> SourceFile:
     # hf_hub_download writes <file>.incomplete and renames when the transfer is complete (and resumes a
     # partial one); we then check size and sha256 before the file is listed as verified. A complete but
     # unverified/damaged copy is removed first, or hf_hub_download would trust its own metadata and keep it.
     (Path(source_dir) / "files" / entry.path).unlink(missing_ok=True)
-    local = hf_hub_download(d.hf_repo, entry.path, repo_type="dataset", revision=d.hf_revision,
-                            local_dir=Path(source_dir) / "files", endpoint=endpoint, token=token)
-    local = Path(local)
-    size = local.stat().st_size
-    sha = file_sha256(local)
-    if size != entry.size or (entry.lfs_sha256 and sha != entry.lfs_sha256):
+    local = Path(get(entry.path, local_dir=Path(source_dir) / "files"))
+    st, sha = local.stat(), file_sha256(local)
+    if st.st_size != entry.size or (entry.lfs_sha256 and sha != entry.lfs_sha256):
         local.unlink(missing_ok=True)
-        raise SourceError(f"downloaded {entry.path} does not match the hub (size {size} vs {entry.size}, "
+        raise SourceError(f"downloaded {entry.path} does not match the hub (size {st.st_size} vs {entry.size}, "
                           f"sha256 {sha[:12]} vs {entry.lfs_sha256[:12]}); deleted it: re-run to download "
                           "again")
-    st = local.stat()
-    return SourceFile(path=str(local.relative_to(source_dir)), kind="parquet", size=size, sha256=sha,
+    return SourceFile(path=str(local.relative_to(source_dir)), kind="parquet", size=st.st_size, sha256=sha,
                       mtime_ns=st.st_mtime_ns, name=entry.path)
 
 
