@@ -537,8 +537,32 @@ def build(cfg: RunConfig, tokenize, full_verify: bool = False, say=None) -> Mani
     corrupted ones). Bad input leaves nothing half-made behind (discard_partial). `say` reports (stderr)."""
     say = say or (lambda msg: print(msg, file=sys.stderr, flush=True))
     cfg = pinned(cfg)  # workers may run with another GPTPIPE_HOME / cwd
-    with build_lock(dataset_dir(cfg), say):
-        return _build(cfg, tokenize, full_verify, say)
+    out = dataset_dir(cfg)
+    with build_lock(out, say):
+        existed = listing_path(cfg).is_file()
+        try:
+            remove_stale_temps(out)  # what a killed run was writing
+            source_dir = sources.fetch(cfg)
+            why = why_incomplete(cfg, full=full_verify)
+            if why is None:
+                say(f"dataset {out} is complete; checked: {CHECKED}; nothing to do")
+                return Manifest.load(out)
+            say(f"dataset {out}: {why}; "
+                f"{'building it' if why == 'no manifest yet' else 'rebuilding what that touches'}")
+            pieces = plan_pieces(cfg, source_dir)
+            todo = pieces_to_tokenize(cfg, pieces)
+            say(f"{len(pieces)} pieces planned, {len(todo)} to tokenize")
+            t0 = time.perf_counter()
+            cutter = ShardCutter(cfg, pieces, todo)  # cuts each shard as soon as the pieces before its end are done
+            tokenize(cfg, pieces, todo, lambda index, tokens: cutter.piece_done(index))
+            manifest = cutter.finish()
+        except (sources.SourceError, DataError, ShardError):
+            discard_partial(cfg, existed)
+            raise
+        dt = time.perf_counter() - t0
+        say(f"dataset {out}: {manifest.total_tokens():,} tokens in {len(manifest.shards)} shards ({dt:.1f}s, "
+            f"{manifest.total_tokens() / max(dt, 1e-9) / 1e6:.2f}M tok/s), manifest {manifest.id}")
+        return manifest
 
 
 @contextmanager
@@ -561,32 +585,6 @@ def build_lock(out: Path, say):
     finally:
         if lock is not None:
             lock.release()
-
-
-def _build(cfg: RunConfig, tokenize, full_verify: bool, say) -> Manifest:
-    out, existed = dataset_dir(cfg), listing_path(cfg).is_file()
-    try:
-        remove_stale_temps(out)  # what a killed run was writing
-        source_dir = sources.fetch(cfg)
-        why = why_incomplete(cfg, full=full_verify)
-        if why is None:
-            say(f"dataset {out} is complete; checked: {CHECKED}; nothing to do")
-            return Manifest.load(out)
-        say(f"dataset {out}: {why}; {'building it' if why == 'no manifest yet' else 'rebuilding what that touches'}")
-        pieces = plan_pieces(cfg, source_dir)
-        todo = pieces_to_tokenize(cfg, pieces)
-        say(f"{len(pieces)} pieces planned, {len(todo)} to tokenize")
-        t0 = time.perf_counter()
-        cutter = ShardCutter(cfg, pieces, todo)  # cuts each shard as soon as the pieces before its end are done
-        tokenize(cfg, pieces, todo, lambda index, tokens: cutter.piece_done(index))
-        manifest = cutter.finish()
-    except (sources.SourceError, DataError, ShardError):
-        discard_partial(cfg, existed)
-        raise
-    dt = time.perf_counter() - t0
-    say(f"dataset {out}: {manifest.total_tokens():,} tokens in {len(manifest.shards)} shards ({dt:.1f}s, "
-        f"{manifest.total_tokens() / max(dt, 1e-9) / 1e6:.2f}M tok/s), manifest {manifest.id}")
-    return manifest
 
 
 # --- plain-python workers (no Prefect): python -m gptcore.sharding ----------------------------------
