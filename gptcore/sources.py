@@ -221,7 +221,11 @@ def _fetch_hub(cfg: RunConfig, source_dir: Path) -> list[SourceFile]:
                           f"{endpoint or 'huggingface.co'}: {e}. Check the network or HF_ENDPOINT, set "
                           "HF_TOKEN for gated/private data, or use a local copy: data.source=/path/to/parquet"
                           ) from e
-    _check_disk(source_dir, sum(e.size for e in remote if e.path not in done), d.max_docs)
+    need, free = sum(e.size for e in remote if e.path not in done), free_disk(source_dir)
+    if need > free and not d.max_docs:
+        raise SourceError(f"not enough free disk to download the dataset into {source_dir}: need "
+                          f"{need / 1e9:.1f} GB, {free / 1e9:.1f} GB free. Free space, point GPTPIPE_HOME at "
+                          "a larger disk, or download part of it with data.max_docs")
     files, rows = [], 0
     for entry in remote:
         if d.max_docs and rows >= d.max_docs:
@@ -235,14 +239,6 @@ def _fetch_hub(cfg: RunConfig, source_dir: Path) -> list[SourceFile]:
         if d.max_docs:
             rows += pq.ParquetFile(f.resolve(source_dir)).metadata.num_rows
     return files
-
-
-def _check_disk(source_dir: Path, need: int, max_docs: int) -> None:
-    free = free_disk(source_dir)
-    if need > free and not max_docs:
-        raise SourceError(f"not enough free disk to download the dataset into {source_dir}: need "
-                          f"{need / 1e9:.1f} GB, {free / 1e9:.1f} GB free. Free space, point GPTPIPE_HOME at "
-                          "a larger disk, or download part of it with data.max_docs")
 
 
 @dataclass
