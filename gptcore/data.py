@@ -113,9 +113,6 @@ class ShardLoader:
             self._perms[key] = np.random.default_rng([self.seed, e, j]).permutation(n)
         return self._perms[key]
 
-    def epoch_size(self) -> int:
-        return int(self._epoch(0)[2][-1])
-
     def locate(self, g: int) -> tuple[int, int, int]:
         """Global sequence index -> (epoch, shard index, token start)."""
         starts = self._epoch_starts  # epoch e covers [starts[e], starts[e+1])
