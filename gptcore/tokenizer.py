@@ -58,14 +58,8 @@ def get_encoding(rank_file: Path = RANK_FILE) -> tiktoken.Encoding:
 def _byte_to_unicode() -> dict[int, str]:
     """GPT-2's printable stand-in character for every byte (its vocab.json is written in them)."""
     keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    out, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            out[b] = chr(b)
-        else:
-            out[b] = chr(256 + extra)
-            extra += 1
-    return out
+    extra = iter(range(256, 512))  # the other bytes, in byte order, take the characters from U+0100 on
+    return {b: chr(b) if b in keep else chr(next(extra)) for b in range(256)}
 
 
 def _split_at_rank(ranks: dict[bytes, int], token: bytes) -> tuple[bytes, bytes]:
