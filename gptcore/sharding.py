@@ -172,7 +172,7 @@ def plan_pieces(cfg: RunConfig, source_dir: Path) -> list[Piece]:
         elif f.kind == "jsonl":
             cuts = sources.jsonl_boundaries(path, d.piece_bytes)
             for a, b in itertools.pairwise(cuts):
-                ranges.append((a, b, sources.count_lines(path, a, b) if docs_left > 0 else -1, b - a))
+                ranges.append((a, b, sum(1 for _ in sources.jsonl_lines(path, a, b)) if docs_left > 0 else -1, b - a))
         else:
             ranges.append((0, f.size, 1, f.size))
         for start, stop, ndocs, nbytes in ranges:
@@ -188,13 +188,8 @@ def plan_pieces(cfg: RunConfig, source_dir: Path) -> list[Piece]:
             pieces.append(Piece(len(pieces), str(path), f.kind, f.name, f.sha256, start, stop, limit, nbytes))
     if not pieces:
         raise DataError(f"source {d.source!r} has no documents (empty files); nothing to tokenize")
-    check_disk(cfg, pieces)
-    return pieces
-
-
-def check_disk(cfg: RunConfig, pieces: list[Piece]) -> None:
-    """Fail before any work if the estimated output does not fit: the shards, or in a rebuild the pieces
-    (old shards are replaced in place), plus a margin; a piece's file is deleted once it is cut."""
+    # fail before any work if the estimated output does not fit: the shards, or in a rebuild the pieces
+    # (old shards are replaced in place), plus a margin; a piece's file is deleted once it is cut
     out = dataset_dir(cfg)
     need = int(sum(p.est_bytes for p in pieces) / BYTES_PER_TOKEN * 2 * 1.1)  # uint16 tokens
     free = free_disk(out)
@@ -202,6 +197,7 @@ def check_disk(cfg: RunConfig, pieces: list[Piece]) -> None:
         raise DataError(f"not enough free disk for the tokenized dataset in {out}: need ~{need / 1e9:.2f} GB "
                         f", {free / 1e9:.2f} GB free. Free space, point GPTPIPE_HOME at a "
                         "larger disk, or cap the data with data.max_docs")
+    return pieces
 
 
 # --- tokenizing one piece -------------------------------------------------------------------------

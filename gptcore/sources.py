@@ -359,7 +359,7 @@ def read_texts(path: Path, kind: str, start: int, stop: int, text_column: str, l
 
 def _read_jsonl(path: Path, start: int, stop: int, text_column: str, left, batch_docs: int):
     batch = []
-    for at, line in _jsonl_lines(path, start, stop):
+    for at, line in jsonl_lines(path, start, stop):
         if left <= 0:
             break
         try:
@@ -390,7 +390,7 @@ def _read_jsonl(path: Path, start: int, stop: int, text_column: str, left, batch
         yield batch
 
 
-def _jsonl_lines(path: Path, start: int, stop: int):
+def jsonl_lines(path: Path, start: int, stop: int):
     """(byte offset, line) of each non-blank line (= document) in a line-aligned jsonl byte range."""
     with open(path, "rb") as fh:
         fh.seek(start)
@@ -413,8 +413,3 @@ def jsonl_boundaries(path: Path, piece_bytes: int) -> list[int]:
                 break
             cuts.append(fh.tell())
     return cuts + [size]
-
-
-def count_lines(path: Path, start: int, stop: int) -> int:
-    """Non-blank lines (= documents) in a line-aligned jsonl byte range."""
-    return sum(1 for _ in _jsonl_lines(path, start, stop))
