@@ -221,7 +221,8 @@ def _fetch_hub(cfg: RunConfig, source_dir: Path) -> list[SourceFile]:
                           f"{endpoint or 'huggingface.co'}: {e}. Check the network or HF_ENDPOINT, set "
                           "HF_TOKEN for gated/private data, or use a local copy: data.source=/path/to/parquet"
                           ) from e
-    need, free = sum(e.size for e in remote if e.path not in done), free_disk(source_dir)
+    need = sum(e.size for e in remote if e.path not in done)
+    free = free_disk(source_dir)
     if need > free and not d.max_docs:
         raise SourceError(f"not enough free disk to download the dataset into {source_dir}: need "
                           f"{need / 1e9:.1f} GB, {free / 1e9:.1f} GB free. Free space, point GPTPIPE_HOME at "
@@ -285,7 +286,8 @@ def _download_one(get, source_dir: Path, entry: _Remote) -> SourceFile:
     # unverified/damaged copy is removed first, or hf_hub_download would trust its own metadata and keep it.
     (Path(source_dir) / "files" / entry.path).unlink(missing_ok=True)
     local = Path(get(entry.path, local_dir=Path(source_dir) / "files"))
-    st, sha = local.stat(), file_sha256(local)
+    st = local.stat()
+    sha = file_sha256(local)
     if st.st_size != entry.size or (entry.lfs_sha256 and sha != entry.lfs_sha256):
         local.unlink(missing_ok=True)
         raise SourceError(f"downloaded {entry.path} does not match the hub (size {st.st_size} vs {entry.size}, "
