@@ -22,6 +22,7 @@ CLI: python -m gptcore.sharding <preset|file.toml> [data.key=value ...] [--full-
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import itertools
 import json
@@ -30,7 +31,7 @@ import shutil
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -231,10 +232,7 @@ def encode_documents(texts: list[str], threads: int, enc=None) -> np.ndarray:
     if enc.max_token_value > np.iinfo(np.uint16).max:
         raise DataError(f"token id {enc.max_token_value} does not fit uint16 (max 65535): the tokenizer is not "
                         "GPT-2's 50257-token BPE; shards store uint16 ids, so use gptcore.tokenizer")
-
-    def one(text: str) -> np.ndarray:
-        return enc.encode_to_numpy(text, disallowed_special=())
-
+    one = functools.partial(enc.encode_to_numpy, disallowed_special=())
     if threads > 1 and len(texts) > 1:
         with ThreadPoolExecutor(threads) as ex:
             return join_documents(list(ex.map(one, texts)))
@@ -515,14 +513,12 @@ def discard_partial(cfg: RunConfig, listing_existed: bool) -> None:
         for shard in out.glob(f"{dataset_name(cfg)}_*.bin"):  # cut while later pieces were tokenized
             shard.unlink()
         remove_stale_temps(out)
-        if out.is_dir() and not any(out.iterdir()):
+        with suppress(OSError):  # removed only when empty
             out.rmdir()
     if not listing_existed and cfg.data.source not in ("builtin", "hf"):
         listing_path(cfg).unlink(missing_ok=True)
-        try:
+        with suppress(OSError):  # removed only when empty
             listing_path(cfg).parent.rmdir()
-        except OSError:
-            pass
 
 
 def build(cfg: RunConfig, tokenize, full_verify: bool = False, say=None) -> Manifest:
