@@ -17,6 +17,7 @@ Shuffling matters: build-nanogpt's periodic loss bumps came from reading shards 
 from __future__ import annotations
 
 import bisect
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -81,8 +82,9 @@ class ShardLoader:
             raise ShardError(f"dataset {self.dir}: no train shard holds one sequence of seq_len+1={T + 1} "
                              "tokens; use a smaller train.seq_len or a larger dataset")
         self._tokens: dict[int, np.ndarray] = {}  # shard index -> memmap (opened on first use)
-        self._epochs: dict[int, tuple] = {}  # small cache: epoch -> layout
-        self._perms: dict[tuple[int, int], np.ndarray] = {}
+        # small caches (reading crosses few epochs and shards at a time) in front of the two methods
+        self._epoch = functools.lru_cache(maxsize=3)(self._epoch)
+        self._perm = functools.lru_cache(maxsize=5)(self._perm)
         self._epoch_starts = [0]  # global index where each epoch begins (grown on demand)
         self.position = 0  # global sequence index at the start of the next optimizer step
         self.micro = 0  # micro-batch of the current step handed out so far
@@ -91,30 +93,18 @@ class ShardLoader:
 
     def _epoch(self, e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(shard order, start offset per shard, cumulative sequence counts) of epoch e."""
-        if e not in self._epochs:
-            rng = np.random.default_rng([self.seed, e])
-            order = rng.permutation(len(self.shards))
-            sizes = np.array([s.tokens for s in self.shards])[order]
-            # a fresh offset per epoch so windows do not repeat exactly; only where it costs no window
-            slack = (sizes - 1) % self.T
-            offsets = np.array([rng.integers(0, k + 1) for k in slack])
-            counts = (sizes - 1 - offsets) // self.T
-            if len(self._epochs) > 2:
-                self._epochs.clear()
-            self._epochs[e] = (order, offsets, np.cumsum(counts))
-        return self._epochs[e]
+        rng = np.random.default_rng([self.seed, e])
+        order = rng.permutation(len(self.shards))
+        sizes = np.array([s.tokens for s in self.shards])[order]
+        # a fresh offset per epoch so windows do not repeat exactly; only where it costs no window
+        slack = (sizes - 1) % self.T
+        offsets = np.array([rng.integers(0, k + 1) for k in slack])
+        counts = (sizes - 1 - offsets) // self.T
+        return order, offsets, np.cumsum(counts)
 
     def _perm(self, e: int, j: int, n: int) -> np.ndarray:
         """Order of the n windows of the j-th shard of epoch e."""
-        key = (e, j)
-        if key not in self._perms:
-            if len(self._perms) > 4:
-                self._perms.clear()
-            self._perms[key] = np.random.default_rng([self.seed, e, j]).permutation(n)
-        return self._perms[key]
-
-    def epoch_size(self) -> int:
-        return int(self._epoch(0)[2][-1])
+        return np.random.default_rng([self.seed, e, j]).permutation(n)
 
     def locate(self, g: int) -> tuple[int, int, int]:
         """Global sequence index -> (epoch, shard index, token start)."""

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gptcore.files import atomic_write_bytes, file_sha256, read_json
+from gptcore.files import atomic_write_bytes, file_sha256, read_json, write_json
 
 MAGIC = 20240520
 VERSION = 1
@@ -133,8 +133,7 @@ class Manifest:
         return sum(s.tokens for s in self.shards if split is None or s.split == split)
 
     def save(self, directory: Path) -> None:
-        doc = {"id": self.id, **self._body()}
-        atomic_write_bytes(Path(directory) / MANIFEST, [json.dumps(doc, indent=1).encode()])
+        write_json(Path(directory) / MANIFEST, {"id": self.id, **self._body()})
 
     @classmethod
     def load(cls, directory: Path) -> Manifest:
@@ -162,9 +161,7 @@ class Manifest:
         for s in self.shards:
             path = Path(directory) / s.name
             try:
-                if len(read_shard(path)) != s.tokens:
-                    bad.append(s.name)
-                elif full and file_sha256(path) != s.sha256:
+                if len(read_shard(path)) != s.tokens or (full and file_sha256(path) != s.sha256):
                     bad.append(s.name)
             except ShardError:
                 bad.append(s.name)

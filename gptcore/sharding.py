@@ -22,6 +22,7 @@ CLI: python -m gptcore.sharding <preset|file.toml> [data.key=value ...] [--full-
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import itertools
 import json
@@ -30,7 +31,7 @@ import shutil
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -159,7 +160,6 @@ def plan_pieces(cfg: RunConfig, source_dir: Path) -> list[Piece]:
         if not f.sha256:
             raise DataError(f"source file {path} has no fingerprint in {sources.LISTING}; re-run the "
                             "download stage")
-        fid = f.sha256
         ranges = []  # (start, stop, docs or -1 if unknown, est_bytes)
         if f.kind == "parquet":
             meta = sources.parquet_text_column(path, d.text_column).metadata
@@ -173,7 +173,7 @@ def plan_pieces(cfg: RunConfig, source_dir: Path) -> list[Piece]:
         elif f.kind == "jsonl":
             cuts = sources.jsonl_boundaries(path, d.piece_bytes)
             for a, b in itertools.pairwise(cuts):
-                ranges.append((a, b, sources.count_lines(path, a, b) if docs_left > 0 else -1, b - a))
+                ranges.append((a, b, sum(1 for _ in sources.jsonl_lines(path, a, b)) if docs_left > 0 else -1, b - a))
         else:
             ranges.append((0, f.size, 1, f.size))
         for start, stop, ndocs, nbytes in ranges:
@@ -186,16 +186,11 @@ def plan_pieces(cfg: RunConfig, source_dir: Path) -> list[Piece]:
                 limit = -1 if limit == ndocs else limit
             if ndocs == 0:
                 continue
-            pieces.append(Piece(len(pieces), str(path), f.kind, f.name, fid, start, stop, limit, nbytes))
+            pieces.append(Piece(len(pieces), str(path), f.kind, f.name, f.sha256, start, stop, limit, nbytes))
     if not pieces:
         raise DataError(f"source {d.source!r} has no documents (empty files); nothing to tokenize")
-    check_disk(cfg, pieces)
-    return pieces
-
-
-def check_disk(cfg: RunConfig, pieces: list[Piece]) -> None:
-    """Fail before any work if the estimated output does not fit: the shards, or in a rebuild the pieces
-    (old shards are replaced in place), plus a margin; a piece's file is deleted once it is cut."""
+    # fail before any work if the estimated output does not fit: the shards, or in a rebuild the pieces
+    # (old shards are replaced in place), plus a margin; a piece's file is deleted once it is cut
     out = dataset_dir(cfg)
     need = int(sum(p.est_bytes for p in pieces) / BYTES_PER_TOKEN * 2 * 1.1)  # uint16 tokens
     free = free_disk(out)
@@ -203,6 +198,7 @@ def check_disk(cfg: RunConfig, pieces: list[Piece]) -> None:
         raise DataError(f"not enough free disk for the tokenized dataset in {out}: need ~{need / 1e9:.2f} GB "
                         f", {free / 1e9:.2f} GB free. Free space, point GPTPIPE_HOME at a "
                         "larger disk, or cap the data with data.max_docs")
+    return pieces
 
 
 # --- tokenizing one piece -------------------------------------------------------------------------
@@ -236,10 +232,7 @@ def encode_documents(texts: list[str], threads: int, enc=None) -> np.ndarray:
     if enc.max_token_value > np.iinfo(np.uint16).max:
         raise DataError(f"token id {enc.max_token_value} does not fit uint16 (max 65535): the tokenizer is not "
                         "GPT-2's 50257-token BPE; shards store uint16 ids, so use gptcore.tokenizer")
-
-    def one(text: str) -> np.ndarray:
-        return enc.encode_to_numpy(text, disallowed_special=())
-
+    one = functools.partial(enc.encode_to_numpy, disallowed_special=())
     if threads > 1 and len(texts) > 1:
         with ThreadPoolExecutor(threads) as ex:
             return join_documents(list(ex.map(one, texts)))
@@ -257,10 +250,10 @@ def join_documents(arrays: list[np.ndarray]) -> np.ndarray:
     return out
 
 
-def worker_threads(cfg: RunConfig) -> int:
-    """tiktoken threads per worker process so that workers x threads ~ cores."""
+def worker_threads(cfg: RunConfig, workers: int | None = None) -> int:
+    """tiktoken threads per worker process so that workers (default data.num_workers) x threads ~ cores."""
     cores = os.cpu_count() or 1
-    return max(1, cores // (cfg.data.num_workers or cores))
+    return max(1, cores // (workers or cfg.data.num_workers or cores))
 
 
 def tokenize_piece(cfg: RunConfig, piece: Piece, threads: int | None = None) -> int:
@@ -372,10 +365,8 @@ class ShardCutter:
         self.keys = [p.key(cfg.data.text_column) for p in pieces]
         self.streaming = _existing_manifest(self.out) is None
         self.known = _known_shards(cfg, self.spec)  # refuses a dir holding another dataset, before any work
-        self.progress = dict(self.known)
         self.starts = [0]  # global token offset of each piece of the finished prefix, then the prefix's end
         self.shards: list[ShardInfo] = []
-        self.docs_before = 0  # documents started before the next shard
         self.arrays: dict[int, np.ndarray] = {}  # piece token files opened lazily (memmaps), checked once
         self.fresh: set[int] = set()  # pieces tokenized by this run: their writer hashed them moments ago
 
@@ -458,16 +449,16 @@ class ShardCutter:
             chunks = [self._tokens(i)[max(a, self.starts[i]) - self.starts[i]: min(b, self.starts[i + 1])
                                       - self.starts[i]] for i in idx]
             n_eot = sum(int(np.count_nonzero(c == EOT)) for c in chunks)
-            first_doc = self.docs_before + int(chunks[0][0] == EOT) - 1  # a shard may start mid-document
-            srange = {"tokens": [a, b], "docs": [first_doc, self.docs_before + n_eot - 1],
+            before = self.shards[-1].source_range["docs"][1] + 1 if self.shards else 0  # docs started before
+            first_doc = before + int(chunks[0][0] == EOT) - 1  # a shard may start mid-document
+            srange = {"tokens": [a, b], "docs": [first_doc, before + n_eot - 1],
                       "pieces": [idx[0], idx[-1]], "cut_from": cut_from,
                       "files": sorted({self.pieces[i].name for i in idx})[:2]}
             info = ShardInfo(fname, split, b - a, write_shard_chunks(self.out / fname, chunks, b - a), srange)
-            self.progress[k] = info
+            self.known[k] = info  # recorded with the earlier run's shards, whose later ones may yet be kept
             doc = {"spec": self.spec, "shard_tokens": self.S,
-                   "shards": {str(j): asdict(v) for j, v in self.progress.items()}}
+                   "shards": {str(j): asdict(v) for j, v in self.known.items()}}
             atomic_write_bytes(self.out / PROGRESS, [json.dumps(doc).encode()])
-        self.docs_before = info.source_range["docs"][1] + 1
         self.shards.append(info)
         for i in idx:  # recorded above: a piece whose last token is in this shard is needed no more
             if self.starts[i + 1] <= b:
@@ -522,14 +513,12 @@ def discard_partial(cfg: RunConfig, listing_existed: bool) -> None:
         for shard in out.glob(f"{dataset_name(cfg)}_*.bin"):  # cut while later pieces were tokenized
             shard.unlink()
         remove_stale_temps(out)
-        if out.is_dir() and not any(out.iterdir()):
+        with suppress(OSError):  # removed only when empty
             out.rmdir()
     if not listing_existed and cfg.data.source not in ("builtin", "hf"):
         listing_path(cfg).unlink(missing_ok=True)
-        try:
+        with suppress(OSError):  # removed only when empty
             listing_path(cfg).parent.rmdir()
-        except OSError:
-            pass
 
 
 def build(cfg: RunConfig, tokenize, full_verify: bool = False, say=None) -> Manifest:
@@ -540,8 +529,32 @@ def build(cfg: RunConfig, tokenize, full_verify: bool = False, say=None) -> Mani
     corrupted ones). Bad input leaves nothing half-made behind (discard_partial). `say` reports (stderr)."""
     say = say or (lambda msg: print(msg, file=sys.stderr, flush=True))
     cfg = pinned(cfg)  # workers may run with another GPTPIPE_HOME / cwd
-    with build_lock(dataset_dir(cfg), say):
-        return _build(cfg, tokenize, full_verify, say)
+    out = dataset_dir(cfg)
+    with build_lock(out, say):
+        existed = listing_path(cfg).is_file()
+        try:
+            remove_stale_temps(out)  # what a killed run was writing
+            source_dir = sources.fetch(cfg)
+            why = why_incomplete(cfg, full=full_verify)
+            if why is None:
+                say(f"dataset {out} is complete; checked: {CHECKED}; nothing to do")
+                return Manifest.load(out)
+            say(f"dataset {out}: {why}; "
+                f"{'building it' if why == 'no manifest yet' else 'rebuilding what that touches'}")
+            pieces = plan_pieces(cfg, source_dir)
+            todo = pieces_to_tokenize(cfg, pieces)
+            say(f"{len(pieces)} pieces planned, {len(todo)} to tokenize")
+            t0 = time.perf_counter()
+            cutter = ShardCutter(cfg, pieces, todo)  # cuts each shard as soon as the pieces before its end are done
+            tokenize(cfg, pieces, todo, lambda index, tokens: cutter.piece_done(index))
+            manifest = cutter.finish()
+        except (sources.SourceError, DataError, ShardError):
+            discard_partial(cfg, existed)
+            raise
+        dt = time.perf_counter() - t0
+        say(f"dataset {out}: {manifest.total_tokens():,} tokens in {len(manifest.shards)} shards ({dt:.1f}s, "
+            f"{manifest.total_tokens() / max(dt, 1e-9) / 1e6:.2f}M tok/s), manifest {manifest.id}")
+        return manifest
 
 
 @contextmanager
@@ -566,32 +579,6 @@ def build_lock(out: Path, say):
             lock.release()
 
 
-def _build(cfg: RunConfig, tokenize, full_verify: bool, say) -> Manifest:
-    out, existed = dataset_dir(cfg), listing_path(cfg).is_file()
-    try:
-        remove_stale_temps(out)  # what a killed run was writing
-        source_dir = sources.fetch(cfg)
-        why = why_incomplete(cfg, full=full_verify)
-        if why is None:
-            say(f"dataset {out} is complete; checked: {CHECKED}; nothing to do")
-            return Manifest.load(out)
-        say(f"dataset {out}: {why}; {'building it' if why == 'no manifest yet' else 'rebuilding what that touches'}")
-        pieces = plan_pieces(cfg, source_dir)
-        todo = pieces_to_tokenize(cfg, pieces)
-        say(f"{len(pieces)} pieces planned, {len(todo)} to tokenize")
-        t0 = time.perf_counter()
-        cutter = ShardCutter(cfg, pieces, todo)  # cuts each shard as soon as the pieces before its end are done
-        tokenize(cfg, pieces, todo, lambda index, tokens: cutter.piece_done(index))
-        manifest = cutter.finish()
-    except (sources.SourceError, DataError, ShardError):
-        discard_partial(cfg, existed)
-        raise
-    dt = time.perf_counter() - t0
-    say(f"dataset {out}: {manifest.total_tokens():,} tokens in {len(manifest.shards)} shards ({dt:.1f}s, "
-        f"{manifest.total_tokens() / max(dt, 1e-9) / 1e6:.2f}M tok/s), manifest {manifest.id}")
-    return manifest
-
-
 # --- plain-python workers (no Prefect): python -m gptcore.sharding ----------------------------------
 
 def _tokenize_job(args):
@@ -607,14 +594,11 @@ def run(cfg: RunConfig, workers: int | None = None, full_verify: bool = False) -
 
 def _pool_tokenize(cfg: RunConfig, pieces: list[Piece], todo: list[Piece], piece_done, workers: int | None):
     workers = min(workers or cfg.data.num_workers or os.cpu_count() or 1, max(1, len(todo)))
-    jobs = [(cfg, p, max(1, (os.cpu_count() or 1) // workers)) for p in todo]
+    jobs = [(cfg, p, worker_threads(cfg, workers)) for p in todo]
     with tqdm(total=int(sum(p.est_bytes for p in todo) / 4.2), unit="tok", unit_scale=True, desc="tokenize",
-              disable=None) as bar:
-        if workers == 1:
-            for i, n in map(_tokenize_job, jobs):
-                piece_done(i, n)
-                bar.update(n)
-        elif todo:
+              disable=None) as bar, ExitStack() as stack:
+        results = map(_tokenize_job, jobs)
+        if workers > 1:
             import multiprocessing as mp
 
             from gptcore import sharding  # the job must pickle as gptcore.sharding.*, not __main__.*
@@ -622,11 +606,11 @@ def _pool_tokenize(cfg: RunConfig, pieces: list[Piece], todo: list[Piece], piece
             # in milliseconds instead of re-importing and re-building it. The parent has only read parquet
             # metadata so far (no arrow compute threads that fork could strand).
             get_encoding()
-            ctx = mp.get_context("fork" if sys.platform == "linux" else "spawn")
-            with ctx.Pool(workers) as pool:
-                for i, n in pool.imap_unordered(sharding._tokenize_job, jobs):
-                    piece_done(i, n)
-                    bar.update(n)
+            pool = stack.enter_context(mp.get_context("fork" if sys.platform == "linux" else "spawn").Pool(workers))
+            results = pool.imap_unordered(sharding._tokenize_job, jobs)
+        for i, n in results:
+            piece_done(i, n)
+            bar.update(n)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,6 +19,7 @@ Documents: a parquet row or a jsonl line (its `data.text_column` field), or a wh
 from __future__ import annotations
 
 import fnmatch
+import functools
 import glob
 import hashlib
 import json
@@ -208,9 +209,10 @@ def _fetch_hub(cfg: RunConfig, source_dir: Path) -> list[SourceFile]:
     endpoint = os.environ.get("HF_ENDPOINT") or None  # read now, not at huggingface_hub import time
     token = os.environ.get("HF_TOKEN") or None
     api = HfApi(endpoint=endpoint, token=token)
+    get = functools.partial(hf_hub_download, d.hf_repo, repo_type="dataset", revision=d.hf_revision,
+                            endpoint=endpoint, token=token)  # a file of this repo and revision, into local_dir
     try:
-        card = hf_hub_download(d.hf_repo, "README.md", repo_type="dataset", revision=d.hf_revision,
-                               local_dir=Path(source_dir) / "card", endpoint=endpoint, token=token)
+        card = get("README.md", local_dir=Path(source_dir) / "card")
         remote = _hub_data_files(api, Path(card), d.hf_repo, d.hf_config, d.hf_revision)
     except SourceError:
         raise
@@ -219,28 +221,25 @@ def _fetch_hub(cfg: RunConfig, source_dir: Path) -> list[SourceFile]:
                           f"{endpoint or 'huggingface.co'}: {e}. Check the network or HF_ENDPOINT, set "
                           "HF_TOKEN for gated/private data, or use a local copy: data.source=/path/to/parquet"
                           ) from e
-    _check_disk(source_dir, sum(e.size for e in remote if e.path not in done), d.max_docs)
+    need = sum(e.size for e in remote if e.path not in done)
+    free = free_disk(source_dir)
+    if need > free and not d.max_docs:
+        raise SourceError(f"not enough free disk to download the dataset into {source_dir}: need "
+                          f"{need / 1e9:.1f} GB, {free / 1e9:.1f} GB free. Free space, point GPTPIPE_HOME at "
+                          "a larger disk, or download part of it with data.max_docs")
     files, rows = [], 0
     for entry in remote:
         if d.max_docs and rows >= d.max_docs:
             break
         f = done.pop(entry.path, None)
         if f is None or f.sha256 != entry.lfs_sha256:
-            f = _download_one(hf_hub_download, d, endpoint, token, source_dir, entry)
+            f = _download_one(get, source_dir, entry)
         files.append(f)
         # record progress: a kill now resumes at the next file (earlier verified ones stay listed)
         _save_listing(source_dir, cfg, [*files, *done.values()], complete=False)
         if d.max_docs:
             rows += pq.ParquetFile(f.resolve(source_dir)).metadata.num_rows
     return files
-
-
-def _check_disk(source_dir: Path, need: int, max_docs: int) -> None:
-    free = free_disk(source_dir)
-    if need > free and not max_docs:
-        raise SourceError(f"not enough free disk to download the dataset into {source_dir}: need "
-                          f"{need / 1e9:.1f} GB, {free / 1e9:.1f} GB free. Free space, point GPTPIPE_HOME at "
-                          "a larger disk, or download part of it with data.max_docs")
 
 
 @dataclass
@@ -255,18 +254,17 @@ def _hub_data_files(api, card_path: Path, repo: str, config: str, revision: str)
     the dataset card's `configs:` (e.g. sample-10BT -> sample/10BT/*), as `datasets` does it."""
     from huggingface_hub import DatasetCard
 
-    card = DatasetCard.load(card_path)
+    configs = DatasetCard.load(card_path).data.to_dict().get("configs") or []
     patterns = []
-    for c in (card.data.to_dict().get("configs") or []):
+    for c in configs:
         if c.get("config_name") == config:
             data_files = c.get("data_files", [])
             for item in data_files if isinstance(data_files, list) else [data_files]:
                 paths = item.get("path") if isinstance(item, dict) else item
                 patterns += paths if isinstance(paths, list) else [paths]
     if not patterns:
-        names = [c.get("config_name") for c in (card.data.to_dict().get("configs") or [])]
         raise SourceError(f"{repo} has no config {config!r} in its dataset card; choose data.hf_config "
-                          f"from {names}")
+                          f"from {[c.get('config_name') for c in configs]}")
     out = {}
     for pat in patterns:
         prefix = pat.split("*")[0].rsplit("/", 1)[0] if "/" in pat.split("*")[0] else None
@@ -282,23 +280,20 @@ def _hub_data_files(api, card_path: Path, repo: str, config: str, revision: str)
     return [out[k] for k in sorted(out)]
 
 
-def _download_one(hf_hub_download, d, endpoint, token, source_dir: Path, entry: _Remote) -> SourceFile:
+def _download_one(get, source_dir: Path, entry: _Remote) -> SourceFile:
     # hf_hub_download writes <file>.incomplete and renames when the transfer is complete (and resumes a
     # partial one); we then check size and sha256 before the file is listed as verified. A complete but
     # unverified/damaged copy is removed first, or hf_hub_download would trust its own metadata and keep it.
     (Path(source_dir) / "files" / entry.path).unlink(missing_ok=True)
-    local = hf_hub_download(d.hf_repo, entry.path, repo_type="dataset", revision=d.hf_revision,
-                            local_dir=Path(source_dir) / "files", endpoint=endpoint, token=token)
-    local = Path(local)
-    size = local.stat().st_size
+    local = Path(get(entry.path, local_dir=Path(source_dir) / "files"))
+    st = local.stat()
     sha = file_sha256(local)
-    if size != entry.size or (entry.lfs_sha256 and sha != entry.lfs_sha256):
+    if st.st_size != entry.size or (entry.lfs_sha256 and sha != entry.lfs_sha256):
         local.unlink(missing_ok=True)
-        raise SourceError(f"downloaded {entry.path} does not match the hub (size {size} vs {entry.size}, "
+        raise SourceError(f"downloaded {entry.path} does not match the hub (size {st.st_size} vs {entry.size}, "
                           f"sha256 {sha[:12]} vs {entry.lfs_sha256[:12]}); deleted it: re-run to download "
                           "again")
-    st = local.stat()
-    return SourceFile(path=str(local.relative_to(source_dir)), kind="parquet", size=size, sha256=sha,
+    return SourceFile(path=str(local.relative_to(source_dir)), kind="parquet", size=st.st_size, sha256=sha,
                       mtime_ns=st.st_mtime_ns, name=entry.path)
 
 
@@ -366,43 +361,46 @@ def read_texts(path: Path, kind: str, start: int, stop: int, text_column: str, l
 
 def _read_jsonl(path: Path, start: int, stop: int, text_column: str, left, batch_docs: int):
     batch = []
+    for at, line in jsonl_lines(path, start, stop):
+        if left <= 0:
+            break
+        try:
+            doc = json.loads(line)
+        except ValueError as e:
+            raise SourceError(f"{path} at byte {at}: not valid JSON ({e}); fix or remove that line") from e
+        if not isinstance(doc, dict) or text_column not in doc:
+            keys = list(doc) if isinstance(doc, dict) else type(doc).__name__
+            raise SourceError(f"{path} at byte {at}: no field {text_column!r} (has {keys}); set "
+                              "data.text_column to the field holding the text")
+        text = doc[text_column]
+        if text is not None and not isinstance(text, str):
+            raise SourceError(f"{path}, line at byte {at}: field {text_column!r} is a "
+                              f"{type(text).__name__}, not a string; fix that line or set data.text_column")
+        if text and b"\\u" in line:  # only a JSON escape can make a lone surrogate
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                raise SourceError(f"{path}, line at byte {at}: field {text_column!r} holds a lone UTF-16 "
+                                  "surrogate escape (e.g. \\ud800), which is not text; fix that line"
+                                  ) from None
+        batch.append(text or "")
+        left -= 1
+        if len(batch) == batch_docs:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def jsonl_lines(path: Path, start: int, stop: int):
+    """(byte offset, line) of each non-blank line (= document) in a line-aligned jsonl byte range."""
     with open(path, "rb") as fh:
         fh.seek(start)
         pos = start
-        while pos < stop and left > 0:
-            line = fh.readline()
-            if not line:
-                break
+        while pos < stop and (line := fh.readline()):
             at, pos = pos, pos + len(line)
-            if not line.strip():
-                continue
-            try:
-                doc = json.loads(line)
-            except ValueError as e:
-                raise SourceError(f"{path} at byte {at}: not valid JSON ({e}); fix or remove that line"
-                                  ) from e
-            if not isinstance(doc, dict) or text_column not in doc:
-                keys = list(doc) if isinstance(doc, dict) else type(doc).__name__
-                raise SourceError(f"{path} at byte {at}: no field {text_column!r} (has {keys}); set "
-                                  "data.text_column to the field holding the text")
-            text = doc[text_column]
-            if text is not None and not isinstance(text, str):
-                raise SourceError(f"{path}, line at byte {at}: field {text_column!r} is a "
-                                  f"{type(text).__name__}, not a string; fix that line or set data.text_column")
-            if text and b"\\u" in line:  # only a JSON escape can make a lone surrogate
-                try:
-                    text.encode("utf-8")
-                except UnicodeEncodeError:
-                    raise SourceError(f"{path}, line at byte {at}: field {text_column!r} holds a lone UTF-16 "
-                                      "surrogate escape (e.g. \\ud800), which is not text; fix that line"
-                                      ) from None
-            batch.append(text or "")
-            left -= 1
-            if len(batch) == batch_docs:
-                yield batch
-                batch = []
-    if batch:
-        yield batch
+            if line.strip():
+                yield at, line
 
 
 def jsonl_boundaries(path: Path, piece_bytes: int) -> list[int]:
@@ -417,15 +415,3 @@ def jsonl_boundaries(path: Path, piece_bytes: int) -> list[int]:
                 break
             cuts.append(fh.tell())
     return cuts + [size]
-
-
-def count_lines(path: Path, start: int, stop: int) -> int:
-    """Non-blank lines (= documents) in a line-aligned jsonl byte range."""
-    n = 0
-    with open(path, "rb") as fh:
-        fh.seek(start)
-        pos = start
-        while pos < stop and (line := fh.readline()):
-            pos += len(line)
-            n += bool(line.strip())
-    return n

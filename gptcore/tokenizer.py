@@ -40,8 +40,10 @@ def _load_ranks(path: Path) -> dict[bytes, int]:
     return {binascii.a2b_base64(token): int(rank) for token, rank in (ln.split() for ln in data.splitlines() if ln)}
 
 
-def load_encoding(rank_file: Path = RANK_FILE) -> tiktoken.Encoding:
-    """Build the GPT-2 Encoding from a (verified) rank file without touching the network."""
+@functools.cache
+def get_encoding(rank_file: Path = RANK_FILE) -> tiktoken.Encoding:
+    """The process-wide GPT-2 Encoding, built once (tiktoken encodings are thread-safe) from a (verified) rank
+    file without touching the network."""
     return tiktoken.Encoding(
         name="gpt2",
         pat_str=PAT_STR,
@@ -51,25 +53,13 @@ def load_encoding(rank_file: Path = RANK_FILE) -> tiktoken.Encoding:
     )
 
 
-@functools.cache
-def get_encoding() -> tiktoken.Encoding:
-    """The process-wide GPT-2 encoding (built once; tiktoken encodings are thread-safe)."""
-    return load_encoding()
-
-
 # --- the same vocabulary as Hugging Face GPT-2 tokenizer files (vocab.json + merges.txt) ----------------
 
 def _byte_to_unicode() -> dict[int, str]:
     """GPT-2's printable stand-in character for every byte (its vocab.json is written in them)."""
     keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    out, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            out[b] = chr(b)
-        else:
-            out[b] = chr(256 + extra)
-            extra += 1
-    return out
+    extra = iter(range(256, 512))  # the other bytes, in byte order, take the characters from U+0100 on
+    return {b: chr(b) if b in keep else chr(next(extra)) for b in range(256)}
 
 
 def _split_at_rank(ranks: dict[bytes, int], token: bytes) -> tuple[bytes, bytes]:

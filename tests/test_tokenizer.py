@@ -15,7 +15,7 @@ import pytest
 import tiktoken
 
 from gptcore import tokenizer
-from gptcore.tokenizer import EOT, RANK_FILE, TokenizerError, decode, encode, get_encoding, load_encoding
+from gptcore.tokenizer import EOT, RANK_FILE, TokenizerError, decode, encode, get_encoding
 
 R50K_URL = "https://openaipublic.blob.core.windows.net/encodings/r50k_base.tiktoken"
 CORPUS = Path(tokenizer.__file__).parent / "assets" / "corpus" / "shakespeare.parquet"
@@ -129,7 +129,7 @@ def test_corrupted_or_missing_rank_file_is_a_clear_error(tmp_path):
     truncated.write_bytes(RANK_FILE.read_bytes()[:-100])
     for f in (flipped, truncated):
         with pytest.raises(TokenizerError, match=r"sha256 [0-9a-f]{64}, expected 306cd27f.*Reinstall"):
-            load_encoding(f)
+            get_encoding(f)
     with pytest.raises(TokenizerError, match="cannot read the GPT-2 rank file"):
-        load_encoding(tmp_path / "missing.tiktoken")
-    assert load_encoding(RANK_FILE).encode_ordinary("Hello world") == [15496, 995]
+        get_encoding(tmp_path / "missing.tiktoken")
+    assert get_encoding(RANK_FILE).encode_ordinary("Hello world") == [15496, 995]
