@@ -43,7 +43,7 @@ from gptcore.loss import make_loss
 from gptcore.metrics import METRICS_FILE, JsonlLogger, NullLogger
 from gptcore.model import GPT, peak_flops_guess
 from gptcore.optim import build_optimizer, lr_at, set_lr, skips_on_device
-from gptcore.run_files import run_dir_for
+from gptcore.run_files import latest, run_dir_for
 from gptcore.runlock import LockHeld, RunLock
 from gptcore.shard_format import Manifest, ShardError
 from gptcore.sharding import dataset_dir
@@ -198,18 +198,13 @@ def prepare(cfg: RunConfig, rank: int) -> Prepared | None:
 def check_checkpoints_fit(run_dir: Path, cfg: RunConfig, manifest: Manifest) -> None:
     """The newest readable checkpoint must be of this model and dataset: otherwise this is the wrong
     config (RunError, nothing touched), not a damaged checkpoint to set aside."""
-    for ck in reversed(checkpoint.step_dirs(run_dir)):
-        try:
-            meta = checkpoint.read_meta(ck)
-        except checkpoint.CheckpointError:
-            continue  # damaged: resume_point deals with it
-        if meta.get("model_config") not in (None, asdict(cfg.model)):
-            raise RunError(f"checkpoint {ck} is of another model shape ({meta['model_config']}); use the "
-                           "model config it was trained with, or a new train.run_name")
-        if meta.get("manifest_id") not in (None, manifest.id):
-            raise RunError(f"checkpoint {ck} was trained on another dataset ({meta['manifest_id']}, the "
-                           f"shards now are {manifest.id}); use the original dataset or a new train.run_name")
-        return
+    ck, meta = latest(run_dir)  # a damaged one is passed over: resume_point deals with it
+    if meta.get("model_config") not in (None, asdict(cfg.model)):
+        raise RunError(f"checkpoint {ck} is of another model shape ({meta['model_config']}); use the "
+                       "model config it was trained with, or a new train.run_name")
+    if meta.get("manifest_id") not in (None, manifest.id):
+        raise RunError(f"checkpoint {ck} was trained on another dataset ({meta['manifest_id']}, the "
+                       f"shards now are {manifest.id}); use the original dataset or a new train.run_name")
 
 
 def newest_intact(run_dir: Path, model: GPT, master: bool, healthy_only: bool = False
