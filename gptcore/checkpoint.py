@@ -67,7 +67,8 @@ def non_finite(tensors: dict[str, torch.Tensor]) -> list[str]:
 
 
 def save_weights(model: torch.nn.Module, path: Path) -> None:
-    """The model's clean state dict as contiguous CPU tensors, the tied head weight stored once."""
+    """Write the model's clean state dict as contiguous CPU tensors, the tied head weight stored once;
+    CheckpointError (nothing written) if any is non-finite."""
     sd = clean_state_dict(unwrap(model).state_dict())
     sd.pop(TIED[0], None)
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in sd.items()}
