@@ -203,10 +203,10 @@ def newest_intact(run_dir: Path, model: GPT, master: bool, healthy_only: bool = 
         try:
             meta, state = checkpoint.load_for_resume(ck, model)
         except checkpoint.CheckpointError as e:
-            dest = checkpoint.reject(ck, str(e)) if master else ck
-            if dest is None:
-                stuck.append(f"{ck.name}: {e} (left in place: it could not be moved to rejected/)")
-            if master:
+            if master:  # the other ranks only pass over it
+                dest = checkpoint.reject(ck, str(e))
+                if dest is None:
+                    stuck.append(f"{ck.name}: {e} (left in place: it could not be moved to rejected/)")
                 print(f"warning: checkpoint {ck.name} skipped: {e}; {f'moved to {dest}' if dest else 'left in place'}",
                       file=sys.stderr, flush=True)
             continue
