@@ -25,6 +25,7 @@ import pickle
 import shutil
 import time
 import zipfile
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -60,20 +61,17 @@ READ_ERRORS = (OSError, ValueError, RuntimeError, EOFError, pickle.UnpicklingErr
 
 # --- weights ------------------------------------------------------------------------------------
 
-def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's clean state dict as contiguous CPU tensors, the tied head weight stored once."""
-    sd = clean_state_dict(unwrap(model).state_dict())
-    sd.pop(TIED[0], None)
-    return {k: v.detach().to("cpu").contiguous() for k, v in sd.items()}
-
-
 def non_finite(tensors: dict[str, torch.Tensor]) -> list[str]:
     """Names of the floating-point tensors holding a NaN or an infinity."""
     return [k for k, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
 
 
 def save_weights(model: torch.nn.Module, path: Path) -> None:
-    tensors = model_tensors(model)
+    """Write the model's clean state dict as contiguous CPU tensors, the tied head weight stored once;
+    CheckpointError (nothing written) if any is non-finite."""
+    sd = clean_state_dict(unwrap(model).state_dict())
+    sd.pop(TIED[0], None)
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in sd.items()}
     bad = non_finite(tensors)
     if bad:
         raise CheckpointError(f"refusing to write {path}: non-finite values in {bad[:5]}")
@@ -114,7 +112,7 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, trainer_st
         save_weights(model, tmp / MODEL_FILE)
         torch.save(trainer_state, tmp / TRAINER_FILE)
         _slow_storage_for_tests()
-        meta = {**meta, "step": step, "model_config": _model_config(model),
+        meta = {**meta, "step": step, "model_config": asdict(unwrap(model).config),
                 "model_sha256": file_sha256(tmp / MODEL_FILE),
                 "trainer_sha256": file_sha256(tmp / TRAINER_FILE), "time": time.time()}
         (tmp / META_FILE).write_text(json.dumps(meta, indent=1, default=str))
@@ -128,11 +126,6 @@ def _slow_storage_for_tests() -> None:
     if delay > 0:
         print(f"checkpoint write delayed {delay:.0f}s (GPTPIPE_TEST_CHECKPOINT_DELAY)", flush=True)
         time.sleep(delay)
-
-
-def _model_config(model: torch.nn.Module) -> dict:
-    from dataclasses import asdict
-    return asdict(unwrap(model).config)
 
 
 def prune(run_dir: Path, keep_last: int) -> list[Path]:

@@ -162,14 +162,12 @@ class TrainConfig:
     run_dir: str = ""  # where the run lives; "" = <home>/runs/<run_name>
 
     def validate(self) -> None:
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ConfigError(f"train.device={self.device!r}; use auto, cpu or cuda")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ConfigError(f"train.dtype={self.dtype!r}; use auto, float32, bfloat16 or float16")
-        if self.compile not in ("auto", "true", "false"):
-            raise ConfigError(f"train.compile={self.compile!r}; use auto, true or false")
-        if self.loss not in ("auto", "fused", "plain"):
-            raise ConfigError(f"train.loss={self.loss!r}; use auto, fused or plain")
+        choices = {"device": ("auto", "cpu", "cuda"), "dtype": ("auto", "float32", "bfloat16", "float16"),
+                   "compile": ("auto", "true", "false"), "loss": ("auto", "fused", "plain")}
+        for name, allowed in choices.items():
+            value = getattr(self, name)
+            if value not in allowed:  # e.g. "train.loss='x'; use auto, fused or plain"
+                raise ConfigError(f"train.{name}={value!r}; use {', '.join(allowed[:-1])} or {allowed[-1]}")
         for name in ("total_batch_tokens", "micro_batch", "seq_len", "max_steps", "checkpoint_interval",
                      "keep_last", "log_interval"):
             if getattr(self, name) <= 0:
@@ -272,8 +270,7 @@ class RunConfig:
 
 def _gpt2_124m() -> RunConfig:
     # build-nanogpt's recipe: 0.5M-token batches, 6e-4 cosine to 6e-5, 715 warmup, 19,073 steps ~ 10B tokens.
-    return RunConfig(preset="gpt2-124m", model=model_preset("gpt2"),
-                     data=DataConfig(source="hf"), optim=OptimConfig(), train=TrainConfig(), eval=EvalConfig())
+    return RunConfig(preset="gpt2-124m", model=model_preset("gpt2"), data=DataConfig(source="hf"))
 
 
 def _gpt2_124m_muon() -> RunConfig:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 from gptcore.config import RunConfig, pipeline_home
@@ -80,27 +81,30 @@ def healthy(meta: dict) -> bool:
     return meta.get("train_loss") is None or finite(meta["train_loss"])
 
 
-def newest_healthy(ckpts: list[Path]) -> Path | None:
-    """The newest of `ckpts` that is healthy (see `healthy`)."""
-    for c in reversed(ckpts):
+def readable(ckpts) -> Iterator[tuple[Path, dict]]:
+    """(checkpoint, its meta) for each of `ckpts` whose meta.json reads, in their order: a damaged one is
+    passed over (it is the trainer's to reject: the flow must not stop on it before the trainer can resume
+    from the one before)."""
+    for c in ckpts:
         try:
-            if healthy(read_meta(c)):
-                return c
+            yield c, read_meta(c)
         except CheckpointError:
             continue
-    return None
+
+
+def newest_healthy(ckpts: list[Path]) -> Path | None:
+    """The newest of `ckpts` that is healthy (see `healthy`)."""
+    return next((c for c, meta in readable(reversed(ckpts)) if healthy(meta)), None)
+
+
+def latest(run_dir: Path) -> tuple[Path | None, dict]:
+    """The newest complete checkpoint whose meta.json reads, and its meta; (None, {}) when there is none."""
+    return next(readable(reversed(list_checkpoints(run_dir))), (None, {}))
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The newest complete checkpoint whose meta.json reads (a damaged one is the trainer's to reject: the
-    flow must not stop on it before the trainer can resume from the one before)."""
-    for c in reversed(list_checkpoints(run_dir)):
-        try:
-            read_meta(c)
-            return c
-        except CheckpointError:
-            continue
-    return None
+    """The newest complete checkpoint whose meta.json reads (see `readable`)."""
+    return latest(run_dir)[0]
 
 
 def checkpoint_of(path: Path) -> Path:
@@ -118,14 +122,8 @@ def best_checkpoint(run_dir: Path) -> Path | None:
     """The checkpoint with the lowest recorded val loss (latest step wins ties); the latest checkpoint
     if none has a val loss; None if there are no checkpoints."""
     ckpts = list_checkpoints(run_dir)
-    scored = []
-    for c in ckpts:
-        try:
-            v = read_meta(c).get("val_loss")
-        except CheckpointError:
-            continue
-        if finite(v):  # skip None, NaN and inf
-            scored.append((v, -int(c.name[5:]), c))
+    # finite: skip None, NaN and inf
+    scored = [(m["val_loss"], -int(c.name[5:]), c) for c, m in readable(ckpts) if finite(m.get("val_loss"))]
     if scored:
         return min(scored)[2]
     return ckpts[-1] if ckpts else None
@@ -135,8 +133,8 @@ def run_state(run_dir: Path, identity_hash: str | None = None) -> dict:
     """What is on disk: newest checkpoint and its step, and whether the run is DONE (for this identity,
     when given: a DONE left by a different trajectory does not count)."""
     run_dir = Path(run_dir)
-    ckpt = latest_checkpoint(run_dir)
-    step = read_meta(ckpt).get("step") if ckpt else None
+    ckpt, meta = latest(run_dir)
+    step = meta.get("step")
     done = (run_dir / DONE_FILE).exists() and ckpt is not None
     if done and identity_hash:
         done = read_json(run_dir / RUN_FILE, {}).get("identity_hash") == identity_hash

@@ -43,7 +43,7 @@ from gptcore.loss import make_loss
 from gptcore.metrics import METRICS_FILE, JsonlLogger, NullLogger
 from gptcore.model import GPT, peak_flops_guess
 from gptcore.optim import build_optimizer, lr_at, set_lr, skips_on_device
-from gptcore.run_files import run_dir_for
+from gptcore.run_files import latest, run_dir_for
 from gptcore.runlock import LockHeld, RunLock
 from gptcore.shard_format import Manifest, ShardError
 from gptcore.sharding import dataset_dir
@@ -80,21 +80,6 @@ def check_run(run_dir: Path, cfg: RunConfig, manifest: Manifest) -> dict | None:
         raise RunError(f"run {run_dir} trained on dataset {rec.get('manifest_id')}, but the shards now have "
                        f"manifest id {manifest.id}; use the original dataset or a new train.run_name")
     return rec
-
-
-# --- RNG state (every rank's, so dropout masks resume exactly) ---------------------------------------
-
-def rng_state(device: torch.device) -> dict:
-    state = {"torch": torch.get_rng_state()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def set_rng_state(state: dict, device: torch.device) -> None:
-    torch.set_rng_state(state["torch"])
-    if device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"], device)
 
 
 # --- stop requests ------------------------------------------------------------------------------
@@ -198,18 +183,13 @@ def prepare(cfg: RunConfig, rank: int) -> Prepared | None:
 def check_checkpoints_fit(run_dir: Path, cfg: RunConfig, manifest: Manifest) -> None:
     """The newest readable checkpoint must be of this model and dataset: otherwise this is the wrong
     config (RunError, nothing touched), not a damaged checkpoint to set aside."""
-    for ck in reversed(checkpoint.step_dirs(run_dir)):
-        try:
-            meta = checkpoint.read_meta(ck)
-        except checkpoint.CheckpointError:
-            continue  # damaged: resume_point deals with it
-        if meta.get("model_config") not in (None, asdict(cfg.model)):
-            raise RunError(f"checkpoint {ck} is of another model shape ({meta['model_config']}); use the "
-                           "model config it was trained with, or a new train.run_name")
-        if meta.get("manifest_id") not in (None, manifest.id):
-            raise RunError(f"checkpoint {ck} was trained on another dataset ({meta['manifest_id']}, the "
-                           f"shards now are {manifest.id}); use the original dataset or a new train.run_name")
-        return
+    ck, meta = latest(run_dir)  # a damaged one is passed over: resume_point deals with it
+    if meta.get("model_config") not in (None, asdict(cfg.model)):
+        raise RunError(f"checkpoint {ck} is of another model shape ({meta['model_config']}); use the "
+                       "model config it was trained with, or a new train.run_name")
+    if meta.get("manifest_id") not in (None, manifest.id):
+        raise RunError(f"checkpoint {ck} was trained on another dataset ({meta['manifest_id']}, the "
+                       f"shards now are {manifest.id}); use the original dataset or a new train.run_name")
 
 
 def newest_intact(run_dir: Path, model: GPT, master: bool, healthy_only: bool = False
@@ -223,10 +203,10 @@ def newest_intact(run_dir: Path, model: GPT, master: bool, healthy_only: bool = 
         try:
             meta, state = checkpoint.load_for_resume(ck, model)
         except checkpoint.CheckpointError as e:
-            dest = checkpoint.reject(ck, str(e)) if master else ck
-            if dest is None:
-                stuck.append(f"{ck.name}: {e} (left in place: it could not be moved to rejected/)")
-            if master:
+            if master:  # the other ranks only pass over it
+                dest = checkpoint.reject(ck, str(e))
+                if dest is None:
+                    stuck.append(f"{ck.name}: {e} (left in place: it could not be moved to rejected/)")
                 print(f"warning: checkpoint {ck.name} skipped: {e}; {f'moved to {dest}' if dest else 'left in place'}",
                       file=sys.stderr, flush=True)
             continue
@@ -275,7 +255,10 @@ def restore(ts: dict, optimizer, loader: ShardLoader, scaler, env: distributed.E
     if data:
         loader.load_state_dict(ts["loader"])
     if env.rank < len(ts["rng"]):  # a new world size: extra ranks keep their fresh seed
-        set_rng_state(ts["rng"][env.rank], env.device)
+        rng = ts["rng"][env.rank]
+        torch.set_rng_state(rng["torch"])
+        if env.device.type == "cuda" and "cuda" in rng:
+            torch.cuda.set_rng_state(rng["cuda"], env.device)
     if scaler is not None and ts.get("scaler"):
         scaler.load_state_dict(ts["scaler"])
     return Progress(int(ts["step"]), int(ts["tokens_seen"]))
@@ -305,7 +288,6 @@ class Read:
     """What the host learned at one sync point about the steps since the previous one."""
     loss: float
     verdict: str  # guard verdict: OK, SKIP or ROLLBACK
-    why_bad: str
     stop: bool  # some rank voted to stop
 
 
@@ -380,7 +362,7 @@ def read_and_log(loop: Loop, pending: list, dt: float) -> Read:
     rows = torch.stack([p[-1] for p in pending]).tolist()
     tok_s = cfg.train.total_batch_tokens / dt
     mfu = {"train/mfu": loop.raw.estimate_mfu(tok_s, loop.peak_flops, cfg.train.seq_len)} if loop.peak_flops else {}
-    read = Read(math.nan, OK, "", False)
+    read = Read(math.nan, OK, False)
     for (step, lr, seen, epoch, _), (loss_total, n_bad, n_stop, norm) in zip(pending, rows, strict=True):
         loss, finite = loss_total / env.world, n_bad == 0
         read.loss, read.stop = loss, read.stop or n_stop > 0
@@ -388,9 +370,8 @@ def read_and_log(loop: Loop, pending: list, dt: float) -> Read:
                                "train/tokens_per_s": tok_s, "train/tokens_seen": seen, "train/epoch": epoch, **mfu})
         if read.verdict != ROLLBACK:
             read.verdict = guard.observe(loss, finite)
-            read.why_bad = "non-finite steps" if not finite else "loss spike"
             if read.verdict == SKIP:
-                event(env, loop.logger, step, f"non-finite step skipped (loss {loss}, grad norm {norm}): no "
+                event(loop, step, f"non-finite step skipped (loss {loss}, grad norm {norm}): no "
                       f"update applied ({guard.nonfinite}/{cfg.guard.max_nonfinite} before a rollback)")
     if env.master:
         step, lr = pending[-1][0], pending[-1][1]
@@ -402,19 +383,22 @@ def read_and_log(loop: Loop, pending: list, dt: float) -> Read:
 def save(loop: Loop, step: int, tokens_seen: int, reason: str, train_loss: float) -> None:
     """Checkpoint the state after `step`. Collective: every rank contributes its RNG state."""
     env, failed = loop.env, None
-    rngs = distributed.all_gather_object(rng_state(env.device))
+    rng = {"torch": torch.get_rng_state()}  # every rank's, so dropout masks resume exactly
+    if env.device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(env.device)
+    rngs = distributed.all_gather_object(rng)
     if env.master:
         state = {"optimizer": loop.optimizer.state_dict(), "loader": loop.loader.state_dict(), "rng": rngs,
                  "scaler": loop.scaler.state_dict() if loop.scaler is not None else {}, "step": step,
                  "tokens_seen": tokens_seen, "world": env.world}
-        val, hs = loop.evals.results_at(step)
+        val, hs = loop.evals.results.get(step, (None, None))  # (None, None): no evaluation at this step
         try:
             path = checkpoint.save_checkpoint(loop.run_dir, step, loop.raw, state, {
                 **loop.meta, "tokens_seen": tokens_seen, "val_loss": val, "hellaswag": hs,
                 "train_loss": train_loss, "reason": reason}, keep_last=loop.cfg.train.keep_last)
             print(f"checkpoint {path} ({reason})", flush=True)
         except checkpoint.CheckpointError as e:  # non-finite weights are never written
-            event(env, loop.logger, step, f"checkpoint not written: {e}")
+            event(loop, step, f"checkpoint not written: {e}")
         except (OSError, RuntimeError, SafetensorError) as e:  # e.g. a full disk (torch.save: RuntimeError)
             failed = unwritable(loop.run_dir, step, e)
     # every rank waits for rank 0's save here, and stops with it when it could not write
@@ -462,7 +446,7 @@ def train(cfg: RunConfig, prep: Prepared, t_start: float) -> int:
             pending.clear()
             t_read = now
             if read.verdict == ROLLBACK:
-                loop.at = roll_back(loop, read.why_bad)
+                loop.at = roll_back(loop)
                 t_read = time.time()
                 continue
             if due_eval:
@@ -492,19 +476,20 @@ def train(cfg: RunConfig, prep: Prepared, t_start: float) -> int:
         loop.logger.close()
 
 
-def event(env: distributed.Env, logger, step: int, text: str, **values) -> None:
+def event(loop: Loop, step: int, text: str, **values) -> None:
     """A guard or checkpoint event: a metrics.jsonl row of kind "event" and a line on stdout (rank 0)."""
-    logger.log(step, {"event": text, **values}, kind="event")
-    if env.master:
+    loop.logger.log(step, {"event": text, **values}, kind="event")
+    if loop.env.master:
         print(f"step {step:6d} | guard: {text}", flush=True)
 
 
-def roll_back(loop: Loop, why: str) -> Progress:
+def roll_back(loop: Loop) -> Progress:
     """Reload the newest good checkpoint (weights, optimizer, RNG) but keep the data position, so the
     batches since that checkpoint, which led into the trouble, are skipped. Raises Diverged when there is
     nothing to roll back to or it happened too often in a row."""
     cfg, run_dir, raw, loader, env, guard, at = (loop.cfg, loop.run_dir, loop.raw, loop.loader, loop.env,
                                                  loop.guard, loop.at)
+    why = "non-finite steps" if guard.nonfinite else "loss spike"  # the guard's counts, before rolled_back resets them
     if not guard.rolled_back():
         raise Diverged(f"the run diverged again ({why} at step {at.step}) after {cfg.guard.max_rollbacks} "
                        "rollbacks with no checkpoint written in between; the checkpoints are intact. Lower "
@@ -520,7 +505,7 @@ def roll_back(loop: Loop, why: str) -> Progress:
     skipped = loader.position - int(ts["loader"]["position"])
     loop.optimizer.zero_grad(set_to_none=True)
     back = restore(ts, loop.optimizer, loader, loop.scaler, env, data=False)
-    event(env, loop.logger, at.step, f"{why}: rolled back to {ck.name}; the {skipped} sequences since it are "
+    event(loop, at.step, f"{why}: rolled back to {ck.name}; the {skipped} sequences since it are "
           f"skipped (rollback {guard.rollbacks}/{cfg.guard.max_rollbacks})",
           **{"guard/rollback_from": at.step, "guard/rollback_to": back.step, "guard/skipped_sequences": skipped})
     return back
@@ -584,9 +569,6 @@ class Evals:
         self.cfg, self.env, self.data_dir, self.logger = cfg, env, data_dir, logger
         self.results: dict[int, tuple[float | None, dict | None]] = {}
         self._examples = None  # HellaSwag examples, loaded at the first evaluation
-
-    def results_at(self, step: int) -> tuple[float | None, dict | None]:
-        return self.results.get(step, (None, None))
 
     def run(self, model: torch.nn.Module, step: int, last: bool = False) -> None:
         from gptcore.evaluate import validation_loss
