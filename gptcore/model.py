@@ -9,8 +9,6 @@ sample and never enter the loss.
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
@@ -132,19 +130,7 @@ class GPT(nn.Module):
                 loss = loss.view(B, T)
         return logits, loss
 
-    # --- optimisation ---------------------------------------------------------------------------
-
-    def configure_optimizer(self, weight_decay: float, lr: float, betas: tuple[float, float],
-                            eps: float, device_type: str) -> torch.optim.AdamW:
-        """AdamW with decay on >=2-D tensors only (matmul weights, embeddings), none on biases/norms;
-        the fused kernel (one pass over each tensor, on CUDA and CPU)."""
-        params = [p for p in self.parameters() if p.requires_grad]
-        groups = [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-        ]
-        fused = device_type in ("cuda", "cpu") and "fused" in inspect.signature(torch.optim.AdamW).parameters
-        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused)
+    # --- throughput -----------------------------------------------------------------------------
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
         """Training FLOPs per token (forward + backward), PaLM appendix B: 6N + 12*L*H*Q*T."""

@@ -5,9 +5,10 @@ import math
 import pytest
 import torch
 
-from gptcore.config import ModelConfig, model_preset
+from gptcore.config import ModelConfig, OptimConfig, model_preset
 from gptcore.loss import FusedLinearCrossEntropy, FusedLoss, PlainLoss
 from gptcore.model import GPT, clean_state_dict, unwrap
+from gptcore.optim import adamw
 from gptcore.tokenizer import N_VOCAB
 
 
@@ -91,7 +92,7 @@ def test_targets_minus_one_are_ignored_and_reduction_none():
 def test_overfits_one_batch():
     m = micro()
     x, y = ids(2, 16, 1), ids(2, 16, 2)
-    opt = m.configure_optimizer(weight_decay=0.0, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, device_type="cpu")
+    opt = adamw(m.parameters(), OptimConfig(weight_decay=0.0, max_lr=1e-2), "cpu")
     losses = []
     for _ in range(40):
         _, loss = m(x, y)
@@ -104,7 +105,7 @@ def test_overfits_one_batch():
 
 def test_optimizer_decays_only_matrices():
     m = micro()
-    opt = m.configure_optimizer(weight_decay=0.1, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, device_type="cpu")
+    opt = adamw(m.parameters(), OptimConfig(weight_decay=0.1, max_lr=1e-3), "cpu")
     decay, no_decay = opt.param_groups
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() < 2 for p in no_decay["params"])
