@@ -21,6 +21,7 @@ import urllib.error
 import urllib.request
 from contextlib import nullcontext
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 
 import torch
@@ -61,6 +62,9 @@ class Example:
 def parse_record(line: str, lineno: int, source: str | Path) -> tuple[str, list[str], int]:
     """(ctx, endings, label) of one jsonl line, or a HellaSwagError naming the file and line."""
     where = f"{source} line {lineno}"
+    if not line.strip():
+        raise HellaSwagError(f"{where} is empty; HellaSwag jsonl has one example per line (delete the file "
+                             "to re-download it)")
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
@@ -86,20 +90,12 @@ def read_records(path: Path, limit: int = 0) -> list[tuple[str, list[str], int]]
     if not path.is_file():
         raise HellaSwagError(f"HellaSwag file {path} does not exist; set eval.hellaswag_path to the "
                              "hellaswag_val.jsonl file or leave it empty to download it")
-    records = []
     try:
         with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, start=1):
-                if limit and len(records) >= limit:
-                    break
-                if not line.strip():
-                    raise HellaSwagError(f"{path} line {lineno} is empty; HellaSwag jsonl has one example "
-                                         "per line (delete the file to re-download it)")
-                records.append(parse_record(line, lineno, path))
+            return [parse_record(line, i, path) for i, line in enumerate(islice(f, limit or None), start=1)]
     except (OSError, UnicodeDecodeError) as e:  # a benchmark file that cannot be read must not stop a run
         raise HellaSwagError(f"cannot read {path} ({e}); it is corrupt or not UTF-8: delete it to re-download "
                              "it, or point eval.hellaswag_path at a good copy") from None
-    return records
 
 
 def make_example(ctx: str, endings: list[str], label: int) -> Example:
@@ -126,10 +122,6 @@ def verify_bytes(data: bytes, expected_examples: int = VAL_EXAMPLES, sha256: str
     return ""
 
 
-def cache_path() -> Path:
-    return pipeline_home() / "hellaswag" / "hellaswag_val.jsonl"
-
-
 def fetch(cfg: RunConfig) -> tuple[Path | None, str]:
     """(path, '') when the dataset is available, else (None, why not)."""
     if cfg.eval.hellaswag_path:
@@ -138,7 +130,7 @@ def fetch(cfg: RunConfig) -> tuple[Path | None, str]:
             return p, ""
         return None, (f"eval.hellaswag_path={p} does not exist; point it at a hellaswag_val.jsonl file "
                       "or set it to '' to download the dataset")
-    dest = cache_path()
+    dest = pipeline_home() / "hellaswag" / "hellaswag_val.jsonl"
     if dest.is_file():  # only ever written (atomically) after verification
         return dest, ""
     url = os.environ.get(URL_ENV) or DEFAULT_URL
@@ -200,12 +192,6 @@ def example_rows(ex: Example, block_size: int) -> list[tuple[list[int], int]]:
     return rows
 
 
-def default_batch_tokens(device) -> int:
-    # Logits are (rows, length, 50257). A GPU wants big batches (8192 tokens = 0.8 GB of bf16 logits);
-    # a CPU is compute-bound and runs fastest while the logits stay small (512 tokens = 0.1 GB).
-    return 8192 if torch.device(device).type == "cuda" else 512
-
-
 @torch.no_grad()
 def score(model: torch.nn.Module, examples: list[Example], device, autocast_ctx=None,
           batch_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -213,13 +199,16 @@ def score(model: torch.nn.Module, examples: list[Example], device, autocast_ctx=
     inner = without_ddp(model)
     block = unwrap(inner).config.block_size
     buckets = bucket_lengths(block)
-    batch_tokens = batch_tokens or default_batch_tokens(device)
+    # Logits are (rows, length, 50257). A GPU wants big batches (8192 tokens = 0.8 GB of bf16 logits);
+    # a CPU is compute-bound and runs fastest while the logits stay small (512 tokens = 0.1 GB).
+    batch_tokens = batch_tokens or (8192 if torch.device(device).type == "cuda" else 512)
     sums = torch.zeros(len(examples), 4, dtype=torch.float64)
     counts = torch.zeros(len(examples), 4, dtype=torch.float64)
 
+    rows = [example_rows(ex, block) for ex in examples]
     by_bucket: dict[int, list[int]] = {}
-    for i, ex in enumerate(examples):
-        longest = max(len(t) for t, _ in example_rows(ex, block))
+    for i, ex_rows in enumerate(rows):
+        longest = max(len(t) for t, _ in ex_rows)
         by_bucket.setdefault(next(b for b in buckets if b >= longest), []).append(i)
 
     was_training = inner.training
@@ -232,7 +221,7 @@ def score(model: torch.nn.Module, examples: list[Example], device, autocast_ctx=
             x = torch.zeros(4 * per_batch, length, dtype=torch.long)
             y = torch.full((4 * per_batch, length), -1, dtype=torch.long)
             for j, i in enumerate(chunk):
-                for k, (toks, n_end) in enumerate(example_rows(examples[i], block)):
+                for k, (toks, n_end) in enumerate(rows[i]):
                     n = len(toks)
                     x[4 * j + k, :n] = torch.tensor(toks)
                     # position p predicts token p+1: score the predictions of the last n_end tokens
@@ -259,9 +248,8 @@ def evaluate(model: torch.nn.Module, examples: list[Example], device, autocast_c
     mine = examples[rank::world]
     sums, counts = score(model, mine, device, autocast_ctx, batch_tokens)
     labels = torch.tensor([ex.label for ex in mine], dtype=torch.long)
-    correct = (sums.argmin(1) == labels).sum() if mine else torch.tensor(0)
-    correct_norm = ((sums / counts).argmin(1) == labels).sum() if mine else torch.tensor(0)
-    totals = torch.tensor([int(correct), int(correct_norm), len(mine)], dtype=torch.long, device=device)
+    correct = [int((s.argmin(1) == labels).sum()) for s in (sums, sums / counts)]  # acc, acc_norm
+    totals = torch.tensor([*correct, len(mine)], dtype=torch.long, device=device)
     if world > 1:
         distributed.all_reduce_sum(totals)
     c, cn, n = (int(v) for v in totals.cpu())
