@@ -94,14 +94,9 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def num_params(self, exclude_padding: bool = False, exclude_position: bool = False) -> int:
+    def num_params(self) -> int:
         """Parameters counted once (the tied embedding counts once)."""
-        n = sum(p.numel() for p in self.parameters())
-        if exclude_padding:
-            n -= (self.config.vocab_size - N_VOCAB) * self.config.n_embd
-        if exclude_position:
-            n -= self.transformer.wpe.weight.numel()
-        return n
+        return sum(p.numel() for p in self.parameters())
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, reduction: str = "mean",
                 return_logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -136,7 +131,7 @@ class GPT(nn.Module):
         """Training FLOPs per token (forward + backward), PaLM appendix B: 6N + 12*L*H*Q*T."""
         cfg = self.config
         T = seq_len or cfg.block_size
-        N = self.num_params(exclude_position=True)
+        N = self.num_params() - self.transformer.wpe.weight.numel()  # a lookup: no matmul FLOPs
         return 6 * N + 12 * cfg.n_layer * cfg.n_head * (cfg.n_embd // cfg.n_head) * T
 
     def estimate_mfu(self, tokens_per_second: float, peak_flops: float, seq_len: int | None = None) -> float:

@@ -29,7 +29,7 @@ def test_gpt2_preset_has_exactly_the_hf_parameter_count():
     assert real.num_params() == 124_439_808  # HF GPT-2 small, tied embeddings counted once
     assert padded.config.vocab_size == 50304
     assert padded.num_params() - real.num_params() == 47 * 768
-    assert padded.num_params(exclude_padding=True) == 124_439_808
+    assert padded.num_params() - (padded.config.vocab_size - N_VOCAB) * padded.config.n_embd == 124_439_808
     assert real.lm_head.weight is real.transformer.wte.weight
     # the bigger presets match HF's gpt2-medium / -large / -xl exactly too
     for name, n in (("gpt2-medium", 354_823_168), ("gpt2-large", 774_030_080), ("gpt2-xl", 1_557_611_200)):
@@ -41,7 +41,7 @@ def test_gpt2_preset_has_exactly_the_hf_parameter_count():
 def test_flops_and_mfu():
     with torch.device("meta"):
         m = GPT(model_preset("gpt2"))
-    n = m.num_params(exclude_position=True)
+    n = m.num_params() - m.transformer.wpe.weight.numel()
     assert m.flops_per_token(1024) == 6 * n + 12 * 12 * 12 * 64 * 1024
     assert m.estimate_mfu(1e5, 1e15, 1024) == pytest.approx(m.flops_per_token(1024) * 1e5 / 1e15)
 
