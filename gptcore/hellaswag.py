@@ -102,18 +102,17 @@ def make_example(ctx: str, endings: list[str], label: int) -> Example:
     return Example(ctx, endings, label, encode(ctx), [encode(" " + e) for e in endings])
 
 
-def verify_bytes(data: bytes, expected_examples: int = VAL_EXAMPLES, sha256: str | None = None) -> str:
+def verify_bytes(data: bytes) -> str:
     """'' if `data` is a complete HellaSwag validation file, else what is wrong with it."""
-    sha256 = VAL_SHA256 if sha256 is None else sha256
-    if sha256 and hashlib.sha256(data).hexdigest() != sha256:
-        return f"sha256 {hashlib.sha256(data).hexdigest()} != pinned {sha256}"
+    if VAL_SHA256 and hashlib.sha256(data).hexdigest() != VAL_SHA256:
+        return f"sha256 {hashlib.sha256(data).hexdigest()} != pinned {VAL_SHA256}"
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         return f"not UTF-8 text ({e})"
     lines = text.splitlines()
-    if len(lines) != expected_examples:
-        return f"{len(lines)} lines, expected {expected_examples} (truncated or not the validation split)"
+    if len(lines) != VAL_EXAMPLES:
+        return f"{len(lines)} lines, expected {VAL_EXAMPLES} (truncated or not the validation split)"
     try:
         for i, line in enumerate(lines, start=1):
             parse_record(line, i, "download")
@@ -243,10 +242,10 @@ def score(model: torch.nn.Module, examples: list[Example], device, autocast_ctx=
 
 
 def evaluate(model: torch.nn.Module, examples: list[Example], device, autocast_ctx=None,
-             rank: int = 0, world: int = 1, batch_tokens: int | None = None) -> dict:
+             rank: int = 0, world: int = 1) -> dict:
     """{"acc", "acc_norm", "n"} over all examples; under DDP every rank must call this."""
     mine = examples[rank::world]
-    sums, counts = score(model, mine, device, autocast_ctx, batch_tokens)
+    sums, counts = score(model, mine, device, autocast_ctx)
     labels = torch.tensor([ex.label for ex in mine], dtype=torch.long)
     correct = [int((s.argmin(1) == labels).sum()) for s in (sums, sums / counts)]  # acc, acc_norm
     totals = torch.tensor([*correct, len(mine)], dtype=torch.long, device=device)

@@ -142,17 +142,14 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-                 top_k: int | None = None, seed: int | None = None,
-                 generator: torch.Generator | None = None) -> torch.Tensor:
+                 top_k: int | None = None, seed: int | None = None) -> torch.Tensor:
         """Append max_new_tokens sampled tokens to idx (B, T). temperature=0 means greedy.
         Uses its own torch.Generator so sampling never disturbs (or depends on) the global RNG."""
         if idx.size(1) + max_new_tokens > self.config.block_size:
             raise ValueError(
                 f"prompt of {idx.size(1)} tokens + {max_new_tokens} new tokens exceeds block_size "
                 f"{self.config.block_size}; shorten the prompt or ask for fewer tokens")
-        if generator is None:
-            generator = torch.Generator(device=idx.device)
-            generator.manual_seed(0 if seed is None else seed)
+        generator = torch.Generator(device=idx.device).manual_seed(0 if seed is None else seed)
         was_training = self.training
         self.eval()
         for _ in range(max_new_tokens):
