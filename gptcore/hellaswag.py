@@ -30,7 +30,7 @@ from torch.nn import functional as F
 from gptcore import distributed
 from gptcore.config import RunConfig, pipeline_home
 from gptcore.files import atomic_write_bytes
-from gptcore.model import unwrap, without_ddp
+from gptcore.model import evaluating, unwrap
 from gptcore.tokenizer import encode
 
 log = logging.getLogger(__name__)
@@ -195,8 +195,7 @@ def example_rows(ex: Example, block_size: int) -> list[tuple[list[int], int]]:
 def score(model: torch.nn.Module, examples: list[Example], device, autocast_ctx=None,
           batch_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed loss, ending token count), each (len(examples), 4) float64 on the CPU."""
-    inner = without_ddp(model)
-    block = unwrap(inner).config.block_size
+    block = unwrap(model).config.block_size
     buckets = bucket_lengths(block)
     # Logits are (rows, length, 50257). A GPU wants big batches (8192 tokens = 0.8 GB of bf16 logits);
     # a CPU is compute-bound and runs fastest while the logits stay small (512 tokens = 0.1 GB).
@@ -210,34 +209,32 @@ def score(model: torch.nn.Module, examples: list[Example], device, autocast_ctx=
         longest = max(len(t) for t, _ in ex_rows)
         by_bucket.setdefault(next(b for b in buckets if b >= longest), []).append(i)
 
-    was_training = inner.training
-    inner.eval()
-    for length, idxs in sorted(by_bucket.items()):
-        per_batch = max(1, batch_tokens // (4 * length))  # examples per forward: fixed for this bucket
-        for start in range(0, len(idxs), per_batch):
-            chunk = idxs[start:start + per_batch]
-            # the last chunk is padded with empty rows, so every forward of this bucket has one shape
-            x = torch.zeros(4 * per_batch, length, dtype=torch.long)
-            y = torch.full((4 * per_batch, length), -1, dtype=torch.long)
-            for j, i in enumerate(chunk):
-                for k, (toks, n_end) in enumerate(rows[i]):
-                    n = len(toks)
-                    x[4 * j + k, :n] = torch.tensor(toks)
-                    # position p predicts token p+1: score the predictions of the last n_end tokens
-                    y[4 * j + k, n - 1 - n_end:n - 1] = torch.tensor(toks[n - n_end:])
-            x, y = x.to(device), y.to(device)
-            with autocast_ctx or nullcontext():
-                logits, _ = inner(x)
-            mask = y >= 0
-            # only the ending positions' logits are upcast and normalised, not the context or padding
-            logp = F.log_softmax(logits[mask].float(), dim=-1)
-            nll = -logp.gather(1, y[mask].unsqueeze(1)).squeeze(1).double()
-            row_sum = torch.zeros(x.size(0), dtype=torch.float64, device=nll.device)
-            row_sum.index_add_(0, mask.nonzero()[:, 0], nll)
-            n_rows = 4 * len(chunk)
-            sums[chunk] = row_sum[:n_rows].view(-1, 4).cpu()
-            counts[chunk] = mask.sum(1)[:n_rows].view(-1, 4).double().cpu()
-    inner.train(was_training)
+    with evaluating(model) as inner:
+        for length, idxs in sorted(by_bucket.items()):
+            per_batch = max(1, batch_tokens // (4 * length))  # examples per forward: fixed for this bucket
+            for start in range(0, len(idxs), per_batch):
+                chunk = idxs[start:start + per_batch]
+                # the last chunk is padded with empty rows, so every forward of this bucket has one shape
+                x = torch.zeros(4 * per_batch, length, dtype=torch.long)
+                y = torch.full((4 * per_batch, length), -1, dtype=torch.long)
+                for j, i in enumerate(chunk):
+                    for k, (toks, n_end) in enumerate(rows[i]):
+                        n = len(toks)
+                        x[4 * j + k, :n] = torch.tensor(toks)
+                        # position p predicts token p+1: score the predictions of the last n_end tokens
+                        y[4 * j + k, n - 1 - n_end:n - 1] = torch.tensor(toks[n - n_end:])
+                x, y = x.to(device), y.to(device)
+                with autocast_ctx or nullcontext():
+                    logits, _ = inner(x)
+                mask = y >= 0
+                # only the ending positions' logits are upcast and normalised, not the context or padding
+                logp = F.log_softmax(logits[mask].float(), dim=-1)
+                nll = -logp.gather(1, y[mask].unsqueeze(1)).squeeze(1).double()
+                row_sum = torch.zeros(x.size(0), dtype=torch.float64, device=nll.device)
+                row_sum.index_add_(0, mask.nonzero()[:, 0], nll)
+                n_rows = 4 * len(chunk)
+                sums[chunk] = row_sum[:n_rows].view(-1, 4).cpu()
+                counts[chunk] = mask.sum(1)[:n_rows].view(-1, 4).double().cpu()
     return sums, counts
 
 

@@ -9,6 +9,8 @@ sample and never enter the loss.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
@@ -150,22 +152,20 @@ class GPT(nn.Module):
                 f"prompt of {idx.size(1)} tokens + {max_new_tokens} new tokens exceeds block_size "
                 f"{self.config.block_size}; shorten the prompt or ask for fewer tokens")
         generator = torch.Generator(device=idx.device).manual_seed(0 if seed is None else seed)
-        was_training = self.training
-        self.eval()
-        for _ in range(max_new_tokens):
-            logits, _ = self(idx)
-            logits = logits[:, -1, :].float()
-            if temperature == 0:
-                next_id = logits.argmax(dim=-1, keepdim=True)
-            else:
-                logits = logits / temperature
-                if top_k is not None:
-                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                probs = F.softmax(logits, dim=-1)
-                next_id = torch.multinomial(probs, num_samples=1, generator=generator)
-            idx = torch.cat((idx, next_id), dim=1)
-        self.train(was_training)
+        with evaluating(self):
+            for _ in range(max_new_tokens):
+                logits, _ = self(idx)
+                logits = logits[:, -1, :].float()
+                if temperature == 0:
+                    next_id = logits.argmax(dim=-1, keepdim=True)
+                else:
+                    logits = logits / temperature
+                    if top_k is not None:
+                        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+                        logits = logits.masked_fill(logits < kth, float("-inf"))
+                    probs = F.softmax(logits, dim=-1)
+                    next_id = torch.multinomial(probs, num_samples=1, generator=generator)
+                idx = torch.cat((idx, next_id), dim=1)
         return idx
 
 
@@ -179,10 +179,15 @@ def clean_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def without_ddp(model: nn.Module) -> nn.Module:
-    """The module inside DDP, a torch.compile wrapper kept: for evaluation, which does no backward pass,
-    so DDP's forward bookkeeping is waste (and ranks may run different numbers of forwards)."""
-    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+@contextmanager
+def evaluating(model: nn.Module):
+    """Eval mode for the block, on the module inside DDP (a torch.compile wrapper kept): evaluation does no
+    backward pass, so DDP's forward bookkeeping is waste (and ranks may run different numbers of forwards)."""
+    inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    was_training = inner.training
+    inner.eval()
+    yield inner
+    inner.train(was_training)
 
 
 def unwrap(model: nn.Module) -> GPT:
