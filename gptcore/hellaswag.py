@@ -17,7 +17,6 @@ import hashlib
 import json
 import logging
 import os
-import urllib.error
 import urllib.request
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -136,7 +135,7 @@ def fetch(cfg: RunConfig) -> tuple[Path | None, str]:
     try:
         with urllib.request.urlopen(url, timeout=DOWNLOAD_TIMEOUT_S) as r:
             data = r.read()
-    except (urllib.error.URLError, OSError, ValueError) as e:
+    except (OSError, ValueError) as e:  # URLError and HTTPError are OSErrors
         return None, (f"cannot download {url} ({e}); on an air-gapped machine copy hellaswag_val.jsonl "
                       f"to {dest} or set eval.hellaswag_path (or {URL_ENV} to a reachable mirror)")
     problem = verify_bytes(data)
