@@ -16,15 +16,16 @@ from pathlib import Path
 import torch
 
 from gptcore import checkpoint as C
-from gptcore.config import model_preset
+from gptcore.config import OptimConfig, model_preset
 from gptcore.files import file_sha256
 from gptcore.model import GPT
+from gptcore.optim import adamw
 
 
 def trained_state():
     torch.manual_seed(0)
     model = GPT(model_preset("gpt2"))
-    opt = model.configure_optimizer(0.1, 6e-4, (0.9, 0.95), 1e-8, "cpu")
+    opt = adamw(model.parameters(), OptimConfig(), "cpu")
     for p in model.parameters():  # optimizer state of the real size without a 124M forward pass
         p.grad = torch.randn_like(p) * 1e-3
     opt.step()

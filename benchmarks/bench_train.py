@@ -31,11 +31,12 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from gptcore.config import ModelConfig, load_config, model_preset
+from gptcore.config import ModelConfig, OptimConfig, load_config, model_preset
 from gptcore.data import ShardLoader
 from gptcore.distributed import Env, select_loss
 from gptcore.loss import make_loss
 from gptcore.model import GPT
+from gptcore.optim import adamw
 from gptcore.shard_format import Manifest, ShardInfo, write_shard
 from gptcore.train import train_step
 
@@ -123,7 +124,7 @@ def our_loop(c: ModelConfig, B: int, T: int, dataset: Path, compile_: bool, dtyp
     raw = GPT(c)
     raw.head_loss = make_loss(env.loss)  # as the trainer does
     model = torch.compile(raw) if compile_ else raw
-    opt = raw.configure_optimizer(0.1, 6e-4, (0.9, 0.95), 1e-8, "cpu")
+    opt = adamw(raw.parameters(), OptimConfig(), "cpu")
     loader = ShardLoader(dataset, B, T, B * T, seed=1)
     return (lambda: train_step(model, opt, loader, 1, env, None, 1.0)), loader, raw
 

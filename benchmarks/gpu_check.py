@@ -140,11 +140,12 @@ def check_ranks(t: Trainer, two_ranks: dict[int, float], tol: float) -> tuple[bo
 def check_speed(device: torch.device, shape: dict, dataset: Path, steps: int) -> tuple[bool | None, str]:
     """train_step vs the plain loop, in this process, compile on, the precision `auto` picks."""
     from benchmarks.bench_train import BaseGPT
-    from gptcore.config import ModelConfig, TrainConfig
+    from gptcore.config import ModelConfig, OptimConfig, TrainConfig
     from gptcore.data import ShardLoader
     from gptcore.distributed import select
     from gptcore.loss import make_loss
     from gptcore.model import GPT, peak_flops_guess
+    from gptcore.optim import adamw
     from gptcore.train import train_step
 
     env = select(TrainConfig(device=device.type, compile="true"))
@@ -171,7 +172,7 @@ def check_speed(device: torch.device, shape: dict, dataset: Path, steps: int) ->
     raw = GPT(c).to(device)
     raw.head_loss = make_loss(env.loss)
     model = torch.compile(raw)
-    opt = raw.configure_optimizer(0.1, 6e-4, (0.9, 0.95), 1e-8, device.type)
+    opt = adamw(raw.parameters(), OptimConfig(), device.type)
     loader = ShardLoader(dataset, B, T, B * T, seed=1, device=device)
     ours_s, ours_mem = measure(lambda: train_step(model, opt, loader, 1, env, None, 1.0))
     fpt = raw.flops_per_token(T)

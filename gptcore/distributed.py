@@ -49,14 +49,6 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def select_device(pref: str, local_rank: int = 0) -> torch.device:
-    if pref == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("train.device=cuda but no CUDA device is visible; use train.device=auto or cpu")
-    if pref == "cuda" or (pref == "auto" and torch.cuda.is_available()):
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
-
-
 def native_bf16(device_type: str) -> bool:
     """A GPU with bf16 tensor cores (Ampere and newer). torch also reports emulated bf16 on V100/T4
     (is_bf16_supported's default), which is slow and which Inductor does not compile."""
@@ -72,10 +64,6 @@ def select_dtype(pref: str, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-def select_compile(pref: str, device: torch.device) -> bool:
-    return pref == "true" or (pref == "auto" and device.type == "cuda")
-
-
 def select_loss(pref: str, device: torch.device) -> str:
     """auto: the fused chunked loss on CPU (no logits-sized pages per step), the plain one on CUDA (the
     compiled plain loss fuses into a few kernels at the tensor-core-friendly padded width)."""
@@ -87,15 +75,18 @@ def select_loss(pref: str, device: torch.device) -> str:
 def select(tc: TrainConfig) -> Env:
     """This process's rank and hardware settings (from torchrun's environment; no communication)."""
     rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
-    world = world_size()
-    device = select_device(tc.device, local_rank)
-    if device.type == "cuda":
+    if tc.device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("train.device=cuda but no CUDA device is visible; use train.device=auto or cpu")
+    cuda = tc.device == "cuda" or (tc.device == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True  # TF32 tensor cores for the fp32 parts
         torch.backends.cudnn.allow_tf32 = True
         torch.set_float32_matmul_precision("high")
-    return Env(rank, local_rank, world, device, select_dtype(tc.dtype, device),
-               select_compile(tc.compile, device), select_loss(tc.loss, device))
+    compile_ = tc.compile == "true" or (tc.compile == "auto" and cuda)
+    return Env(rank, local_rank, world_size(), device, select_dtype(tc.dtype, device), compile_,
+               select_loss(tc.loss, device))
 
 
 def init_process_group(env: Env) -> None:

@@ -20,7 +20,7 @@ import torch
 from gptcore import distributed
 from gptcore.config import ConfigError, RunConfig, TrainConfig, apply_overrides, from_dict, load_config
 from gptcore.data import val_batches
-from gptcore.model import without_ddp
+from gptcore.model import evaluating
 from gptcore.run_files import CheckpointError, checkpoint_of
 from gptcore.shard_format import Manifest, ShardError
 
@@ -32,17 +32,14 @@ def validation_loss(model: torch.nn.Module, cfg: RunConfig, manifest_dir: Path, 
                     autocast_ctx=None, rank: int = 0, world: int = 1) -> float:
     """Mean next-token loss over the first cfg.eval.val_tokens val tokens (same batches every call)."""
     B, T = cfg.train.micro_batch, cfg.train.seq_len
-    inner = without_ddp(model)
-    was_training = inner.training
-    inner.eval()
     total = torch.zeros(2, dtype=torch.float64, device=device)  # [sum of batch losses, batch count]
-    for x, y in val_batches(manifest_dir, B, T, cfg.eval.val_tokens, rank, world):
-        x, y = x.to(device), y.to(device)
-        with autocast_ctx or nullcontext():
-            _, loss = inner(x, y)
-        total[0] += loss.double()
-        total[1] += 1
-    inner.train(was_training)
+    with evaluating(model) as inner:
+        for x, y in val_batches(manifest_dir, B, T, cfg.eval.val_tokens, rank, world):
+            x, y = x.to(device), y.to(device)
+            with autocast_ctx or nullcontext():
+                _, loss = inner(x, y)
+            total[0] += loss.double()
+            total[1] += 1
     if world > 1:  # world=1 inside a DDP job (rank 0 evaluating alone) must not wait for the others
         distributed.all_reduce_sum(total)
     wanted = max(1, cfg.eval.val_tokens // (B * T))

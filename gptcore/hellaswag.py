@@ -17,10 +17,10 @@ import hashlib
 import json
 import logging
 import os
-import urllib.error
 import urllib.request
 from contextlib import nullcontext
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 
 import torch
@@ -29,7 +29,7 @@ from torch.nn import functional as F
 from gptcore import distributed
 from gptcore.config import RunConfig, pipeline_home
 from gptcore.files import atomic_write_bytes
-from gptcore.model import unwrap, without_ddp
+from gptcore.model import evaluating, unwrap
 from gptcore.tokenizer import encode
 
 log = logging.getLogger(__name__)
@@ -61,6 +61,9 @@ class Example:
 def parse_record(line: str, lineno: int, source: str | Path) -> tuple[str, list[str], int]:
     """(ctx, endings, label) of one jsonl line, or a HellaSwagError naming the file and line."""
     where = f"{source} line {lineno}"
+    if not line.strip():
+        raise HellaSwagError(f"{where} is empty; HellaSwag jsonl has one example per line (delete the file "
+                             "to re-download it)")
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
@@ -86,48 +89,35 @@ def read_records(path: Path, limit: int = 0) -> list[tuple[str, list[str], int]]
     if not path.is_file():
         raise HellaSwagError(f"HellaSwag file {path} does not exist; set eval.hellaswag_path to the "
                              "hellaswag_val.jsonl file or leave it empty to download it")
-    records = []
     try:
         with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, start=1):
-                if limit and len(records) >= limit:
-                    break
-                if not line.strip():
-                    raise HellaSwagError(f"{path} line {lineno} is empty; HellaSwag jsonl has one example "
-                                         "per line (delete the file to re-download it)")
-                records.append(parse_record(line, lineno, path))
+            return [parse_record(line, i, path) for i, line in enumerate(islice(f, limit or None), start=1)]
     except (OSError, UnicodeDecodeError) as e:  # a benchmark file that cannot be read must not stop a run
         raise HellaSwagError(f"cannot read {path} ({e}); it is corrupt or not UTF-8: delete it to re-download "
                              "it, or point eval.hellaswag_path at a good copy") from None
-    return records
 
 
 def make_example(ctx: str, endings: list[str], label: int) -> Example:
     return Example(ctx, endings, label, encode(ctx), [encode(" " + e) for e in endings])
 
 
-def verify_bytes(data: bytes, expected_examples: int = VAL_EXAMPLES, sha256: str | None = None) -> str:
+def verify_bytes(data: bytes) -> str:
     """'' if `data` is a complete HellaSwag validation file, else what is wrong with it."""
-    sha256 = VAL_SHA256 if sha256 is None else sha256
-    if sha256 and hashlib.sha256(data).hexdigest() != sha256:
-        return f"sha256 {hashlib.sha256(data).hexdigest()} != pinned {sha256}"
+    if VAL_SHA256 and hashlib.sha256(data).hexdigest() != VAL_SHA256:
+        return f"sha256 {hashlib.sha256(data).hexdigest()} != pinned {VAL_SHA256}"
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         return f"not UTF-8 text ({e})"
     lines = text.splitlines()
-    if len(lines) != expected_examples:
-        return f"{len(lines)} lines, expected {expected_examples} (truncated or not the validation split)"
+    if len(lines) != VAL_EXAMPLES:
+        return f"{len(lines)} lines, expected {VAL_EXAMPLES} (truncated or not the validation split)"
     try:
         for i, line in enumerate(lines, start=1):
             parse_record(line, i, "download")
     except HellaSwagError as e:
         return str(e)
     return ""
-
-
-def cache_path() -> Path:
-    return pipeline_home() / "hellaswag" / "hellaswag_val.jsonl"
 
 
 def fetch(cfg: RunConfig) -> tuple[Path | None, str]:
@@ -138,14 +128,14 @@ def fetch(cfg: RunConfig) -> tuple[Path | None, str]:
             return p, ""
         return None, (f"eval.hellaswag_path={p} does not exist; point it at a hellaswag_val.jsonl file "
                       "or set it to '' to download the dataset")
-    dest = cache_path()
+    dest = pipeline_home() / "hellaswag" / "hellaswag_val.jsonl"
     if dest.is_file():  # only ever written (atomically) after verification
         return dest, ""
     url = os.environ.get(URL_ENV) or DEFAULT_URL
     try:
         with urllib.request.urlopen(url, timeout=DOWNLOAD_TIMEOUT_S) as r:
             data = r.read()
-    except (urllib.error.URLError, OSError, ValueError) as e:
+    except (OSError, ValueError) as e:  # URLError and HTTPError are OSErrors
         return None, (f"cannot download {url} ({e}); on an air-gapped machine copy hellaswag_val.jsonl "
                       f"to {dest} or set eval.hellaswag_path (or {URL_ENV} to a reachable mirror)")
     problem = verify_bytes(data)
@@ -200,68 +190,61 @@ def example_rows(ex: Example, block_size: int) -> list[tuple[list[int], int]]:
     return rows
 
 
-def default_batch_tokens(device) -> int:
-    # Logits are (rows, length, 50257). A GPU wants big batches (8192 tokens = 0.8 GB of bf16 logits);
-    # a CPU is compute-bound and runs fastest while the logits stay small (512 tokens = 0.1 GB).
-    return 8192 if torch.device(device).type == "cuda" else 512
-
-
 @torch.no_grad()
 def score(model: torch.nn.Module, examples: list[Example], device, autocast_ctx=None,
           batch_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed loss, ending token count), each (len(examples), 4) float64 on the CPU."""
-    inner = without_ddp(model)
-    block = unwrap(inner).config.block_size
+    block = unwrap(model).config.block_size
     buckets = bucket_lengths(block)
-    batch_tokens = batch_tokens or default_batch_tokens(device)
+    # Logits are (rows, length, 50257). A GPU wants big batches (8192 tokens = 0.8 GB of bf16 logits);
+    # a CPU is compute-bound and runs fastest while the logits stay small (512 tokens = 0.1 GB).
+    batch_tokens = batch_tokens or (8192 if torch.device(device).type == "cuda" else 512)
     sums = torch.zeros(len(examples), 4, dtype=torch.float64)
     counts = torch.zeros(len(examples), 4, dtype=torch.float64)
 
+    rows = [example_rows(ex, block) for ex in examples]
     by_bucket: dict[int, list[int]] = {}
-    for i, ex in enumerate(examples):
-        longest = max(len(t) for t, _ in example_rows(ex, block))
+    for i, ex_rows in enumerate(rows):
+        longest = max(len(t) for t, _ in ex_rows)
         by_bucket.setdefault(next(b for b in buckets if b >= longest), []).append(i)
 
-    was_training = inner.training
-    inner.eval()
-    for length, idxs in sorted(by_bucket.items()):
-        per_batch = max(1, batch_tokens // (4 * length))  # examples per forward: fixed for this bucket
-        for start in range(0, len(idxs), per_batch):
-            chunk = idxs[start:start + per_batch]
-            # the last chunk is padded with empty rows, so every forward of this bucket has one shape
-            x = torch.zeros(4 * per_batch, length, dtype=torch.long)
-            y = torch.full((4 * per_batch, length), -1, dtype=torch.long)
-            for j, i in enumerate(chunk):
-                for k, (toks, n_end) in enumerate(example_rows(examples[i], block)):
-                    n = len(toks)
-                    x[4 * j + k, :n] = torch.tensor(toks)
-                    # position p predicts token p+1: score the predictions of the last n_end tokens
-                    y[4 * j + k, n - 1 - n_end:n - 1] = torch.tensor(toks[n - n_end:])
-            x, y = x.to(device), y.to(device)
-            with autocast_ctx or nullcontext():
-                logits, _ = inner(x)
-            mask = y >= 0
-            # only the ending positions' logits are upcast and normalised, not the context or padding
-            logp = F.log_softmax(logits[mask].float(), dim=-1)
-            nll = -logp.gather(1, y[mask].unsqueeze(1)).squeeze(1).double()
-            row_sum = torch.zeros(x.size(0), dtype=torch.float64, device=nll.device)
-            row_sum.index_add_(0, mask.nonzero()[:, 0], nll)
-            n_rows = 4 * len(chunk)
-            sums[chunk] = row_sum[:n_rows].view(-1, 4).cpu()
-            counts[chunk] = mask.sum(1)[:n_rows].view(-1, 4).double().cpu()
-    inner.train(was_training)
+    with evaluating(model) as inner:
+        for length, idxs in sorted(by_bucket.items()):
+            per_batch = max(1, batch_tokens // (4 * length))  # examples per forward: fixed for this bucket
+            for start in range(0, len(idxs), per_batch):
+                chunk = idxs[start:start + per_batch]
+                # the last chunk is padded with empty rows, so every forward of this bucket has one shape
+                x = torch.zeros(4 * per_batch, length, dtype=torch.long)
+                y = torch.full((4 * per_batch, length), -1, dtype=torch.long)
+                for j, i in enumerate(chunk):
+                    for k, (toks, n_end) in enumerate(rows[i]):
+                        n = len(toks)
+                        x[4 * j + k, :n] = torch.tensor(toks)
+                        # position p predicts token p+1: score the predictions of the last n_end tokens
+                        y[4 * j + k, n - 1 - n_end:n - 1] = torch.tensor(toks[n - n_end:])
+                x, y = x.to(device), y.to(device)
+                with autocast_ctx or nullcontext():
+                    logits, _ = inner(x)
+                mask = y >= 0
+                # only the ending positions' logits are upcast and normalised, not the context or padding
+                logp = F.log_softmax(logits[mask].float(), dim=-1)
+                nll = -logp.gather(1, y[mask].unsqueeze(1)).squeeze(1).double()
+                row_sum = torch.zeros(x.size(0), dtype=torch.float64, device=nll.device)
+                row_sum.index_add_(0, mask.nonzero()[:, 0], nll)
+                n_rows = 4 * len(chunk)
+                sums[chunk] = row_sum[:n_rows].view(-1, 4).cpu()
+                counts[chunk] = mask.sum(1)[:n_rows].view(-1, 4).double().cpu()
     return sums, counts
 
 
 def evaluate(model: torch.nn.Module, examples: list[Example], device, autocast_ctx=None,
-             rank: int = 0, world: int = 1, batch_tokens: int | None = None) -> dict:
+             rank: int = 0, world: int = 1) -> dict:
     """{"acc", "acc_norm", "n"} over all examples; under DDP every rank must call this."""
     mine = examples[rank::world]
-    sums, counts = score(model, mine, device, autocast_ctx, batch_tokens)
+    sums, counts = score(model, mine, device, autocast_ctx)
     labels = torch.tensor([ex.label for ex in mine], dtype=torch.long)
-    correct = (sums.argmin(1) == labels).sum() if mine else torch.tensor(0)
-    correct_norm = ((sums / counts).argmin(1) == labels).sum() if mine else torch.tensor(0)
-    totals = torch.tensor([int(correct), int(correct_norm), len(mine)], dtype=torch.long, device=device)
+    correct = [int((s.argmin(1) == labels).sum()) for s in (sums, sums / counts)]  # acc, acc_norm
+    totals = torch.tensor([*correct, len(mine)], dtype=torch.long, device=device)
     if world > 1:
         distributed.all_reduce_sum(totals)
     c, cn, n = (int(v) for v in totals.cpu())

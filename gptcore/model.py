@@ -9,7 +9,7 @@ sample and never enter the loss.
 
 from __future__ import annotations
 
-import inspect
+from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
@@ -96,14 +96,9 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def num_params(self, exclude_padding: bool = False, exclude_position: bool = False) -> int:
+    def num_params(self) -> int:
         """Parameters counted once (the tied embedding counts once)."""
-        n = sum(p.numel() for p in self.parameters())
-        if exclude_padding:
-            n -= (self.config.vocab_size - N_VOCAB) * self.config.n_embd
-        if exclude_position:
-            n -= self.transformer.wpe.weight.numel()
-        return n
+        return sum(p.numel() for p in self.parameters())
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, reduction: str = "mean",
                 return_logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -132,25 +127,13 @@ class GPT(nn.Module):
                 loss = loss.view(B, T)
         return logits, loss
 
-    # --- optimisation ---------------------------------------------------------------------------
-
-    def configure_optimizer(self, weight_decay: float, lr: float, betas: tuple[float, float],
-                            eps: float, device_type: str) -> torch.optim.AdamW:
-        """AdamW with decay on >=2-D tensors only (matmul weights, embeddings), none on biases/norms;
-        the fused kernel (one pass over each tensor, on CUDA and CPU)."""
-        params = [p for p in self.parameters() if p.requires_grad]
-        groups = [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-        ]
-        fused = device_type in ("cuda", "cpu") and "fused" in inspect.signature(torch.optim.AdamW).parameters
-        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused)
+    # --- throughput -----------------------------------------------------------------------------
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
         """Training FLOPs per token (forward + backward), PaLM appendix B: 6N + 12*L*H*Q*T."""
         cfg = self.config
         T = seq_len or cfg.block_size
-        N = self.num_params(exclude_position=True)
+        N = self.num_params() - self.transformer.wpe.weight.numel()  # a lookup: no matmul FLOPs
         return 6 * N + 12 * cfg.n_layer * cfg.n_head * (cfg.n_embd // cfg.n_head) * T
 
     def estimate_mfu(self, tokens_per_second: float, peak_flops: float, seq_len: int | None = None) -> float:
@@ -161,33 +144,28 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-                 top_k: int | None = None, seed: int | None = None,
-                 generator: torch.Generator | None = None) -> torch.Tensor:
+                 top_k: int | None = None, seed: int | None = None) -> torch.Tensor:
         """Append max_new_tokens sampled tokens to idx (B, T). temperature=0 means greedy.
         Uses its own torch.Generator so sampling never disturbs (or depends on) the global RNG."""
         if idx.size(1) + max_new_tokens > self.config.block_size:
             raise ValueError(
                 f"prompt of {idx.size(1)} tokens + {max_new_tokens} new tokens exceeds block_size "
                 f"{self.config.block_size}; shorten the prompt or ask for fewer tokens")
-        if generator is None:
-            generator = torch.Generator(device=idx.device)
-            generator.manual_seed(0 if seed is None else seed)
-        was_training = self.training
-        self.eval()
-        for _ in range(max_new_tokens):
-            logits, _ = self(idx)
-            logits = logits[:, -1, :].float()
-            if temperature == 0:
-                next_id = logits.argmax(dim=-1, keepdim=True)
-            else:
-                logits = logits / temperature
-                if top_k is not None:
-                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                probs = F.softmax(logits, dim=-1)
-                next_id = torch.multinomial(probs, num_samples=1, generator=generator)
-            idx = torch.cat((idx, next_id), dim=1)
-        self.train(was_training)
+        generator = torch.Generator(device=idx.device).manual_seed(0 if seed is None else seed)
+        with evaluating(self):
+            for _ in range(max_new_tokens):
+                logits, _ = self(idx)
+                logits = logits[:, -1, :].float()
+                if temperature == 0:
+                    next_id = logits.argmax(dim=-1, keepdim=True)
+                else:
+                    logits = logits / temperature
+                    if top_k is not None:
+                        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+                        logits = logits.masked_fill(logits < kth, float("-inf"))
+                    probs = F.softmax(logits, dim=-1)
+                    next_id = torch.multinomial(probs, num_samples=1, generator=generator)
+                idx = torch.cat((idx, next_id), dim=1)
         return idx
 
 
@@ -201,10 +179,15 @@ def clean_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def without_ddp(model: nn.Module) -> nn.Module:
-    """The module inside DDP, a torch.compile wrapper kept: for evaluation, which does no backward pass,
-    so DDP's forward bookkeeping is waste (and ranks may run different numbers of forwards)."""
-    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+@contextmanager
+def evaluating(model: nn.Module):
+    """Eval mode for the block, on the module inside DDP (a torch.compile wrapper kept): evaluation does no
+    backward pass, so DDP's forward bookkeeping is waste (and ranks may run different numbers of forwards)."""
+    inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    was_training = inner.training
+    inner.eval()
+    yield inner
+    inner.train(was_training)
 
 
 def unwrap(model: nn.Module) -> GPT:

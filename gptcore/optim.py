@@ -154,18 +154,26 @@ def skips_on_device(optimizer) -> bool:
     return all(isinstance(o, Muon) or o.defaults.get("fused") for o in parts)
 
 
+def adamw(params, o: OptimConfig, device_type: str) -> torch.optim.AdamW:
+    """AdamW at optim.max_lr with decay on >=2-D tensors only (matmul weights, embeddings), none on
+    biases/norms; the fused kernel (one pass over each tensor, on CUDA and CPU)."""
+    params = [p for p in params if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=o.max_lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                             fused=device_type in ("cuda", "cpu"))
+
+
 def build_optimizer(model, o: OptimConfig, device_type: str):
     """AdamW over every parameter (optim.name=adamw), or Muon + AdamW (optim.name=muon)."""
-    adamw_kw = {"lr": o.max_lr, "betas": (o.beta1, o.beta2), "eps": o.eps}
     if o.name == "adamw":
-        return model.configure_optimizer(o.weight_decay, o.max_lr, (o.beta1, o.beta2), o.eps, device_type)
+        return adamw(model.parameters(), o, device_type)
     hidden = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() == 2 and ".h." in f".{n}"]
     ids = {id(p) for p in hidden}
-    rest = [p for p in model.parameters() if p.requires_grad and id(p) not in ids]
-    adamw = torch.optim.AdamW([{"params": [p for p in rest if p.dim() >= 2], "weight_decay": o.weight_decay},
-                               {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}],
-                              fused=device_type in ("cuda", "cpu"), **adamw_kw)
+    rest = [p for p in model.parameters() if id(p) not in ids]  # (adamw leaves out frozen ones)
     muon = Muon([{"params": hidden, "lr_scale": o.muon_lr / o.max_lr}], lr=o.muon_lr, momentum=o.muon_momentum,
                 weight_decay=o.muon_weight_decay, nesterov=True,
                 ns_dtype=newton_schulz_dtype(o.muon_ns_dtype, device_type))
-    return Combined(adamw, muon)
+    return Combined(adamw(rest, o, device_type), muon)

@@ -43,9 +43,7 @@ def stored_evaluation(ckpt: str | Path, cfg: RunConfig, val: bool = True, retry_
     """The evaluation already in <ckpt>/eval.json if it was made with these settings, else None. With
     retry_skipped, one whose HellaSwag was skipped for lack of the dataset counts as not done (it may be
     reachable now); the flow passes False so that a re-run stays a no-op."""
-    done = read_json(Path(ckpt) / EVAL_FILE)
-    if not isinstance(done, dict):
-        return None
+    done = read_json(Path(ckpt) / EVAL_FILE, {})  # {} when missing, unreadable or not an object
     if done.get("settings") != settings(cfg, val) or (retry_skipped and "skipped" in (done.get("hellaswag") or {})):
         return None
     return done

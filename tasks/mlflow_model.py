@@ -35,9 +35,8 @@ SIGNATURE = ModelSignature(
 def _prompts(model_input) -> list[str]:
     if isinstance(model_input, str):
         return [model_input]
-    if hasattr(model_input, "columns"):  # pandas DataFrame
-        col = "prompt" if "prompt" in model_input.columns else model_input.columns[0]
-        return [str(p) for p in model_input[col].tolist()]
+    if hasattr(model_input, "columns"):  # pandas DataFrame: its `prompt` column, else the first
+        model_input = model_input["prompt" if "prompt" in model_input.columns else model_input.columns[0]].tolist()
     return [str(p) for p in model_input]
 
 

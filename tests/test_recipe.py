@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from gptcore import checkpoint as C
-from gptcore.config import ConfigError, load_config, model_preset
+from gptcore.config import ConfigError, OptimConfig, load_config, model_preset
 from gptcore.metrics import read_metrics
 from gptcore.model import GPT
-from gptcore.optim import Combined, Muon, build_optimizer, lr_at, newton_schulz_dtype, orthogonalize, set_lr
+from gptcore.optim import Combined, Muon, adamw, build_optimizer, lr_at, newton_schulz_dtype, orthogonalize, set_lr
 from tests.test_ddp import STEPS as DDP_STEPS
 from tests.test_ddp import args as ddp_args
 from tests.test_ddp import assert_same_run
@@ -159,7 +159,7 @@ def test_combined_state_round_trips_and_refuses_an_adamw_state():
     again = build_optimizer(model, load_config("micro", MUON).optim, "cpu")
     again.load_state_dict(state)
     assert isinstance(again, Combined) and len(again.optimizers[1].state) == len(opt.optimizers[1].state) > 0
-    adamw_state = model.configure_optimizer(0.1, 1e-3, (0.9, 0.95), 1e-8, "cpu").state_dict()
+    adamw_state = adamw(model.parameters(), OptimConfig(max_lr=1e-3), "cpu").state_dict()
     with pytest.raises(ValueError, match="optim.name=muon"):
         again.load_state_dict(adamw_state)
 
