@@ -35,6 +35,7 @@ from pathlib import Path
 from gptcore.config import from_dict
 from gptcore.files import read_json, write_json
 from gptcore.metrics import METRICS_FILE, read_new_lines
+from gptcore.run_files import DONE_FILE, RUN_FILE
 from tasks import mlflow_store as store
 
 log = logging.getLogger("gptpipe.tracking")
@@ -56,7 +57,7 @@ def run_identity(run_dir: Path) -> dict | None:
     cfg = from_dict(config)
     ident = {"run_name": cfg.run_name, "identity_hash": cfg.identity_hash(), "manifest_id": "",
              "config": config}
-    rj = read_json(run_dir / "run.json", {})  # the trainer's own record wins (it is what resume checks)
+    rj = read_json(run_dir / RUN_FILE, {})  # the trainer's own record wins (it is what resume checks)
     for key in ("run_name", "identity_hash", "manifest_id"):
         if rj.get(key):
             ident[key] = rj[key]
@@ -142,7 +143,7 @@ class Shipper:
             mlc.log_batch(run_id, params=new[i:i + MAX_PARAMS_PER_BATCH], synchronous=True)
         mlc.log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()], synchronous=True)
         mlc.log_dict(run_id, ident["config"], "config.json")
-        if run.info.status != "RUNNING" and not (self.run_dir / "DONE").exists():
+        if run.info.status != "RUNNING" and not (self.run_dir / DONE_FILE).exists():
             mlc.update_run(run_id, status="RUNNING")  # a resumed run is running again
         cur["run_id"] = self.run_id = run_id
         write_json(self.run_dir / CURSOR, cur)
@@ -163,7 +164,7 @@ class Shipper:
                 cur["offset"] = 0
             while lines := read_new_lines(path, cur["offset"], MAX_READ_BYTES):
                 self._ship_lines(mlc, cur, lines)
-            if final and (self.run_dir / "DONE").exists() and mlc.get_run(self.run_id).info.status != "FINISHED":
+            if final and (self.run_dir / DONE_FILE).exists() and mlc.get_run(self.run_id).info.status != "FINISHED":
                 mlc.set_terminated(self.run_id, "FINISHED")
 
     def _ship_lines(self, mlc, cur: dict, lines: list[tuple[int, bytes]]) -> None:
@@ -269,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
         s.start()
         try:
-            while not stop.is_set() and not ((run_dir / "DONE").exists() and s.pending_bytes() == 0):
+            while not stop.is_set() and not ((run_dir / DONE_FILE).exists() and s.pending_bytes() == 0):
                 stop.wait(args.interval)
         except KeyboardInterrupt:
             pass
