@@ -75,20 +75,17 @@ class TrainProgress:
         while lines := read_new_lines(self.path, self.offset):
             self.offset = lines[-1][0]
             for _, line in lines:
-                self._take(line)
-
-    def _take(self, line: bytes) -> None:
-        try:
-            row = json.loads(line)
-        except ValueError:
-            return
-        if row.get("kind", "train") == "train":
-            self.step, self.loss = row["step"], row.get("train/loss")
-            self.tok_s, self.mfu = row.get("train/tokens_per_s"), row.get("train/mfu")
-            if self.first is None:
-                self.first = (time.time(), self.step - 1)
-        elif "val/loss" in row:
-            self.val = row["val/loss"]
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    continue
+                if row.get("kind", "train") == "train":
+                    self.step, self.loss = row["step"], row.get("train/loss")
+                    self.tok_s, self.mfu = row.get("train/tokens_per_s"), row.get("train/mfu")
+                    if self.first is None:
+                        self.first = (time.time(), self.step - 1)
+                elif "val/loss" in row:
+                    self.val = row["val/loss"]
 
     def describe(self) -> str:
         parts = [f"step {self.step:,} / {self.max_steps:,}"]
