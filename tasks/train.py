@@ -31,6 +31,7 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from gptcore.config import flatten, load_config
 from gptcore.run_files import run_dir_for, run_state
 from tasks import processes
 
@@ -57,8 +58,6 @@ class TrainError(RuntimeError):
 
 def override_args(overrides: dict | None) -> list[str]:
     """{"train.max_steps": 50, "model": {"n_layer": 2}} -> ["train.max_steps=50", "model.n_layer=2"]."""
-    from gptcore.config import flatten
-
     return [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in flatten(overrides or {}).items()]
 
 
@@ -147,7 +146,6 @@ def train_task(preset: str, overrides: dict | None, run_name: str, nproc: int, w
     gptcore.run_files.run_dir_for(cfg) to max_steps or its time budget; returns the run's state."""
     from prefect.runtime import flow_run
 
-    from gptcore.config import load_config
     from tasks.progress import TrainProgress
 
     log = get_run_logger()
