@@ -56,7 +56,8 @@ def use_store(uri: str | None = None) -> None:
 def client(uri: str | None = None):
     from mlflow import MlflowClient
 
-    return MlflowClient(tracking_uri=uri or tracking_uri(), registry_uri=uri or tracking_uri())
+    uri = uri or tracking_uri()
+    return MlflowClient(tracking_uri=uri, registry_uri=uri)
 
 
 def experiment_id(mlc, name: str = EXPERIMENT) -> str:
@@ -109,8 +110,6 @@ def code_version() -> str:
         return commit + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
-
-
 
 
 # --- reads over REST, for decisions that should not pay for importing mlflow ------------------------
