@@ -171,7 +171,7 @@ class Shipper:
         batch, end, n = [], cur["offset"], 0
 
         def flush():
-            nonlocal batch, n
+            nonlocal batch
             if batch:
                 mlc.log_batch(self.run_id, metrics=batch, synchronous=True)
             cur["offset"] = end  # acknowledged: advance
