@@ -219,9 +219,8 @@ def register_stage(ckpt: str, name: str, stage: Stages) -> dict:
 def sample_stage(ckpt: str, model_uri: str | None, cfg: RunConfig, stage: Stages) -> dict:
     """A text sample from what was registered (or from the checkpoint)."""
     prompt, n_new = cfg.eval.sample_prompt, cfg.eval.sample_tokens
-    sample = read_json(Path(ckpt) / SAMPLE_FILE)
-    if isinstance(sample, dict) and [sample.get(k) for k in ("model_uri", "prompt", "max_new_tokens")] == [
-            model_uri, prompt, n_new]:
+    sample = read_json(Path(ckpt) / SAMPLE_FILE, {})  # {} when missing, unreadable or not an object
+    if [sample.get(k) for k in ("model_uri", "prompt", "max_new_tokens")] == [model_uri, prompt, n_new]:
         stage("sample", "skipped", f"{ckpt}/{SAMPLE_FILE} exists")
     else:
         sample = sample_task(ckpt, model_uri, prompt, n_new)
