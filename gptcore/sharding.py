@@ -213,13 +213,11 @@ def piece_record(cfg: RunConfig, piece: Piece, need_data: bool = True) -> dict |
     there with the recorded length); else None. Records outlive the token files (deleted once the
     manifest is written) so a later repair of one shard knows every piece's length without re-tokenizing."""
     bin_path, rec_path = _piece_paths(cfg, piece)
-    try:
-        rec = json.loads(rec_path.read_text())
-        if rec["key"] == piece.key(cfg.data.text_column) and (
-                not need_data or len(read_shard(bin_path)) == rec["tokens"]):
+    rec = read_json(rec_path, {})  # {} when missing, unreadable or not a JSON object
+    with suppress(OSError, ValueError, ShardError):  # the token file missing, damaged or cut short
+        if rec.get("key") == piece.key(cfg.data.text_column) and (
+                not need_data or len(read_shard(bin_path)) == rec.get("tokens")):
             return rec
-    except (OSError, ValueError, KeyError, TypeError, ShardError):
-        pass
     return None
 
 
@@ -313,12 +311,10 @@ def _known_shards(cfg: RunConfig, spec: dict) -> dict[int, ShardInfo]:
             raise DataError(f"{out} already holds a different dataset (source or shard_tokens differ); set "
                             "data.dataset_name to a new name, or delete that directory to rebuild it")
         known = dict(enumerate(m.shards))
-    try:
-        doc = json.loads((out / PROGRESS).read_text())
+    doc = read_json(out / PROGRESS, {})  # {} when missing, unreadable or not a JSON object
+    with suppress(ValueError, KeyError, TypeError):
         if _settings(doc["spec"]) == _settings(spec) and doc["shard_tokens"] == S:
             known |= {int(k): ShardInfo(**v) for k, v in doc["shards"].items()}
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
     return known
 
 
@@ -567,7 +563,6 @@ def build_lock(out: Path, say):
         lock.acquire()
     except LocksUnsupported:
         say(f"warning: the filesystem of {out} has no file locks: two builds of it at once are not prevented")
-        lock = None
     except LockHeld:
         say(f"waiting for another build of {out} to finish (holder: {read_json(lock.path, {}) or 'unknown'})")
         lock.timeout = float("inf")
@@ -575,8 +570,7 @@ def build_lock(out: Path, say):
     try:
         yield
     finally:
-        if lock is not None:
-            lock.release()
+        lock.release()  # nothing to release when the filesystem could not lock
 
 
 # --- plain-python workers (no Prefect): python -m gptcore.sharding ----------------------------------
