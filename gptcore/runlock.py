@@ -34,12 +34,10 @@ class RunLock:
     (0 = try once). With `remove`, the file goes when the lock is released (a lock beside data that must
     leave nothing behind); a waiter that then holds the removed file's lock notices and locks the new one."""
 
-    def __init__(self, run_dir: Path, timeout: float = 0.0, holder: dict | None = None, name: str = LOCK_FILE,
-                 remove: bool = False):
+    def __init__(self, run_dir: Path, timeout: float = 0.0, name: str = LOCK_FILE, remove: bool = False):
         self.path = Path(run_dir) / name
         self.timeout, self.remove = timeout, remove
-        self.holder = {"host": socket.gethostname(), "pid": os.getpid(),
-                       "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **(holder or {})}
+        self.holder = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         launcher = os.environ.get(LAUNCHER_ENV)  # e.g. the Prefect flow run that started this trainer
         if launcher:
             try:
