@@ -32,7 +32,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from gptcore.config import RunConfig, pipeline_home
-from gptcore.files import atomic_write_bytes, file_sha256, free_disk, read_json
+from gptcore.files import file_sha256, free_disk, read_json, write_json
 
 BUILTIN = Path(__file__).parent / "assets" / "corpus" / "shakespeare.parquet"
 BUILTIN_SHA256 = "2db4ec02cd015044806362430773d64ca4be9030c573aa55d0afe047b3e76c7c"
@@ -122,9 +122,8 @@ def _save_listing(source_dir: Path, cfg: RunConfig, files: list[SourceFile], com
     doc = {"id": source_id(cfg), "source": d.source, "complete": complete, "max_docs": d.max_docs, "hf": hub,
            "files": [asdict(f) for f in files]}
     path = Path(source_dir) / LISTING
-    body = json.dumps(doc, indent=1).encode()
-    if not path.is_file() or path.read_bytes() != body:
-        atomic_write_bytes(path, [body])
+    if read_json(path) != doc:  # rewritten only when something changed
+        write_json(path, doc)
 
 
 # --- builtin --------------------------------------------------------------------------------------
@@ -349,12 +348,11 @@ def read_texts(path: Path, kind: str, start: int, stop: int, text_column: str, l
                     return
         elif kind == "jsonl":
             yield from _read_jsonl(path, start, stop, text_column, left, batch_docs)
-        else:
-            if left > 0:
-                text, n_bad = decode_txt(path.read_bytes(), path, strict_utf8)
-                if replaced is not None:
-                    replaced.append(n_bad)
-                yield [text]
+        elif left > 0:
+            text, n_bad = decode_txt(path.read_bytes(), path, strict_utf8)
+            if replaced is not None:
+                replaced.append(n_bad)
+            yield [text]
     except OSError as e:
         raise SourceError(f"cannot read source file {path}: {e}; check it exists and is readable") from e
 
