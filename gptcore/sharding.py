@@ -221,12 +221,12 @@ def piece_record(cfg: RunConfig, piece: Piece, need_data: bool = True) -> dict |
     return None
 
 
-def encode_documents(texts: list[str], threads: int, enc=None) -> np.ndarray:
+def encode_documents(texts: list[str], threads: int) -> np.ndarray:
     """EOT + tokens of each document, concatenated, as uint16. tiktoken's numpy path gives the same ids
     as encode_ordinary (special-token text stays ordinary text) without building Python int lists;
     its Rust core releases the GIL, so threads run in parallel. The ids go straight into the uint16
     output (no uint32 copy and no max pass: the vocabulary's largest id is checked once, up front)."""
-    enc = enc or get_encoding()
+    enc = get_encoding()
     if enc.max_token_value > np.iinfo(np.uint16).max:
         raise DataError(f"token id {enc.max_token_value} does not fit uint16 (max 65535): the tokenizer is not "
                         "GPT-2's 50257-token BPE; shards store uint16 ids, so use gptcore.tokenizer")

@@ -306,12 +306,13 @@ def test_bad_jsonl_and_tiny_sources(tmp_path):
     _bad(tmp_path, tiny, "nothing left to train on")
 
 
-def test_token_ids_beyond_uint16_rejected():
+def test_token_ids_beyond_uint16_rejected(monkeypatch):
     big = __import__("tiktoken").Encoding(name="wide", pat_str=r"\S+|\s+",
                                           mergeable_ranks={bytes([i]): 70000 + i for i in range(256)},
                                           special_tokens={})
+    monkeypatch.setattr(sharding, "get_encoding", lambda: big)  # a tokenizer whose ids exceed uint16
     with pytest.raises(sharding.DataError, match="does not fit uint16"):
-        sharding.encode_documents(["abc"], threads=1, enc=big)
+        sharding.encode_documents(["abc"], threads=1)
 
 
 def test_not_enough_disk(monkeypatch):
