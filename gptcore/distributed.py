@@ -139,9 +139,10 @@ def all_gather_object(obj) -> list:
     return [obj]
 
 
-def broadcast_object(obj, src: int = 0):
+def broadcast_object(obj):
+    """Rank 0's `obj` on every rank."""
     if dist.is_available() and dist.is_initialized():
         box = [obj]
-        dist.broadcast_object_list(box, src=src)
+        dist.broadcast_object_list(box, src=0)
         return box[0]
     return obj

@@ -10,6 +10,7 @@ from __future__ import annotations
 import binascii
 import functools
 import hashlib
+import json
 from pathlib import Path
 
 import tiktoken
@@ -80,8 +81,6 @@ def _split_at_rank(ranks: dict[bytes, int], token: bytes) -> tuple[bytes, bytes]
 def hf_tokenizer_files() -> dict[str, str]:
     """vocab.json, merges.txt, tokenizer_config.json and special_tokens_map.json for Hugging Face's
     GPT2Tokenizer, derived offline from the verified rank file (no hub download)."""
-    import json
-
     ranks, b2u = _load_ranks(RANK_FILE), _byte_to_unicode()
 
     def text(b: bytes) -> str:
