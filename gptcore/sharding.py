@@ -302,7 +302,7 @@ def _settings(spec: dict) -> dict:
 
 def _known_shards(cfg: RunConfig, spec: dict) -> dict[int, ShardInfo]:
     """Shards recorded by an earlier run of this dataset (finished manifest or interrupted progress);
-    each is reused only if cut from the same pieces (by content), see _shard_ok."""
+    each is reused only if cut from the same pieces (by content), see ShardCutter._kept."""
     out, S = dataset_dir(cfg), cfg.data.shard_tokens
     known: dict[int, ShardInfo] = {}
     m = _existing_manifest(out)
@@ -316,14 +316,6 @@ def _known_shards(cfg: RunConfig, spec: dict) -> dict[int, ShardInfo]:
         if _settings(doc["spec"]) == _settings(spec) and doc["shard_tokens"] == S:
             known |= {int(k): ShardInfo(**v) for k, v in doc["shards"].items()}
     return known
-
-
-def _shard_ok(out: Path, info: ShardInfo | None, a: int, b: int, fname: str, cut_from: list[str]) -> bool:
-    """An existing shard file can stay when it is the one recorded, cut from the same token range of the
-    same pieces (content keys) at the same offsets, and its bytes still hash to the record."""
-    return (info is not None and info.name == fname and info.tokens == b - a
-            and info.source_range.get("tokens") == [a, b] and info.source_range.get("cut_from") == cut_from
-            and (out / fname).is_file() and cached_sha256(out / fname, _HASHED) == info.sha256)
 
 
 _HASHED: dict = {}  # planning and cutting hash each shard once per process (files.cached_sha256)
@@ -407,7 +399,7 @@ class ShardCutter:
         while (k + 1) * S <= total or (complete and k * S < total):
             a, b = k * S, min((k + 1) * S, total)
             idx = self._overlapping(a, b)
-            if not _shard_ok(self.out, self.known.get(k), a, b, _shard_file(self.name, k)[0], self._cut_from(idx)):
+            if not self._kept(k, a, b, idx):
                 stale |= set(idx)
             end, k = b, k + 1
         return {i for i in range(len(self.starts) - 1) if self.starts[i + 1] <= end} - stale
@@ -426,6 +418,15 @@ class ShardCutter:
         """What a shard's bytes are made of: each piece's content key and its global token offset."""
         return [f"{self.keys[i]}@{int(self.starts[i])}" for i in idx]
 
+    def _kept(self, k: int, a: int, b: int, idx: list[int]) -> bool:
+        """Shard k's existing file can stay when it is the one recorded, cut from the same token range of the
+        same pieces (content keys) at the same offsets, and its bytes still hash to the record."""
+        info, path = self.known.get(k), self.out / _shard_file(self.name, k)[0]
+        return (info is not None and info.name == path.name and info.tokens == b - a
+                and info.source_range.get("tokens") == [a, b]
+                and info.source_range.get("cut_from") == self._cut_from(idx)
+                and path.is_file() and cached_sha256(path, _HASHED) == info.sha256)
+
     def _cut(self, final: bool) -> None:
         done, S = self._grow_prefix(), self.S
         if final:
@@ -438,24 +439,23 @@ class ShardCutter:
             self._shard(k, k * S, min((k + 1) * S, done))
 
     def _shard(self, k: int, a: int, b: int) -> None:
-        (fname, split), info = _shard_file(self.name, k), self.known.get(k)
         idx = self._overlapping(a, b)
-        cut_from = self._cut_from(idx)
-        if not _shard_ok(self.out, info, a, b, fname, cut_from):
+        if not self._kept(k, a, b, idx):
+            fname, split = _shard_file(self.name, k)
             chunks = [self._tokens(i)[max(a, self.starts[i]) - self.starts[i]: min(b, self.starts[i + 1])
                                       - self.starts[i]] for i in idx]
             n_eot = sum(int(np.count_nonzero(c == EOT)) for c in chunks)
             before = self.shards[-1].source_range["docs"][1] + 1 if self.shards else 0  # docs started before
             first_doc = before + int(chunks[0][0] == EOT) - 1  # a shard may start mid-document
             srange = {"tokens": [a, b], "docs": [first_doc, before + n_eot - 1],
-                      "pieces": [idx[0], idx[-1]], "cut_from": cut_from,
+                      "pieces": [idx[0], idx[-1]], "cut_from": self._cut_from(idx),
                       "files": sorted({self.pieces[i].name for i in idx})[:2]}
             info = ShardInfo(fname, split, b - a, write_shard_chunks(self.out / fname, chunks, b - a), srange)
             self.known[k] = info  # recorded with the earlier run's shards, whose later ones may yet be kept
             doc = {"spec": self.spec, "shard_tokens": self.S,
                    "shards": {str(j): asdict(v) for j, v in self.known.items()}}
             atomic_write_bytes(self.out / PROGRESS, [json.dumps(doc).encode()])
-        self.shards.append(info)
+        self.shards.append(self.known[k])
         for i in idx:  # recorded above: a piece whose last token is in this shard is needed no more
             if self.starts[i + 1] <= b:
                 self.arrays.pop(i, None)
