@@ -198,10 +198,9 @@ def _fetch_hub(cfg: RunConfig, source_dir: Path) -> list[SourceFile]:
     # fast path: everything verified earlier and untouched since -> no network. An unreadable listing
     # counts as none (every file is then checked against the hub again)
     files, doc = previous_files(source_dir), read_json(Path(source_dir) / LISTING, {})
-    if files and doc.get("complete") and doc.get("max_docs") == d.max_docs and all(
-            f.unchanged(source_dir) for f in files):
-        return files
     done = {f.name: f for f in files if f.unchanged(source_dir)}
+    if files and doc.get("complete") and doc.get("max_docs") == d.max_docs and len(done) == len(files):
+        return files
 
     from huggingface_hub import HfApi, hf_hub_download  # only the hub source needs it
 
