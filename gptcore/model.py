@@ -9,6 +9,7 @@ sample and never enter the loss.
 
 from __future__ import annotations
 
+import re
 from contextlib import contextmanager
 
 import torch
@@ -218,8 +219,6 @@ PEAK_FLOPS = (
 
 def peak_flops_for(name: str) -> float | None:
     """The table's peak for a CUDA device name, or None for a GPU it does not know."""
-    import re
-
     for pattern, flops in PEAK_FLOPS:
         if re.search(pattern, name.upper()):
             return flops

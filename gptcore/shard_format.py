@@ -129,8 +129,8 @@ class Manifest:
     def split(self, split: str) -> list[ShardInfo]:
         return [s for s in self.shards if s.split == split]
 
-    def total_tokens(self, split: str | None = None) -> int:
-        return sum(s.tokens for s in self.shards if split is None or s.split == split)
+    def total_tokens(self) -> int:
+        return sum(s.tokens for s in self.shards)
 
     def save(self, directory: Path) -> None:
         write_json(Path(directory) / MANIFEST, {"id": self.id, **self._body()})
