@@ -27,15 +27,15 @@ from gptcore.files import cached_sha256, read_json, write_json
 from gptcore.shard_format import Manifest, ShardError, read_shard
 
 
-def open_dataset(dataset_dir: Path, full_verify: bool = False) -> Manifest:
-    """Load the manifest and check every shard's header and size (and hash if `full_verify`), so a
-    missing, truncated or foreign shard stops the run before training starts."""
+def open_dataset(dataset_dir: Path) -> Manifest:
+    """Load the manifest and check every shard's header and size (hashes: verify_hashes), so a missing,
+    truncated or foreign shard stops the run before training starts."""
     dataset_dir = Path(dataset_dir)
     if not dataset_dir.is_dir():
         raise ShardError(f"dataset directory {dataset_dir} does not exist; run the tokenize stage first "
                          "or point data.dataset_dir at a shard directory")
     manifest = Manifest.load(dataset_dir)
-    bad = manifest.verify(dataset_dir, full=full_verify)
+    bad = manifest.verify(dataset_dir)
     if bad:
         raise ShardError(f"dataset {dataset_dir}: shards {bad[:5]}{' ...' if len(bad) > 5 else ''} are "
                          "missing, truncated, of another format or do not match the manifest; re-run the "

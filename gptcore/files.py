@@ -89,10 +89,10 @@ def atomic_dir(final: Path):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
+def file_sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
-        while block := f.read(chunk):
+        while block := f.read(1 << 22):  # 4 MiB reads
             h.update(block)
     return h.hexdigest()
 
