@@ -43,7 +43,7 @@ from gptcore.loss import make_loss
 from gptcore.metrics import METRICS_FILE, JsonlLogger, NullLogger
 from gptcore.model import GPT, peak_flops_guess
 from gptcore.optim import build_optimizer, lr_at, set_lr, skips_on_device
-from gptcore.run_files import latest, run_dir_for
+from gptcore.run_files import DONE_FILE, RUN_FILE, latest, run_dir_for
 from gptcore.runlock import LockHeld, RunLock
 from gptcore.shard_format import Manifest, ShardError
 from gptcore.sharding import dataset_dir
@@ -60,12 +60,12 @@ class RunError(RuntimeError):
 
 # --- where things are -----------------------------------------------------------------------------
 
-def check_run(run_dir: Path, cfg: RunConfig, manifest: Manifest) -> dict | None:
-    """The run's identity record, or None for a new run; RunError if the directory belongs to another
-    trajectory (other model/optimizer/batch/seed/length or other data)."""
-    path = run_dir / "run.json"
+def check_run(run_dir: Path, cfg: RunConfig, manifest: Manifest) -> None:
+    """RunError if the run's identity record (run.json; none yet for a new run) says the directory belongs
+    to another trajectory (other model/optimizer/batch/seed/length or other data)."""
+    path = run_dir / RUN_FILE
     if not path.is_file():
-        return None
+        return
     try:
         rec = json.loads(path.read_text())
         if not isinstance(rec, dict):
@@ -79,7 +79,6 @@ def check_run(run_dir: Path, cfg: RunConfig, manifest: Manifest) -> dict | None:
     if rec.get("manifest_id") != manifest.id:
         raise RunError(f"run {run_dir} trained on dataset {rec.get('manifest_id')}, but the shards now have "
                        f"manifest id {manifest.id}; use the original dataset or a new train.run_name")
-    return rec
 
 
 # --- stop requests ------------------------------------------------------------------------------
@@ -99,7 +98,6 @@ class Prepared:
     run_dir: Path
     data_dir: Path
     manifest: Manifest
-    record: dict | None  # run.json, None for a new run
     env: distributed.Env
     model: GPT  # the initial weights, or the resumed checkpoint's
     ckpt: Path | None  # the checkpoint resumed from
@@ -157,10 +155,10 @@ def prepare(cfg: RunConfig, rank: int) -> Prepared | None:
     already finished."""
     run_dir, data_dir = run_dir_for(cfg), dataset_dir(cfg)
     manifest = open_dataset(data_dir)
-    record = check_run(run_dir, cfg, manifest)
-    if (run_dir / "DONE").is_file():
+    check_run(run_dir, cfg, manifest)
+    if (run_dir / DONE_FILE).is_file():
         if rank == 0:
-            done = read_json(run_dir / "DONE", {})
+            done = read_json(run_dir / DONE_FILE, {})
             print(f"RUN_DONE run={cfg.run_name} step={done.get('step')} dir={run_dir}: already complete; "
                   "nothing to do", flush=True)
         return None
@@ -177,7 +175,7 @@ def prepare(cfg: RunConfig, rank: int) -> Prepared | None:
         if lock is not None:
             lock.release()
         raise
-    return Prepared(run_dir, data_dir, manifest, record, env, model, ckpt, trainer_state, lock)
+    return Prepared(run_dir, data_dir, manifest, env, model, ckpt, trainer_state, lock)
 
 
 def check_checkpoints_fit(run_dir: Path, cfg: RunConfig, manifest: Manifest) -> None:
@@ -327,8 +325,8 @@ def set_up(cfg: RunConfig, prep: Prepared) -> Loop:
 def write_records(cfg: RunConfig, prep: Prepared, step: int) -> None:
     """run.json (the run's identity, once), config.json (this invocation's) and the start line (rank 0)."""
     run_dir, env = prep.run_dir, prep.env
-    if prep.record is None:
-        write_json(run_dir / "run.json", {
+    if not (run_dir / RUN_FILE).is_file():  # a new run (check_run accepted an existing one)
+        write_json(run_dir / RUN_FILE, {
             "run_name": cfg.run_name, "identity_hash": cfg.identity_hash(), "manifest_id": prep.manifest.id,
             "preset": cfg.preset, "dataset_dir": str(prep.data_dir), "created": time.time()})
     write_json(run_dir / "config.json", cfg.to_dict())
@@ -464,7 +462,7 @@ def train(cfg: RunConfig, prep: Prepared, t_start: float) -> int:
                           "continue", flush=True)
                 return EXIT_OK
         if env.master:
-            write_json(loop.run_dir / "DONE", {"step": loop.step, "tokens_seen": loop.step * tc.total_batch_tokens,
+            write_json(loop.run_dir / DONE_FILE, {"step": loop.step, "tokens_seen": loop.step * tc.total_batch_tokens,
                                                "time": time.time()})
             print(f"RUN_DONE run={cfg.run_name} step={loop.step} dir={loop.run_dir}", flush=True)
         return EXIT_OK
