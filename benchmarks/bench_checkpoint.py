@@ -31,7 +31,7 @@ def trained_state():
     opt.step()
     opt.zero_grad(set_to_none=True)
     state = {"optimizer": opt.state_dict(), "loader": {"position": 0}, "rng": [{"torch": torch.get_rng_state()}],
-             "scaler": {}, "step": 1, "tokens_seen": 0, "world": 1}
+             "scaler": {}, "step": 1, "world": 1}
     return model, state
 
 

@@ -128,33 +128,30 @@ def _slow_storage_for_tests() -> None:
         time.sleep(delay)
 
 
-def prune(run_dir: Path, keep_last: int) -> list[Path]:
+def prune(run_dir: Path, keep_last: int) -> None:
     """Delete checkpoints except the last `keep_last`, the best by val loss and the newest whose train
-    loss was finite (the rollback target if the newer ones came from a diverging run); returns the
-    deleted."""
+    loss was finite (the rollback target if the newer ones came from a diverging run)."""
     ckpts = list_checkpoints(run_dir)
     keep = set(ckpts[-keep_last:]) if keep_last > 0 else set()
     for c in [best_checkpoint(run_dir), newest_healthy(ckpts)]:
         if c is not None:
             keep.add(c)
-    deleted = [c for c in ckpts if c not in keep]
-    for c in deleted:
+    for c in [p for p in ckpts if p not in keep]:
         # rename first so a half-deleted directory is never mistaken for a checkpoint
         trash = temp_name(c.with_name(f"{c.name}.del"))  # removed by the next save if this one is killed
         os.replace(c, trash)
         shutil.rmtree(trash, ignore_errors=True)
-    return deleted
 
 
 # --- reading ------------------------------------------------------------------------------------
 
-def load_trainer_state(ckpt_dir: Path, map_location="cpu") -> dict:
+def load_trainer_state(ckpt_dir: Path) -> dict:
     path = Path(ckpt_dir) / TRAINER_FILE
     if not path.is_file():
         raise CheckpointError(f"{ckpt_dir} has no {TRAINER_FILE}: it holds weights only and cannot resume "
                               "training; start a new run from it or pick another checkpoint")
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True)
     except READ_ERRORS as e:
         raise CheckpointError(f"{path} cannot be read ({type(e).__name__}: {e}); the file is damaged: "
                               "resume from another checkpoint") from e

@@ -34,13 +34,13 @@ class ModelConfig:
     bias: bool = True  # GPT-2 has biases in Linear and LayerNorm
 
     def validate(self) -> None:
-        if self.n_embd % self.n_head != 0:
-            raise ConfigError(
-                f"model.n_embd={self.n_embd} is not divisible by model.n_head={self.n_head}; "
-                "choose n_embd as a multiple of n_head (e.g. 768 with 12 heads)")
         for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"model.{name} must be positive, got {getattr(self, name)}")
+        if self.n_embd % self.n_head != 0:  # n_head > 0 checked above
+            raise ConfigError(
+                f"model.n_embd={self.n_embd} is not divisible by model.n_head={self.n_head}; "
+                "choose n_embd as a multiple of n_head (e.g. 768 with 12 heads)")
         if self.vocab_size < 50257:
             raise ConfigError(f"model.vocab_size={self.vocab_size} is smaller than the GPT-2 vocabulary "
                               "(50257); use 50257 or the padded 50304")

@@ -68,8 +68,8 @@ class FaultInjector:
     the 9th it is multiplied by -30 (the model now favours what it had ruled out: a loss spike that
     lasts). Counting calls, not steps, means a rollback does not replay the fault. Unset: nothing."""
 
-    def __init__(self, spec: str | None = None):
-        spec = os.environ.get("GPTPIPE_TEST_FAULT", "") if spec is None else spec
+    def __init__(self):
+        spec = os.environ.get("GPTPIPE_TEST_FAULT", "")
         self.faults = {int(call): kind for kind, _, call in (f.partition("@") for f in spec.split(",") if f)}
         self.calls = 0
 

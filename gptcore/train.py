@@ -43,7 +43,7 @@ from gptcore.loss import make_loss
 from gptcore.metrics import METRICS_FILE, JsonlLogger, NullLogger
 from gptcore.model import GPT, peak_flops_guess
 from gptcore.optim import build_optimizer, lr_at, set_lr, skips_on_device
-from gptcore.run_files import latest, run_dir_for
+from gptcore.run_files import DONE_FILE, RUN_FILE, latest, run_dir_for
 from gptcore.runlock import LockHeld, RunLock
 from gptcore.shard_format import Manifest, ShardError
 from gptcore.sharding import dataset_dir
@@ -60,12 +60,12 @@ class RunError(RuntimeError):
 
 # --- where things are -----------------------------------------------------------------------------
 
-def check_run(run_dir: Path, cfg: RunConfig, manifest: Manifest) -> dict | None:
-    """The run's identity record, or None for a new run; RunError if the directory belongs to another
-    trajectory (other model/optimizer/batch/seed/length or other data)."""
-    path = run_dir / "run.json"
+def check_run(run_dir: Path, cfg: RunConfig, manifest: Manifest) -> None:
+    """RunError if the run's identity record (run.json; none yet for a new run) says the directory belongs
+    to another trajectory (other model/optimizer/batch/seed/length or other data)."""
+    path = run_dir / RUN_FILE
     if not path.is_file():
-        return None
+        return
     try:
         rec = json.loads(path.read_text())
         if not isinstance(rec, dict):
@@ -79,7 +79,6 @@ def check_run(run_dir: Path, cfg: RunConfig, manifest: Manifest) -> dict | None:
     if rec.get("manifest_id") != manifest.id:
         raise RunError(f"run {run_dir} trained on dataset {rec.get('manifest_id')}, but the shards now have "
                        f"manifest id {manifest.id}; use the original dataset or a new train.run_name")
-    return rec
 
 
 # --- stop requests ------------------------------------------------------------------------------
@@ -99,7 +98,6 @@ class Prepared:
     run_dir: Path
     data_dir: Path
     manifest: Manifest
-    record: dict | None  # run.json, None for a new run
     env: distributed.Env
     model: GPT  # the initial weights, or the resumed checkpoint's
     ckpt: Path | None  # the checkpoint resumed from
@@ -157,10 +155,10 @@ def prepare(cfg: RunConfig, rank: int) -> Prepared | None:
     already finished."""
     run_dir, data_dir = run_dir_for(cfg), dataset_dir(cfg)
     manifest = open_dataset(data_dir)
-    record = check_run(run_dir, cfg, manifest)
-    if (run_dir / "DONE").is_file():
+    check_run(run_dir, cfg, manifest)
+    if (run_dir / DONE_FILE).is_file():
         if rank == 0:
-            done = read_json(run_dir / "DONE", {})
+            done = read_json(run_dir / DONE_FILE, {})
             print(f"RUN_DONE run={cfg.run_name} step={done.get('step')} dir={run_dir}: already complete; "
                   "nothing to do", flush=True)
         return None
@@ -177,7 +175,7 @@ def prepare(cfg: RunConfig, rank: int) -> Prepared | None:
         if lock is not None:
             lock.release()
         raise
-    return Prepared(run_dir, data_dir, manifest, record, env, model, ckpt, trainer_state, lock)
+    return Prepared(run_dir, data_dir, manifest, env, model, ckpt, trainer_state, lock)
 
 
 def check_checkpoints_fit(run_dir: Path, cfg: RunConfig, manifest: Manifest) -> None:
@@ -243,14 +241,9 @@ class Diverged(RuntimeError):
     """The guard rolled back too often in a row, or had no checkpoint to roll back to."""
 
 
-@dataclass
-class Progress:
-    step: int = 0
-    tokens_seen: int = 0
-
-
-def restore(ts: dict, optimizer, loader: ShardLoader, scaler, env: distributed.Env, data: bool = True) -> Progress:
-    """Put a checkpoint's trainer state back (optimizer, RNG, scaler, and the data position if `data`)."""
+def restore(ts: dict, optimizer, loader: ShardLoader, scaler, env: distributed.Env, data: bool = True) -> int:
+    """Put a checkpoint's trainer state back (optimizer, RNG, scaler, and the data position if `data`);
+    returns its step."""
     optimizer.load_state_dict(ts["optimizer"])
     if data:
         loader.load_state_dict(ts["loader"])
@@ -261,7 +254,7 @@ def restore(ts: dict, optimizer, loader: ShardLoader, scaler, env: distributed.E
             torch.cuda.set_rng_state(rng["cuda"], env.device)
     if scaler is not None and ts.get("scaler"):
         scaler.load_state_dict(ts["scaler"])
-    return Progress(int(ts["step"]), int(ts["tokens_seen"]))
+    return int(ts["step"])
 
 
 @dataclass
@@ -278,7 +271,7 @@ class Loop:
     logger: JsonlLogger | NullLogger
     evals: Evals
     guard: Guard
-    at: Progress
+    step: int  # steps done; tokens seen = step * train.total_batch_tokens (part of the run identity)
     peak_flops: float | None  # all devices together, for MFU (None: unknown hardware)
     meta: dict  # what every checkpoint of this invocation records about the run
 
@@ -301,10 +294,10 @@ def set_up(cfg: RunConfig, prep: Prepared) -> Loop:
     loader = ShardLoader(prep.data_dir, tc.micro_batch, tc.seq_len, tc.total_batch_tokens, tc.seed, env.rank,
                          env.world, env.device, manifest=manifest)
     torch.manual_seed(tc.seed + env.rank)  # per-rank randomness (dropout) from here on
-    at = Progress()
+    step = 0
     if prep.trainer_state is not None:
-        at = restore(prep.trainer_state, optimizer, loader, scaler, env)
-    seen = distributed.all_gather_object(at.step)  # every rank must resume from the same checkpoint
+        step = restore(prep.trainer_state, optimizer, loader, scaler, env)
+    seen = distributed.all_gather_object(step)  # every rank must resume from the same checkpoint
     if len(set(seen)) > 1:
         raise RunError(f"ranks found different checkpoints in {run_dir} (steps {seen}); the run directory "
                        "must be on a filesystem shared by all nodes (or set train.run_dir to one)")
@@ -320,26 +313,26 @@ def set_up(cfg: RunConfig, prep: Prepared) -> Loop:
         model = torch.compile(model)
     logger = JsonlLogger(run_dir / METRICS_FILE) if env.master else NullLogger()
     if env.master:
-        write_records(cfg, prep, at)
+        write_records(cfg, prep, step)
     peak_one = float(os.environ.get(PEAK_ENV) or 0) or peak_flops_guess(env.device)  # None: unknown GPU
     meta = {"config": cfg.to_dict(), "manifest_id": manifest.id, "run_name": cfg.run_name,
             "identity_hash": cfg.identity_hash()}
     return Loop(cfg, env, run_dir, raw, model, optimizer, loader, scaler, logger,
-                Evals(cfg, env, prep.data_dir, logger), Guard(cfg.guard), at,
+                Evals(cfg, env, prep.data_dir, logger), Guard(cfg.guard), step,
                 peak_one * env.world if peak_one else None, meta)
 
 
-def write_records(cfg: RunConfig, prep: Prepared, at: Progress) -> None:
+def write_records(cfg: RunConfig, prep: Prepared, step: int) -> None:
     """run.json (the run's identity, once), config.json (this invocation's) and the start line (rank 0)."""
     run_dir, env = prep.run_dir, prep.env
-    if prep.record is None:
-        write_json(run_dir / "run.json", {
+    if not (run_dir / RUN_FILE).is_file():  # a new run (check_run accepted an existing one)
+        write_json(run_dir / RUN_FILE, {
             "run_name": cfg.run_name, "identity_hash": cfg.identity_hash(), "manifest_id": prep.manifest.id,
             "preset": cfg.preset, "dataset_dir": str(prep.data_dir), "created": time.time()})
     write_json(run_dir / "config.json", cfg.to_dict())
     (run_dir / STOP_FILE).unlink(missing_ok=True)  # a stop request was for the previous invocation
     how = f"resuming from {prep.ckpt.name}" if prep.ckpt else "starting"
-    print(f"run {cfg.run_name} ({run_dir}): {how} at step {at.step}/{cfg.train.max_steps}; world={env.world} "
+    print(f"run {cfg.run_name} ({run_dir}): {how} at step {step}/{cfg.train.max_steps}; world={env.world} "
           f"accum={cfg.grad_accum_steps(env.world)} device={env.device} dtype={env.dtype} compile={env.compile} "
           f"loss={env.loss} params={prep.model.num_params():,} dataset={prep.data_dir} ({prep.manifest.id})",
           flush=True)
@@ -360,14 +353,16 @@ def read_and_log(loop: Loop, pending: list, dt: float) -> Read:
     guard judge each."""
     cfg, env, guard = loop.cfg, loop.env, loop.guard
     rows = torch.stack([p[-1] for p in pending]).tolist()
-    tok_s = cfg.train.total_batch_tokens / dt
+    batch = cfg.train.total_batch_tokens
+    tok_s = batch / dt
     mfu = {"train/mfu": loop.raw.estimate_mfu(tok_s, loop.peak_flops, cfg.train.seq_len)} if loop.peak_flops else {}
     read = Read(math.nan, OK, False)
-    for (step, lr, seen, epoch, _), (loss_total, n_bad, n_stop, norm) in zip(pending, rows, strict=True):
+    for (step, lr, epoch, _), (loss_total, n_bad, n_stop, norm) in zip(pending, rows, strict=True):
         loss, finite = loss_total / env.world, n_bad == 0
         read.loss, read.stop = loss, read.stop or n_stop > 0
         loop.logger.log(step, {"train/loss": loss, "train/lr": lr, "train/grad_norm": norm, "train/step_time": dt,
-                               "train/tokens_per_s": tok_s, "train/tokens_seen": seen, "train/epoch": epoch, **mfu})
+                               "train/tokens_per_s": tok_s, "train/tokens_seen": step * batch, "train/epoch": epoch,
+                               **mfu})
         if read.verdict != ROLLBACK:
             read.verdict = guard.observe(loss, finite)
             if read.verdict == SKIP:
@@ -380,21 +375,21 @@ def read_and_log(loop: Loop, pending: list, dt: float) -> Read:
     return read
 
 
-def save(loop: Loop, step: int, tokens_seen: int, reason: str, train_loss: float) -> None:
-    """Checkpoint the state after `step`. Collective: every rank contributes its RNG state."""
-    env, failed = loop.env, None
+def save(loop: Loop, reason: str, train_loss: float) -> None:
+    """Checkpoint the state after `loop.step`. Collective: every rank contributes its RNG state."""
+    env, step, failed = loop.env, loop.step, None
     rng = {"torch": torch.get_rng_state()}  # every rank's, so dropout masks resume exactly
     if env.device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state(env.device)
     rngs = distributed.all_gather_object(rng)
     if env.master:
         state = {"optimizer": loop.optimizer.state_dict(), "loader": loop.loader.state_dict(), "rng": rngs,
-                 "scaler": loop.scaler.state_dict() if loop.scaler is not None else {}, "step": step,
-                 "tokens_seen": tokens_seen, "world": env.world}
+                 "scaler": loop.scaler.state_dict() if loop.scaler is not None else {},
+                 "step": step, "world": env.world}
         val, hs = loop.evals.results.get(step, (None, None))  # (None, None): no evaluation at this step
         try:
             path = checkpoint.save_checkpoint(loop.run_dir, step, loop.raw, state, {
-                **loop.meta, "tokens_seen": tokens_seen, "val_loss": val, "hellaswag": hs,
+                **loop.meta, "tokens_seen": step * loop.cfg.train.total_batch_tokens, "val_loss": val, "hellaswag": hs,
                 "train_loss": train_loss, "reason": reason}, keep_last=loop.cfg.train.keep_last)
             print(f"checkpoint {path} ({reason})", flush=True)
         except checkpoint.CheckpointError as e:  # non-finite weights are never written
@@ -421,56 +416,55 @@ def train(cfg: RunConfig, prep: Prepared, t_start: float) -> int:
     loop = set_up(cfg, prep)
     tc, ev, env = cfg.train, cfg.eval, loop.env
     accum, faults = cfg.grad_accum_steps(env.world), FaultInjector()
-    pending: list[tuple[int, float, int, int, torch.Tensor]] = []  # steps whose stats the host has not read
+    pending: list[tuple[int, float, int, torch.Tensor]] = []  # steps whose stats the host has not read
     t_read = time.time()
     try:
-        while loop.at.step < tc.max_steps:
-            at = loop.at
-            lr = lr_at(at.step, cfg)
+        while loop.step < tc.max_steps:
+            lr = lr_at(loop.step, cfg)
             set_lr(loop.optimizer, lr)
             vote, stop_file = stop_vote(loop, t_start)
             faults.before_step(loop.raw)
             stats = train_step(loop.model, loop.optimizer, loop.loader, accum, env, loop.scaler,
                                cfg.optim.grad_clip, vote)
-            at.step += 1
-            at.tokens_seen += tc.total_batch_tokens
-            pending.append((at.step, lr, at.tokens_seen, loop.loader.epoch, stats))
-            last = at.step == tc.max_steps
-            due_eval = last or (ev.eval_interval and at.step % ev.eval_interval == 0)
-            due_sample = last or (ev.sample_interval and at.step % ev.sample_interval == 0)
-            due_ckpt = at.step % tc.checkpoint_interval == 0
-            if not (last or due_eval or due_sample or due_ckpt or at.step == 1 or at.step % tc.log_interval == 0):
+            loop.step += 1
+            step = loop.step
+            pending.append((step, lr, loop.loader.epoch, stats))
+            last = step == tc.max_steps
+            due_eval = last or (ev.eval_interval and step % ev.eval_interval == 0)
+            due_sample = last or (ev.sample_interval and step % ev.sample_interval == 0)
+            due_ckpt = step % tc.checkpoint_interval == 0
+            if not (last or due_eval or due_sample or due_ckpt or step == 1 or step % tc.log_interval == 0):
                 continue  # no host sync: the device runs on while the host prepares the next step
             now = time.time()
             read = read_and_log(loop, pending, (now - t_read) / len(pending))
             pending.clear()
             t_read = now
             if read.verdict == ROLLBACK:
-                loop.at = roll_back(loop)
+                loop.step = roll_back(loop)
                 t_read = time.time()
                 continue
             if due_eval:
-                loop.evals.run(loop.model, at.step, last)
+                loop.evals.run(loop.model, step, last)
             if env.master and due_sample:
-                loop.evals.sample(loop.raw, at.step)
+                loop.evals.sample(loop.raw, step)
             troubled = loop.guard.nonfinite or loop.guard.spiking  # an interval checkpoint waits for a healthy step
             if last or read.stop or (due_ckpt and not troubled):
-                save(loop, at.step, at.tokens_seen, "end" if last else "stop" if read.stop else "interval", read.loss)
+                save(loop, "end" if last else "stop" if read.stop else "interval", read.loss)
             if read.stop and not last:
                 broken = distributed.broadcast_object(loop.logger.error if env.master else None)
                 if broken:
                     raise RunError(f"{loop.run_dir / METRICS_FILE} cannot be written ({broken}); the run "
-                                   f"checkpointed step {at.step} and stopped: make room on that disk and run again")
+                                   f"checkpointed step {step} and stopped: make room on that disk and run again")
                 why = f"signal {_STOP['signal']}" if _STOP["signal"] is not None else \
                     f"{STOP_FILE} file" if stop_file else f"time budget train.max_minutes={tc.max_minutes}"
                 if env.master:
-                    print(f"stopped at step {at.step}/{tc.max_steps} ({why}); run the same command to "
+                    print(f"stopped at step {step}/{tc.max_steps} ({why}); run the same command to "
                           "continue", flush=True)
                 return EXIT_OK
         if env.master:
-            write_json(loop.run_dir / "DONE", {"step": loop.at.step, "tokens_seen": loop.at.tokens_seen,
+            write_json(loop.run_dir / DONE_FILE, {"step": loop.step, "tokens_seen": loop.step * tc.total_batch_tokens,
                                                "time": time.time()})
-            print(f"RUN_DONE run={cfg.run_name} step={loop.at.step} dir={loop.run_dir}", flush=True)
+            print(f"RUN_DONE run={cfg.run_name} step={loop.step} dir={loop.run_dir}", flush=True)
         return EXIT_OK
     finally:
         loop.logger.close()
@@ -483,15 +477,15 @@ def event(loop: Loop, step: int, text: str, **values) -> None:
         print(f"step {step:6d} | guard: {text}", flush=True)
 
 
-def roll_back(loop: Loop) -> Progress:
+def roll_back(loop: Loop) -> int:
     """Reload the newest good checkpoint (weights, optimizer, RNG) but keep the data position, so the
     batches since that checkpoint, which led into the trouble, are skipped. Raises Diverged when there is
     nothing to roll back to or it happened too often in a row."""
-    cfg, run_dir, raw, loader, env, guard, at = (loop.cfg, loop.run_dir, loop.raw, loop.loader, loop.env,
-                                                 loop.guard, loop.at)
+    cfg, run_dir, raw, loader, env, guard, step = (loop.cfg, loop.run_dir, loop.raw, loop.loader, loop.env,
+                                                   loop.guard, loop.step)
     why = "non-finite steps" if guard.nonfinite else "loss spike"  # the guard's counts, before rolled_back resets them
     if not guard.rolled_back():
-        raise Diverged(f"the run diverged again ({why} at step {at.step}) after {cfg.guard.max_rollbacks} "
+        raise Diverged(f"the run diverged again ({why} at step {step}) after {cfg.guard.max_rollbacks} "
                        "rollbacks with no checkpoint written in between; the checkpoints are intact. Lower "
                        "optim.max_lr (or raise optim.warmup_steps), check the data near loader position "
                        f"{loader.position}, then run the same command to continue from the newest checkpoint "
@@ -499,15 +493,15 @@ def roll_back(loop: Loop) -> Progress:
     # healthy only: a checkpoint written during the trouble is no way out of it
     ck, ts, _ = newest_intact(run_dir, raw, env.master, healthy_only=True)
     if ck is None:
-        raise Diverged(f"the run diverged ({why} at step {at.step}) before it had a good checkpoint to roll back "
+        raise Diverged(f"the run diverged ({why} at step {step}) before it had a good checkpoint to roll back "
                        "to; lower optim.max_lr or raise optim.warmup_steps, or lower train.checkpoint_interval so a "
                        "rollback has somewhere to go")
     skipped = loader.position - int(ts["loader"]["position"])
     loop.optimizer.zero_grad(set_to_none=True)
-    back = restore(ts, loop.optimizer, loader, loop.scaler, env, data=False)
-    event(loop, at.step, f"{why}: rolled back to {ck.name}; the {skipped} sequences since it are "
+    back = restore(ts, loop.optimizer, loader, loop.scaler, env, data=False)  # the checkpoint's step
+    event(loop, step, f"{why}: rolled back to {ck.name}; the {skipped} sequences since it are "
           f"skipped (rollback {guard.rollbacks}/{cfg.guard.max_rollbacks})",
-          **{"guard/rollback_from": at.step, "guard/rollback_to": back.step, "guard/skipped_sequences": skipped})
+          **{"guard/rollback_from": step, "guard/rollback_to": back, "guard/skipped_sequences": skipped})
     return back
 
 

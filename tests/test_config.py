@@ -42,6 +42,12 @@ def test_n_embd_not_divisible_by_n_head():
         ModelConfig(n_embd=100, n_head=3).validate()
 
 
+def test_zero_heads_is_a_config_error():
+    # n_head is checked positive before n_embd % n_head divides by it (was a ZeroDivisionError)
+    with pytest.raises(ConfigError, match="model.n_head must be positive, got 0"):
+        load_config("micro", ["model.n_head=0"])
+
+
 def test_total_batch_must_divide_into_micro_batches():
     with pytest.raises(ConfigError, match=r"total_batch_tokens=300 is not divisible by .*4\*32\*1 = 128"):
         load_config("micro", ["train.total_batch_tokens=300"])
