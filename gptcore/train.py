@@ -375,9 +375,9 @@ def read_and_log(loop: Loop, pending: list, dt: float) -> Read:
     return read
 
 
-def save(loop: Loop, reason: str, train_loss: float) -> None:
-    """Checkpoint the state after `loop.step`. Collective: every rank contributes its RNG state."""
-    env, step, failed = loop.env, loop.step, None
+def save(loop: Loop, step: int, reason: str, train_loss: float) -> None:
+    """Checkpoint the state after `step`. Collective: every rank contributes its RNG state."""
+    env, failed = loop.env, None
     rng = {"torch": torch.get_rng_state()}  # every rank's, so dropout masks resume exactly
     if env.device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state(env.device)
@@ -449,7 +449,7 @@ def train(cfg: RunConfig, prep: Prepared, t_start: float) -> int:
                 loop.evals.sample(loop.raw, step)
             troubled = loop.guard.nonfinite or loop.guard.spiking  # an interval checkpoint waits for a healthy step
             if last or read.stop or (due_ckpt and not troubled):
-                save(loop, "end" if last else "stop" if read.stop else "interval", read.loss)
+                save(loop, step, "end" if last else "stop" if read.stop else "interval", read.loss)
             if read.stop and not last:
                 broken = distributed.broadcast_object(loop.logger.error if env.master else None)
                 if broken:
