@@ -156,16 +156,19 @@ def local_files(spec: str, previous: list[SourceFile] = (), fingerprint: bool = 
     else:
         raise SourceError(f"data.source={spec!r} does not exist; use 'builtin', 'hf', or an existing "
                           "directory / glob of .parquet, .jsonl or .txt files")
-    paths = sorted(p.resolve() for p in paths if p.is_file() and p.suffix in KINDS)
+    paths = [p.absolute() for p in paths if p.is_file() and p.suffix in KINDS]
     if not paths:
         raise SourceError(f"data.source={spec!r} holds no .parquet, .jsonl or .txt files; point it at a "
                           "directory or glob that matches some")
+    # names relative to the source directory; for a glob, to its matches' common folder, so two files with
+    # one base name in different folders keep apart (their fingerprints would otherwise collide)
+    root = root.absolute() if root is not None else Path(os.path.commonpath([p.parent for p in paths]))
     files = []
-    for p in paths:
+    for p in sorted(paths, key=Path.resolve):
+        name, p = str(p.relative_to(root)), p.resolve()
         if not os.access(p, os.R_OK):
             raise SourceError(f"source file {p} is not readable (permission denied); fix its permissions")
         st = p.stat()
-        name = str(p.relative_to(root.resolve())) if root is not None else p.name
         f = SourceFile(path=str(p), kind=KINDS[p.suffix], size=st.st_size, mtime_ns=st.st_mtime_ns, name=name)
         if fingerprint:
             old = known.get(name)

@@ -219,3 +219,27 @@ def test_local_listing_is_sorted_and_fingerprinted(tmp_path, monkeypatch):
     assert [f.name for f in files] == ["a.jsonl", "b/1.txt", "b/2.txt"]
     _, files = sources.load_listing(sources.fetch(load_config("micro", [f"data.source={d}/b/*.txt"])))
     assert [f.name for f in files] == ["1.txt", "2.txt"] and all(f.mtime_ns for f in files)
+
+
+def test_glob_across_folders_names_each_file_uniquely(tmp_path, monkeypatch):
+    # two matched files with one base name must not share a fingerprint record: a change to either is seen
+    monkeypatch.setenv("GPTPIPE_HOME", str(tmp_path / "home"))
+    d = tmp_path / "d"
+    for sub in ("a", "b"):
+        (d / sub).mkdir(parents=True)
+        (d / sub / "x.jsonl").write_text(f'{{"text": "{sub}"}}\n')
+    spec = f"{d}/**/*.jsonl"
+    files = sources.local_files(spec)
+    assert [f.name for f in files] == ["a/x.jsonl", "b/x.jsonl"]
+    recorded = [{"name": f.name, "sha256": f.sha256} for f in files]
+    (d / "b" / "x.jsonl").write_text('{"text": "changed"}\n')
+    assert sources.changed_files(recorded, sources.local_files(spec)) == ["b/x.jsonl (changed)"]
+
+
+def test_a_symlinked_file_in_the_source_directory_is_listed_by_its_name_there(tmp_path):
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "real.jsonl").write_text('{"text": "x"}\n')
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "link.jsonl").symlink_to(tmp_path / "elsewhere" / "real.jsonl")
+    [f] = sources.local_files(str(tmp_path / "d"))
+    assert f.name == "link.jsonl" and f.path == str((tmp_path / "elsewhere" / "real.jsonl").resolve())
