@@ -187,8 +187,10 @@ def evaluating(model: nn.Module):
     inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
     was_training = inner.training
     inner.eval()
-    yield inner
-    inner.train(was_training)
+    try:
+        yield inner
+    finally:  # also when the block raises: a caller that goes on trains in train mode
+        inner.train(was_training)
 
 
 def unwrap(model: nn.Module) -> GPT:
