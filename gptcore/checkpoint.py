@@ -35,20 +35,16 @@ from safetensors.torch import load_file, save_file
 from gptcore.config import ModelConfig
 from gptcore.files import atomic_dir, file_sha256, temp_name
 from gptcore.model import GPT, clean_state_dict, unwrap
-from gptcore.run_files import (  # noqa: F401 -- the torch-free half of this module, used through it too
+from gptcore.run_files import (
     META_FILE,
     REJECTED_DIR,
     CheckpointError,
     best_checkpoint,
     checkpoints_dir,
-    healthy,
-    latest_checkpoint,
     list_checkpoints,
     newest_healthy,
     read_meta,
-    rejected,
     step_dir,
-    step_dirs,
 )
 
 MODEL_FILE = "model.safetensors"

@@ -21,7 +21,7 @@ from gptcore import distributed
 from gptcore.config import ConfigError, RunConfig, TrainConfig, apply_overrides, from_dict, load_config
 from gptcore.data import val_batches
 from gptcore.model import evaluating
-from gptcore.run_files import CheckpointError, checkpoint_of
+from gptcore.run_files import META_FILE, CheckpointError, checkpoint_of
 from gptcore.shard_format import Manifest, ShardError
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ def load_target(path: Path, device="cpu") -> tuple[torch.nn.Module, dict]:
     from gptcore import checkpoint
 
     path = checkpoint_of(Path(path))
-    if (path / checkpoint.META_FILE).is_file():
+    if (path / META_FILE).is_file():
         model, meta = checkpoint.load_model(path, device)
         return model, {"kind": "checkpoint", "path": str(path), "step": meta.get("step"), "meta": meta}
     if (path / "config.json").is_file():

@@ -34,7 +34,7 @@ import torch
 from safetensors import SafetensorError
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gptcore import checkpoint, distributed
+from gptcore import checkpoint, distributed, run_files
 from gptcore.config import ConfigError, RunConfig, load_config
 from gptcore.data import ShardLoader, open_dataset, verify_hashes
 from gptcore.files import read_json, write_json
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(argv[0], argv[1:], world_size=world)
         prep = prepare(cfg, rank)
-    except (ConfigError, ShardError, RunError, LockHeld, checkpoint.CheckpointError, OSError) as e:
+    except (ConfigError, ShardError, RunError, LockHeld, run_files.CheckpointError, OSError) as e:
         return fail(e)
     if prep is None:
         return EXIT_OK
@@ -197,10 +197,10 @@ def newest_intact(run_dir: Path, model: GPT, master: bool, healthy_only: bool = 
     checkpoints/rejected/; `stuck` names those that failed and could not be moved. (None, None, stuck)
     when there is none."""
     stuck = []
-    for ck in reversed(checkpoint.step_dirs(run_dir)):
+    for ck in reversed(run_files.step_dirs(run_dir)):
         try:
             meta, state = checkpoint.load_for_resume(ck, model)
-        except checkpoint.CheckpointError as e:
+        except run_files.CheckpointError as e:
             if master:  # the other ranks only pass over it
                 dest = checkpoint.reject(ck, str(e))
                 if dest is None:
@@ -208,7 +208,7 @@ def newest_intact(run_dir: Path, model: GPT, master: bool, healthy_only: bool = 
                 print(f"warning: checkpoint {ck.name} skipped: {e}; {f'moved to {dest}' if dest else 'left in place'}",
                       file=sys.stderr, flush=True)
             continue
-        if not healthy_only or checkpoint.healthy(meta):
+        if not healthy_only or run_files.healthy(meta):
             return ck, state, stuck
     return None, None, stuck
 
@@ -220,11 +220,11 @@ def resume_point(run_dir: Path, model: GPT, master: bool) -> tuple[Path | None, 
     ck, state, stuck = newest_intact(run_dir, model, master)
     if ck is not None:
         return ck, state
-    gone = checkpoint.rejected(run_dir)
+    gone = run_files.rejected(run_dir)
     if gone or stuck:
         why = "; ".join([*(f"{p.name}: {_why(p)}" for p in gone), *stuck])
         raise RunError(f"run {run_dir} has no intact checkpoint to resume from (rejected: {why}). Each is "
-                       f"kept in {checkpoint.checkpoints_dir(run_dir) / checkpoint.REJECTED_DIR} with a "
+                       f"kept in {run_files.checkpoints_dir(run_dir) / run_files.REJECTED_DIR} with a "
                        "why.txt: put a good copy back into checkpoints/, or start over with a new "
                        "train.run_name (or by moving that directory away)")
     return None, None
@@ -392,7 +392,7 @@ def save(loop: Loop, step: int, reason: str, train_loss: float) -> None:
                 **loop.meta, "tokens_seen": step * loop.cfg.train.total_batch_tokens, "val_loss": val, "hellaswag": hs,
                 "train_loss": train_loss, "reason": reason}, keep_last=loop.cfg.train.keep_last)
             print(f"checkpoint {path} ({reason})", flush=True)
-        except checkpoint.CheckpointError as e:  # non-finite weights are never written
+        except run_files.CheckpointError as e:  # non-finite weights are never written
             event(loop, step, f"checkpoint not written: {e}")
         except (OSError, RuntimeError, SafetensorError) as e:  # e.g. a full disk (torch.save: RuntimeError)
             failed = unwritable(loop.run_dir, step, e)
@@ -405,8 +405,8 @@ def save(loop: Loop, step: int, reason: str, train_loss: float) -> None:
 
 def unwritable(run_dir: Path, step: int, e: Exception) -> str:
     """What to say when a checkpoint could not be written (atomic_dir removed the partial one)."""
-    last = checkpoint.newest_healthy(checkpoint.list_checkpoints(run_dir))
-    return (f"checkpoint step {step} could not be written to {checkpoint.checkpoints_dir(run_dir)} "
+    last = run_files.newest_healthy(run_files.list_checkpoints(run_dir))
+    return (f"checkpoint step {step} could not be written to {run_files.checkpoints_dir(run_dir)} "
             f"({type(e).__name__}: {e}); nothing half-written was kept. Make room on that disk (or lower "
             f"train.keep_last), then run again: it resumes from {last or 'the start'}")
 

@@ -7,6 +7,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from gptcore import checkpoint as C
+from gptcore import run_files as R
 from gptcore.config import model_preset
 from gptcore.metrics import JsonlLogger, read_metrics
 from gptcore.model import GPT
@@ -77,19 +78,19 @@ def test_retention_keeps_last_k_and_best(tmp_path):
     m, opt = trained_model()
     for step, val in [(10, 3.0), (20, 2.0), (30, 2.5), (40, None), (50, 2.9)]:
         save(tmp_path, step, m, opt, val=val, keep=2)
-    names = [p.name for p in C.list_checkpoints(tmp_path)]
+    names = [p.name for p in R.list_checkpoints(tmp_path)]
     assert names == ["step_00000020", "step_00000040", "step_00000050"]
-    assert C.best_checkpoint(tmp_path).name == "step_00000020"
-    assert C.latest_checkpoint(tmp_path).name == "step_00000050"
-    assert C.read_meta(C.best_checkpoint(tmp_path))["val_loss"] == 2.0
+    assert R.best_checkpoint(tmp_path).name == "step_00000020"
+    assert R.latest_checkpoint(tmp_path).name == "step_00000050"
+    assert R.read_meta(R.best_checkpoint(tmp_path))["val_loss"] == 2.0
 
 
 def test_best_falls_back_to_latest_and_empty_run(tmp_path):
-    assert C.latest_checkpoint(tmp_path) is None and C.best_checkpoint(tmp_path) is None
+    assert R.latest_checkpoint(tmp_path) is None and R.best_checkpoint(tmp_path) is None
     m, opt = trained_model()
     save(tmp_path, 1, m, opt)
     save(tmp_path, 2, m, opt)
-    assert C.best_checkpoint(tmp_path).name == "step_00000002"
+    assert R.best_checkpoint(tmp_path).name == "step_00000002"
 
 
 def test_failed_write_leaves_previous_checkpoints_untouched(tmp_path, monkeypatch):
@@ -111,14 +112,14 @@ def test_saving_the_same_step_again_replaces_it(tmp_path):
     m2, opt2 = trained_model(seed=1)
     save(tmp_path, 5, m2, opt2, val=3.0)
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_00000005"]
-    loaded, meta = C.load_model(C.latest_checkpoint(tmp_path))
+    loaded, meta = C.load_model(R.latest_checkpoint(tmp_path))
     assert meta["val_loss"] == 3.0 and same_weights(m2, loaded)
 
 
 def test_partial_directory_is_not_a_checkpoint(tmp_path):
     (tmp_path / "checkpoints" / ".tmp-step_00000009-123").mkdir(parents=True)
     (tmp_path / "checkpoints" / "step_00000009").mkdir()  # no meta.json: never completed
-    assert C.list_checkpoints(tmp_path) == []
+    assert R.list_checkpoints(tmp_path) == []
 
 
 def test_a_killed_writers_temp_dir_is_removed_by_the_next_save(tmp_path):
@@ -141,24 +142,24 @@ def test_a_killed_writers_temp_dir_is_removed_by_the_next_save(tmp_path):
     m, opt = trained_model()
     save(tmp_path, 10, m, opt)
     assert not stale.exists() and not trash.exists() and live.is_dir() and other.is_dir()
-    assert [p.name for p in C.list_checkpoints(tmp_path)] == ["step_00000010"]
+    assert [p.name for p in R.list_checkpoints(tmp_path)] == ["step_00000010"]
 
 
 def test_load_errors_are_clear(tmp_path):
     m, opt = trained_model()
     ck = save(tmp_path, 1, m, opt)
     big = GPT(model_preset("tiny-cpu"))
-    with pytest.raises(C.CheckpointError, match="another model shape"):
+    with pytest.raises(R.CheckpointError, match="another model shape"):
         C.load_weights(big, ck / "model.safetensors")
-    with pytest.raises(C.CheckpointError, match="not a checkpoint"):
+    with pytest.raises(R.CheckpointError, match="not a checkpoint"):
         C.load_model(tmp_path)
     data = bytearray((ck / "model.safetensors").read_bytes())
     data[-1] ^= 0xFF
     (ck / "model.safetensors").write_bytes(bytes(data))
-    with pytest.raises(C.CheckpointError, match="corrupt"):
+    with pytest.raises(R.CheckpointError, match="corrupt"):
         C.load_model(ck)
     (ck / "trainer.pt").unlink()
-    with pytest.raises(C.CheckpointError, match="cannot resume"):
+    with pytest.raises(R.CheckpointError, match="cannot resume"):
         C.load_trainer_state(ck)
 
 

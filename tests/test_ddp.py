@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from gptcore import checkpoint as C
+from gptcore import run_files as R
 from gptcore.train import STOP_FILE
 from tests.test_train_utils import (
     free_port,
@@ -36,7 +37,7 @@ def args(ds, run, *extra):
 
 
 def final_weights(run):
-    model, meta = C.load_model(C.step_dir(run, STEPS))
+    model, meta = C.load_model(R.step_dir(run, STEPS))
     assert meta["step"] == STEPS
     return model.state_dict()
 
@@ -93,7 +94,7 @@ def test_sigkill_then_same_command_resumes_exactly(ds, reference, tmp_path):
     killed_at = wait_for_step(proc, run / "metrics.jsonl", 6)
     kill_tree(proc)  # SIGKILL to torchrun and both workers at once
     assert killed_at < STEPS and not (run / "DONE").exists()
-    resume_from = C.read_meta(C.latest_checkpoint(run))["step"]
+    resume_from = R.read_meta(R.latest_checkpoint(run))["step"]
     assert 4 <= resume_from <= killed_at
     proc = start(cmd, tmp_path, tmp_path / "log2")
     assert proc.wait(timeout=300) == 0, (tmp_path / "log2").read_text()
@@ -107,9 +108,9 @@ def test_stop_on_two_ranks_resume_on_one_continues_the_global_data_order(ds, ref
     wait_for_step(proc, run / "metrics.jsonl", 5)
     (run / STOP_FILE).touch()  # graceful stop request: checkpoint, every rank and torchrun exit 0
     assert proc.wait(timeout=120) == 0, (tmp_path / "log1").read_text()
-    stopped = C.read_meta(C.latest_checkpoint(run))["step"]
+    stopped = R.read_meta(R.latest_checkpoint(run))["step"]
     assert stopped < STEPS and "stopped at step" in (tmp_path / "log1").read_text()
-    state = C.load_trainer_state(C.latest_checkpoint(run))
+    state = C.load_trainer_state(R.latest_checkpoint(run))
     assert state["world"] == 2 and state["loader"]["position"] == stopped * 256 // 32
     assert len(state["rng"]) == 2  # every rank's RNG state
     proc = start(python_cmd(args(ds, run)), tmp_path, tmp_path / "log2")

@@ -129,7 +129,7 @@ def test_killed_flow_run_resumes_from_its_checkpoint(prefect_stack):
     fr_id = run_deployment("pretrain/tiny", parameters=params, timeout=0)
     run_dir = prefect_stack.home / "runs" / "killed"
     end = time.monotonic() + 240
-    from gptcore.checkpoint import latest_checkpoint, read_meta
+    from gptcore.run_files import latest_checkpoint, read_meta
 
     def newest_step() -> int:
         ck = latest_checkpoint(run_dir)

@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from gptcore import checkpoint as C
+from gptcore import run_files as R
 from gptcore.files import file_sha256
 from gptcore.metrics import read_metrics
 from gptcore.train import main
@@ -37,7 +38,7 @@ def run_proc(cmd, cwd, timeout=180, **extra_env):
 
 
 def final_weights(run):
-    return file_sha256(C.latest_checkpoint(run) / C.MODEL_FILE)
+    return file_sha256(R.latest_checkpoint(run) / C.MODEL_FILE)
 
 
 def events(run):
@@ -54,7 +55,7 @@ def trained(ds, tmp_path_factory):
     """A finished run with checkpoints at steps 4, 8 and 12."""
     run = tmp_path_factory.mktemp("runs") / "base"
     assert main(args(ds, run)) == 0
-    assert [p.name for p in C.list_checkpoints(run)] == ["step_00000004", "step_00000008", "step_00000012"]
+    assert [p.name for p in R.list_checkpoints(run)] == ["step_00000004", "step_00000008", "step_00000012"]
     return run
 
 
@@ -62,7 +63,7 @@ def cut_back_to(trained, dest, newest_step):
     """A copy of the run as it was when `newest_step` was its newest checkpoint (not finished)."""
     shutil.copytree(trained, dest)
     (dest / "DONE").unlink()
-    for ck in C.list_checkpoints(dest):
+    for ck in R.list_checkpoints(dest):
         if int(ck.name[5:]) > newest_step:
             shutil.rmtree(ck)
     return dest
@@ -95,9 +96,9 @@ def nan_weights_with_matching_hash(ck):
     sd = load_file(ck / C.MODEL_FILE)
     sd["transformer.ln_f.weight"][:] = float("nan")
     save_file(sd, str(ck / C.MODEL_FILE), metadata={"format": "pt"})
-    meta = json.loads((ck / C.META_FILE).read_text())
+    meta = json.loads((ck / R.META_FILE).read_text())
     meta["model_sha256"] = file_sha256(ck / C.MODEL_FILE)
-    (ck / C.META_FILE).write_text(json.dumps(meta))
+    (ck / R.META_FILE).write_text(json.dumps(meta))
 
 
 DAMAGE = {
@@ -106,7 +107,7 @@ DAMAGE = {
     "flipped bytes, size kept": lambda ck: flip_bytes(ck / C.MODEL_FILE),
     "flipped bytes in trainer.pt": lambda ck: flip_bytes(ck / C.TRAINER_FILE),
     "NaN weights": nan_weights_with_matching_hash,
-    "missing meta.json": lambda ck: (ck / C.META_FILE).unlink(),
+    "missing meta.json": lambda ck: (ck / R.META_FILE).unlink(),
     "empty directory": lambda ck: [p.unlink() for p in ck.iterdir()],
 }
 
@@ -138,8 +139,8 @@ def test_no_intact_checkpoint_is_a_clear_error_every_time(trained, ds, tmp_path)
         err = proc.stderr
         assert "Traceback" not in err and "error: run" in err and "no intact checkpoint" in err
         assert "step_00000008: " in err and "step_00000004: " in err and "sha256" in err
-        assert not C.list_checkpoints(run)
-        assert [p.name for p in C.rejected(run)] == ["step_00000004", "step_00000008"]
+        assert not R.list_checkpoints(run)
+        assert [p.name for p in R.rejected(run)] == ["step_00000004", "step_00000008"]
     rows = read_metrics(run / "metrics.jsonl", "train")
     assert max(r["step"] for r in rows) == 12  # the old history is untouched
 
@@ -191,14 +192,14 @@ def test_metrics_that_cannot_be_written_stop_the_run_at_the_next_step(ds, tmp_pa
 def test_checkpoint_read_errors_are_checkpoint_errors(trained, tmp_path):
     ck = shutil.copytree(trained / "checkpoints" / "step_00000012", tmp_path / "step_00000012")
     truncate(ck / C.TRAINER_FILE)
-    with pytest.raises(C.CheckpointError, match="trainer.pt cannot be read"):
+    with pytest.raises(R.CheckpointError, match="trainer.pt cannot be read"):
         C.load_trainer_state(ck)
     truncate(ck / C.MODEL_FILE)
-    with pytest.raises(C.CheckpointError, match="model.safetensors cannot be read"):
+    with pytest.raises(R.CheckpointError, match="model.safetensors cannot be read"):
         C.load_weights(torch.nn.Linear(1, 1), ck / C.MODEL_FILE)
-    (ck / C.META_FILE).write_text("{not json")
-    with pytest.raises(C.CheckpointError, match="not valid JSON"):
-        C.read_meta(ck)
+    (ck / R.META_FILE).write_text("{not json")
+    with pytest.raises(R.CheckpointError, match="not valid JSON"):
+        R.read_meta(ck)
 
 
 def test_non_finite_steps_are_skipped_then_rolled_back(ds, tmp_path):
@@ -214,9 +215,9 @@ def test_non_finite_steps_are_skipped_then_rolled_back(ds, tmp_path):
     row = read_metrics(run / "metrics.jsonl", "event")[2]
     assert (row["guard/rollback_from"], row["guard/rollback_to"]) == (9, 4)
     assert (run / "DONE").is_file()
-    state = C.load_trainer_state(C.latest_checkpoint(run))
+    state = C.load_trainer_state(R.latest_checkpoint(run))
     assert state["step"] == 16 and state["loader"]["position"] == (16 + 5) * SEQS_PER_STEP
-    for ck in C.list_checkpoints(run):  # every checkpoint verifies whole: finite weights, hashes
+    for ck in R.list_checkpoints(run):  # every checkpoint verifies whole: finite weights, hashes
         C.load_for_resume(ck, C.load_model(ck)[0])
     train = {r["step"]: r["train/loss"] for r in read_metrics(run / "metrics.jsonl", "train")}
     assert all(math.isfinite(v) for v in train.values())  # steps 5-9 were trained again, healthy
@@ -250,7 +251,7 @@ def test_repeated_divergence_stops_with_exit_3_and_keeps_the_good_checkpoint(ds,
     assert "Traceback" not in proc.stderr
     assert "error: the run diverged again" in proc.stderr and "guard.max_rollbacks" in proc.stderr
     assert sum("rolled back" in e for e in events(run)) == 2
-    assert [p.name for p in C.list_checkpoints(run)] == ["step_00000004"] and not C.rejected(run)
+    assert [p.name for p in R.list_checkpoints(run)] == ["step_00000004"] and not R.rejected(run)
     assert not (run / "DONE").exists()
     # the next invocation (no fault) continues from the good checkpoint and finishes
     proc = run_proc(python_cmd(args(ds, run, "train.max_steps=16")), tmp_path)
@@ -264,10 +265,10 @@ def test_retention_keeps_the_newest_healthy_checkpoint(tmp_path):
     for step, loss in [(1, 5.0), (2, float("nan")), (3, float("inf"))]:
         state = {"optimizer": opt.state_dict(), "loader": {}, "step": step, "rng": [], "scaler": {}}
         C.save_checkpoint(tmp_path, step, m, state, {"train_loss": loss}, keep_last=1)
-    assert [p.name for p in C.list_checkpoints(tmp_path)] == ["step_00000001", "step_00000003"]
+    assert [p.name for p in R.list_checkpoints(tmp_path)] == ["step_00000001", "step_00000003"]
     with torch.no_grad():
         m.transformer.ln_f.weight[0] = float("nan")
-    with pytest.raises(C.CheckpointError, match="non-finite"):
+    with pytest.raises(R.CheckpointError, match="non-finite"):
         save(tmp_path, 4, m, opt)
     assert not (tmp_path / "checkpoints" / "step_00000004").exists()
 
@@ -317,8 +318,8 @@ def test_sigterm_during_a_slow_stop_checkpoint_waits_for_it(ds, tmp_path):
     took = time.monotonic() - t0
     log = (tmp_path / "log").read_text()
     assert took > 35 and "stopped at step" in log, log[-2000:]
-    ck = C.latest_checkpoint(run)
-    assert ck is not None and C.read_meta(ck)["reason"] == "stop"
+    ck = R.latest_checkpoint(run)
+    assert ck is not None and R.read_meta(ck)["reason"] == "stop"
     C.load_for_resume(ck, C.load_model(ck)[0])  # complete and verified
     assert not [p for p in trainers if running(p)], "orphaned trainer processes"
 
@@ -398,7 +399,7 @@ def test_the_flow_reads_past_a_newest_checkpoint_whose_meta_is_damaged(trained, 
     """run_state decides what the flow skips: a truncated meta.json must not stop the flow before the
     trainer can resume from the checkpoint before it."""
     run = shutil.copytree(trained, tmp_path / "run")
-    (run / "checkpoints" / "step_00000012" / C.META_FILE).write_text('{"step": 1')
+    (run / "checkpoints" / "step_00000012" / R.META_FILE).write_text('{"step": 1')
     (run / "run.json").write_text("[1]")  # not an object: no identity, so DONE does not count
     from gptcore.run_files import run_state
 

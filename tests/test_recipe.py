@@ -10,7 +10,7 @@ import subprocess
 import pytest
 import torch
 
-from gptcore import checkpoint as C
+from gptcore import run_files as R
 from gptcore.config import ConfigError, OptimConfig, load_config, model_preset
 from gptcore.metrics import read_metrics
 from gptcore.model import GPT
@@ -189,7 +189,7 @@ def test_muon_sigkill_then_same_command_resumes_exactly(ds, reference, tmp_path)
     proc = start(cmd, tmp_path, tmp_path / "log1")
     killed_at = wait_for_step(proc, run / "metrics.jsonl", 6)
     kill_tree(proc)
-    assert killed_at < STEPS and C.latest_checkpoint(run) is not None
+    assert killed_at < STEPS and R.latest_checkpoint(run) is not None
     proc = start(cmd, tmp_path, tmp_path / "log2")
     assert proc.wait(timeout=300) == 0, (tmp_path / "log2").read_text()
     assert "resuming from step_" in (tmp_path / "log2").read_text()

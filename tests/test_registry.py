@@ -14,7 +14,7 @@ import torch
 from mlflow import MlflowClient
 from mlflow.entities import LoggedModelStatus
 
-from gptcore import checkpoint
+from gptcore import checkpoint, run_files
 from gptcore.config import load_config
 from gptcore.model import GPT
 from gptcore.tokenizer import decode, encode
@@ -60,7 +60,7 @@ def test_register_versions_tags_aliases_idempotent(mlflow_server, ckpts, monkeyp
     r1 = register.register_checkpoint(a, tracking_uri=uri, flow_run_id="flow-1", hf=HAVE_HF)
     assert (r1["name"], r1["version"], r1["created"]) == ("micro", "1", True)
     assert r1["aliases"] == ["best", "latest"]
-    meta = checkpoint.read_meta(a)
+    meta = run_files.read_meta(a)
     mv = mlc.get_model_version("micro", "1")
     assert mv.tags["step"] == "5" and mv.tags["tokens_seen"] == str(meta["tokens_seen"])
     assert float(mv.tags["val_loss"]) == 9.0

@@ -8,6 +8,7 @@ import signal
 import pytest
 
 from gptcore import checkpoint as C
+from gptcore import run_files as R
 from gptcore.config import load_config
 from gptcore.metrics import read_metrics
 from gptcore.optim import lr_at
@@ -67,9 +68,9 @@ def test_finished_run_layout_and_metrics(finished, capsys):
     assert [r["step"] for r in evals] == [6] and math.isfinite(evals[0]["val/loss"])
     samples = [r for r in rows if r["kind"] == "sample"]
     assert samples and isinstance(samples[0]["text"], str) and samples[0]["text"].startswith("Hello")
-    ckpts = [p.name for p in C.list_checkpoints(finished)]
+    ckpts = [p.name for p in R.list_checkpoints(finished)]
     assert ckpts == ["step_00000004", "step_00000006"]
-    meta = C.read_meta(finished / "checkpoints" / "step_00000006")
+    meta = R.read_meta(finished / "checkpoints" / "step_00000006")
     assert meta["val_loss"] == evals[0]["val/loss"] and meta["tokens_seen"] == 6 * 128
     assert meta["identity_hash"] == run["identity_hash"] and meta["manifest_id"] == run["manifest_id"]
     state = C.load_trainer_state(finished / "checkpoints" / "step_00000006")
@@ -130,8 +131,8 @@ def test_time_budget_stops_with_a_checkpoint(ds, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "time budget" in out and "RUN_DONE" not in out
     assert not (run / "DONE").exists()
-    assert [p.name for p in C.list_checkpoints(run)] == ["step_00000001"]
-    assert C.read_meta(C.latest_checkpoint(run))["reason"] == "stop"
+    assert [p.name for p in R.list_checkpoints(run)] == ["step_00000001"]
+    assert R.read_meta(R.latest_checkpoint(run))["reason"] == "stop"
 
 
 def test_sigterm_checkpoints_exits_0_and_the_run_continues(ds, tmp_path):
@@ -143,9 +144,9 @@ def test_sigterm_checkpoints_exits_0_and_the_run_continues(ds, tmp_path):
     assert proc.wait(timeout=60) == 0
     log = (tmp_path / "log1").read_text()
     assert "stopped at step" in log and "signal 15" in log
-    ck = C.latest_checkpoint(run)
-    stopped = C.read_meta(ck)["step"]
-    assert stopped >= step and C.read_meta(ck)["reason"] == "stop" and not (run / "DONE").exists()
+    ck = R.latest_checkpoint(run)
+    stopped = R.read_meta(ck)["step"]
+    assert stopped >= step and R.read_meta(ck)["reason"] == "stop" and not (run / "DONE").exists()
     # the same command continues from there (short: lower the end with a time budget instead)
     proc = start(python_cmd(a + ["train.max_minutes=0.000001"]), tmp_path, tmp_path / "log2")
     assert proc.wait(timeout=60) == 0
@@ -166,7 +167,7 @@ def test_bf16_autocast_on_cpu_trains_like_fp32(finished, ds, tmp_path):
     assert all(math.isfinite(v) for v in bf16.values())
     assert bf16 != fp32  # really ran in bf16
     assert list(bf16.values()) == pytest.approx(list(fp32.values()), rel=1e-2)
-    assert C.latest_checkpoint(run) is not None  # checkpoints as usual
+    assert R.latest_checkpoint(run) is not None  # checkpoints as usual
 
 
 def test_compiled_training_matches_eager(finished, ds, tmp_path):
@@ -177,7 +178,7 @@ def test_compiled_training_matches_eager(finished, ds, tmp_path):
     compiled, eager = losses(run / "metrics.jsonl"), losses(finished / "metrics.jsonl")
     assert sorted(compiled) == sorted(eager) == [1, 2, 3, 4, 5, 6]
     assert list(compiled.values()) == pytest.approx(list(eager.values()), rel=1e-4)
-    model, _ = C.load_model(C.latest_checkpoint(run))  # no _orig_mod. prefixes in the state dict
+    model, _ = C.load_model(R.latest_checkpoint(run))  # no _orig_mod. prefixes in the state dict
     assert model.config.n_layer == 2
 
 
