@@ -25,9 +25,9 @@ LOSS_CHUNK = 256  # rows per chunk of the fused loss (256 x 50304 fp32 logits = 
 class PlainLoss:
     """cross_entropy(x @ weight.T, sliced to the real vocabulary)."""
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, reduction: str):
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor):
         logits = F.linear(x, weight)[:, :N_VOCAB]
-        return F.cross_entropy(logits.float(), targets, ignore_index=-1, reduction=reduction)
+        return F.cross_entropy(logits.float(), targets, ignore_index=-1)
 
 
 class FusedLoss:
@@ -47,12 +47,10 @@ class FusedLoss:
         return buf[:numel].view(shape)
 
     @torch.compiler.disable
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, reduction: str):
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor):
         # eager under torch.compile (one graph break before the loss): compiled, each chunk's in-place
         # accumulation into the weight-sized gradient became a fresh weight-sized tensor plus a copy
-        if reduction not in ("mean", "sum"):
-            raise ValueError(f"the fused loss reduces by 'mean' or 'sum', not {reduction!r}")
-        return FusedLinearCrossEntropy.apply(x, weight, targets, reduction, self, N_VOCAB)
+        return FusedLinearCrossEntropy.apply(x, weight, targets, self, N_VOCAB)
 
 
 def make_loss(kind: str) -> PlainLoss | FusedLoss:
@@ -61,7 +59,7 @@ def make_loss(kind: str) -> PlainLoss | FusedLoss:
 
 
 class FusedLinearCrossEntropy(torch.autograd.Function):
-    """cross_entropy(x @ weight[:n_vocab].T, targets, ignore_index=-1) for training, without the logits.
+    """cross_entropy(x @ weight[:n_vocab].T, targets, ignore_index=-1) (the mean) for training, without the logits.
 
     The forward walks the rows in chunks and, for each chunk, computes the logits, the loss and at once
     the gradients (softmax - onehot) w.r.t. x and the weight; backward only scales the stored gradients by
@@ -71,13 +69,11 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, targets, reduction, owner: FusedLoss, n_vocab):
+    def forward(ctx, x, weight, targets, owner: FusedLoss, n_vocab):
         # x: (N, C); weight: (V, C) with rows >= n_vocab padding (logit -inf: no probability, zero gradient);
-        # targets: (N,) with -1 = ignore; reduction "mean" | "sum"
+        # targets: (N,) with -1 = ignore
         valid = targets != -1
-        n_valid = valid.sum()  # "mean" divides by the non-ignored targets, as F.cross_entropy does
-        scale = 1.0 / n_valid if reduction == "mean" else 1.0
-        row_scale = valid * scale  # each row's weight in the loss: 0 for ignored rows
+        row_scale = valid / valid.sum()  # each row's weight in the mean over the non-ignored targets (0: ignored)
         safe_targets = targets.clamp(min=0)  # any valid index for the gather; ignored rows weigh 0
         dev_type = x.device.type
         mm_dtype = torch.get_autocast_dtype(dev_type) if torch.is_autocast_enabled(dev_type) else weight.dtype
@@ -131,4 +127,4 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         grad_x, grad_w = ctx.saved_tensors
         # in place: a weight-sized fresh tensor would cost page faults; backward runs once per forward
-        return grad_x.mul_(grad_loss), grad_w.mul_(grad_loss), None, None, None, None
+        return grad_x.mul_(grad_loss), grad_w.mul_(grad_loss), None, None, None

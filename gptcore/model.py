@@ -101,13 +101,13 @@ class GPT(nn.Module):
         """Parameters counted once (the tied embedding counts once)."""
         return sum(p.numel() for p in self.parameters())
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, reduction: str = "mean",
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
                 return_logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Returns (logits over the real vocabulary, loss); targets equal to -1 are ignored. The logits
+        """Returns (logits over the real vocabulary, mean loss); targets equal to -1 are ignored. The logits
         have the real GPT-2 width (50257), so padding can never win or take probability. With
         return_logits=False (the training step) the loss comes from `self.head_loss` (gptcore/loss.py)
         and no logits tensor is returned or kept."""
-        B, T = idx.shape
+        T = idx.size(1)
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
         pos = torch.arange(T, dtype=torch.long, device=idx.device)
@@ -116,16 +116,12 @@ class GPT(nn.Module):
             x = block(x)
         x = self.transformer.ln_f(x)
         if targets is not None and not return_logits:
-            return None, self.head_loss(x.reshape(-1, x.size(-1)), self.lm_head.weight, targets.reshape(-1),
-                                        reduction)
+            return None, self.head_loss(x.reshape(-1, x.size(-1)), self.lm_head.weight, targets.reshape(-1))
         # the real-vocab rows of the tied weight only: contiguous logits, no logits-sized copy
         logits = F.linear(x, self.lm_head.weight[:N_VOCAB])
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1),
-                                   ignore_index=-1, reduction=reduction)
-            if reduction == "none":
-                loss = loss.view(B, T)
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         return logits, loss
 
     # --- throughput -----------------------------------------------------------------------------
