@@ -138,10 +138,6 @@ def why_incomplete(cfg: RunConfig, full: bool = False) -> str | None:
     return None
 
 
-def is_complete(cfg: RunConfig, full: bool = False) -> bool:
-    return why_incomplete(cfg, full) is None
-
-
 # --- planning -------------------------------------------------------------------------------------
 
 def plan_pieces(cfg: RunConfig, source_dir: Path) -> list[Piece]:

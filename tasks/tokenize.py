@@ -54,7 +54,7 @@ def tokenize_dataset(cfg: RunConfig | dict, task_runner: TaskRunner | None = Non
     """Run the `tokenize` flow (as a subflow when called inside a flow); returns the dataset directory.
     Skips at once when the dataset is already complete."""
     c = as_config(cfg)
-    if sharding.is_complete(c):
+    if sharding.why_incomplete(c) is None:
         return str(sharding.dataset_dir(c))
     workers = c.data.num_workers or os.cpu_count() or 1
     runner = task_runner or ProcessPoolTaskRunner(max_workers=workers)

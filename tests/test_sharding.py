@@ -141,7 +141,7 @@ def test_second_run_does_no_work_and_is_fast():
     m = sharding.run(cfg, workers=1)
     assert time.perf_counter() - t0 < 1.0
     assert {p.name: p.stat().st_mtime_ns for p in out.iterdir() if p.is_file()} == before
-    assert sharding.is_complete(cfg) and sharding.is_complete(cfg, full=True)
+    assert sharding.why_incomplete(cfg) is None and sharding.why_incomplete(cfg, full=True) is None
     assert sharding.pieces_to_tokenize(cfg, sharding.plan_pieces(cfg, sources.fetch(cfg))) == []
     assert m.id == Manifest.load(out).id
 
@@ -226,7 +226,7 @@ def test_corrupt_and_truncated_shards_are_detected_and_only_they_rebuilt():
         read_shard(victim)
     assert Manifest.load(out).verify(out) == [victim.name]
     assert Manifest.load(out).verify(out, full=True) == [victim.name, flipped.name]
-    assert not sharding.is_complete(cfg)
+    assert sharding.why_incomplete(cfg) is not None
     mtimes = {p.name: p.stat().st_mtime_ns for p in out.glob("*.bin")}
     sharding.run(cfg, workers=1, full_verify=True)
     assert shard_bytes(out) == good
@@ -339,7 +339,7 @@ def test_a_full_disk_while_writing_is_a_clear_error_and_the_next_run_finishes(ho
     assert [ln for ln in err.splitlines() if ln.startswith("error:")][0].startswith("error: cannot write")
     assert "Traceback" not in err and not list(home.rglob(".*.tmp-*"))
     assert _cli(ov, home).wait(timeout=120) == 0
-    assert sharding.is_complete(cfg_of(), full=True)
+    assert sharding.why_incomplete(cfg_of(), full=True) is None
 
 
 def test_cli_exit_codes(tmp_path):
