@@ -38,7 +38,7 @@ from gptcore.loss import make_loss
 from gptcore.model import GPT
 from gptcore.optim import adamw
 from gptcore.shard_format import Manifest, ShardInfo, write_shard
-from gptcore.train import train_step
+from gptcore.trainer import train_step
 
 H100_BF16_PEAK = 989e12  # dense bf16 FLOP/s per H100 SXM
 PRECISIONS = {torch.float32: "fp32", torch.bfloat16: "bf16"}

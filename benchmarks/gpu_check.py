@@ -146,7 +146,7 @@ def check_speed(device: torch.device, shape: dict, dataset: Path, steps: int) ->
     from gptcore.loss import make_loss
     from gptcore.model import GPT, peak_flops_guess
     from gptcore.optim import adamw
-    from gptcore.train import train_step
+    from gptcore.trainer import train_step
 
     env = select(TrainConfig(device=device.type, compile="true"))
     c, B, T = ModelConfig(**shape["model"]), shape["B"], shape["T"]

@@ -30,10 +30,10 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
 from gptcore.config import ModelConfig
-from gptcore.files import atomic_dir, file_sha256, temp_name
+from gptcore.files import atomic_dir, file_sha256, hashed_write, temp_name
 from gptcore.model import GPT, clean_state_dict, unwrap
 from gptcore.run_files import (
     META_FILE,
@@ -62,16 +62,12 @@ def non_finite(tensors: dict[str, torch.Tensor]) -> list[str]:
     return [k for k, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
 
 
-def save_weights(model: torch.nn.Module, path: Path) -> None:
-    """Write the model's clean state dict as contiguous CPU tensors, the tied head weight stored once;
-    CheckpointError (nothing written) if any is non-finite."""
+def weights_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's clean state dict (live tensors, wherever they are), the tied head weight left out:
+    what model.safetensors holds."""
     sd = clean_state_dict(unwrap(model).state_dict())
     sd.pop(TIED[0], None)
-    tensors = {k: v.detach().to("cpu").contiguous() for k, v in sd.items()}
-    bad = non_finite(tensors)
-    if bad:
-        raise CheckpointError(f"refusing to write {path}: non-finite values in {bad[:5]}")
-    save_file(tensors, str(path), metadata={"format": "pt"})
+    return {k: v.detach() for k, v in sd.items()}
 
 
 def load_weights(model: torch.nn.Module, path: Path) -> None:
@@ -102,18 +98,33 @@ def load_weights(model: torch.nn.Module, path: Path) -> None:
 
 def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, trainer_state: dict, meta: dict,
                     keep_last: int = 3) -> Path:
-    """Write one checkpoint atomically and apply retention; returns its directory.
-    `meta` supplies the run fields (config, manifest_id, ...); step, model_sha256 and time are added."""
+    """Write one checkpoint of a live model atomically and apply retention; returns its directory."""
+    weights = {k: v.to("cpu").contiguous() for k, v in weights_of(model).items()}
+    return write_checkpoint(run_dir, step, weights, trainer_state, {
+        **meta, "model_config": asdict(unwrap(model).config)}, keep_last)
+
+
+def write_checkpoint(run_dir: Path, step: int, weights: dict[str, torch.Tensor], trainer_state: dict,
+                     meta: dict, keep_last: int = 3, before_prune=None) -> Path:
+    """The one checkpoint writer: CPU `weights` (weights_of) and trainer state into a directory built under
+    a temp name and swapped in; each file hashed while it is written (no read-back). `meta` supplies the
+    run fields (config, model_config, manifest_id, ...); step, both sha256s and time are added.
+    CheckpointError (nothing written) for non-finite weights. `before_prune(path)` runs once the checkpoint
+    is in place (the async writer attaches evaluation results there); then retention is applied."""
+    bad = non_finite(weights)
+    if bad:
+        raise CheckpointError(f"refusing to write step {step}: non-finite values in {bad[:5]}")
     with atomic_dir(step_dir(run_dir, step)) as tmp:
-        save_weights(model, tmp / MODEL_FILE)
-        torch.save(trainer_state, tmp / TRAINER_FILE)
+        model_sha = hashed_write(tmp / MODEL_FILE, lambda f: f.write(save(weights, metadata={"format": "pt"})))
+        trainer_sha = hashed_write(tmp / TRAINER_FILE, lambda f: torch.save(trainer_state, f))
         _slow_storage_for_tests()
-        meta = {**meta, "step": step, "model_config": asdict(unwrap(model).config),
-                "model_sha256": file_sha256(tmp / MODEL_FILE),
-                "trainer_sha256": file_sha256(tmp / TRAINER_FILE), "time": time.time()}
+        meta = {**meta, "step": step, "model_sha256": model_sha, "trainer_sha256": trainer_sha, "time": time.time()}
         (tmp / META_FILE).write_text(json.dumps(meta, indent=1, default=str))
+    path = step_dir(run_dir, step)
+    if before_prune is not None:
+        before_prune(path)
     prune(run_dir, keep_last)
-    return step_dir(run_dir, step)
+    return path
 
 
 def _slow_storage_for_tests() -> None:

@@ -153,6 +153,7 @@ class TrainConfig:
     max_minutes: float = 0.0  # time budget for this invocation (nightly runs); 0 = unlimited
     checkpoint_interval: int = 1000
     keep_last: int = 3  # checkpoints kept besides the best-by-val-loss one
+    async_checkpoint: bool = True  # ranks wait only for the copy off the device; rank 0 writes in the background
     log_interval: int = 10  # steps between host reads of the step stats (console line; metrics rows are per step)
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (bf16 on capable GPUs, fp16 on older, fp32 on CPU) | float32 | bfloat16 | float16
@@ -187,10 +188,11 @@ class EvalConfig:
     sample_interval: int = 250  # steps between text samples; 0 = only at the end
     sample_prompt: str = "Hello, I'm a language model,"
     sample_tokens: int = 32
+    max_failures: int = 3  # evaluations failing in a row before evaluation is off for this invocation; 0 = never
 
     def validate(self) -> None:
         for name in ("eval_interval", "hellaswag_interval", "val_tokens", "hellaswag_limit", "sample_interval",
-                     "sample_tokens"):
+                     "sample_tokens", "max_failures"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"eval.{name} must be >= 0, got {getattr(self, name)}")
 

@@ -28,26 +28,40 @@ log = logging.getLogger(__name__)
 
 
 @torch.no_grad()
-def validation_loss(model: torch.nn.Module, cfg: RunConfig, manifest_dir: Path, device,
-                    autocast_ctx=None, rank: int = 0, world: int = 1) -> float:
-    """Mean next-token loss over the first cfg.eval.val_tokens val tokens (same batches every call)."""
+def validation_sums(model: torch.nn.Module, cfg: RunConfig, manifest_dir: Path, device,
+                    autocast_ctx=None, rank: int = 0, world: int = 1) -> torch.Tensor:
+    """This rank's [sum of batch mean losses, batch count] (float64, on `device`), on the plain model through
+    the loss path (no logits kept); no collective, so a rank that fails here cannot leave others waiting."""
     B, T = cfg.train.micro_batch, cfg.train.seq_len
-    total = torch.zeros(2, dtype=torch.float64, device=device)  # [sum of batch losses, batch count]
-    with evaluating(model) as inner:
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    with evaluating(model) as plain:
         for x, y in val_batches(manifest_dir, B, T, cfg.eval.val_tokens, rank, world):
             x, y = x.to(device), y.to(device)
             with autocast_ctx or nullcontext():
-                _, loss = inner(x, y)
+                _, loss = plain(x, y, return_logits=False)
             total[0] += loss.double()
             total[1] += 1
-    if world > 1:  # world=1 inside a DDP job (rank 0 evaluating alone) must not wait for the others
-        distributed.all_reduce_sum(total)
+    return total
+
+
+def mean_loss(total: torch.Tensor, cfg: RunConfig) -> float:
+    """The validation loss from the all-reduced [sum, count] of validation_sums."""
+    B, T = cfg.train.micro_batch, cfg.train.seq_len
     wanted = max(1, cfg.eval.val_tokens // (B * T))
     if total[1] < wanted:
         log.warning("eval.val_tokens=%d but the val split holds only %d full batches (%d tokens); "
                     "used those", cfg.eval.val_tokens, int(total[1]), int(total[1]) * B * T)
     # every batch has B*T tokens, so the mean of batch means is the mean over tokens
     return float(total[0] / total[1]) if total[1] else float("nan")  # nan: a rank alone with no batch
+
+
+def validation_loss(model: torch.nn.Module, cfg: RunConfig, manifest_dir: Path, device,
+                    autocast_ctx=None, rank: int = 0, world: int = 1) -> float:
+    """Mean next-token loss over the first cfg.eval.val_tokens val tokens (same batches every call)."""
+    total = validation_sums(model, cfg, manifest_dir, device, autocast_ctx, rank, world)
+    if world > 1:  # world=1 inside a DDP job (rank 0 evaluating alone) must not wait for the others
+        distributed.all_reduce_sum(total)
+    return mean_loss(total, cfg)
 
 
 # --- standalone evaluation ----------------------------------------------------------------------

@@ -97,6 +97,29 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+class _HashingFile:
+    """A binary file that hashes what is written to it (torch.save and plain writes need only write)."""
+
+    def __init__(self, f):
+        self.f, self.sha = f, hashlib.sha256()
+
+    def write(self, data) -> int:
+        self.sha.update(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def hashed_write(path: Path, write) -> str:
+    """Create `path` with `write(file)` and return the sha256 of the bytes written, computed on the way
+    (no read-back). For files inside an atomic_dir, which fsyncs them before the swap."""
+    with open(path, "wb") as f:
+        out = _HashingFile(f)
+        write(out)
+    return out.sha.hexdigest()
+
+
 def cached_sha256(path: Path, cache: dict, key: str | None = None) -> str:
     """sha256 of `path`, reusing cache[key] (default: the path) while the file's size, mtime and inode are
     those recorded: entries are [size, mtime_ns, inode, sha256], so a cache can be kept as JSON."""

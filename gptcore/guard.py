@@ -63,15 +63,19 @@ class Guard:
 
 
 class FaultInjector:
-    """Test-only trouble, from GPTPIPE_TEST_FAULT="nan@5,spike@9": before the 5th train_step call of this
-    process, the final LayerNorm's weight becomes NaN (every later loss is NaN until a rollback); before
-    the 9th it is multiplied by -30 (the model now favours what it had ruled out: a loss spike that
-    lasts). Counting calls, not steps, means a rollback does not replay the fault. Unset: nothing."""
+    """Test-only trouble, from GPTPIPE_TEST_FAULT="nan@5,spike@9,evalfail@1,evaloom@2": before the 5th
+    train_step call of this process, the final LayerNorm's weight becomes NaN (every later loss is NaN
+    until a rollback); before the 9th it is multiplied by -30 (the model now favours what it had ruled out:
+    a loss spike that lasts). Counting calls, not steps, means a rollback does not replay the fault. The
+    1st evaluation raises a RuntimeError and the 2nd an out-of-memory error, on rank 0 only (the other ranks
+    finish their share: the failure must still be agreed on). Unset: nothing."""
 
     def __init__(self):
         spec = os.environ.get("GPTPIPE_TEST_FAULT", "")
-        self.faults = {int(call): kind for kind, _, call in (f.partition("@") for f in spec.split(",") if f)}
-        self.calls = 0
+        faults = [(kind, int(call)) for kind, _, call in (f.partition("@") for f in spec.split(",") if f)]
+        self.faults = {call: kind for kind, call in faults if not kind.startswith("eval")}
+        self.eval_faults = {call: kind for kind, call in faults if kind.startswith("eval")}
+        self.calls = self.eval_calls = 0
 
     @torch.no_grad()
     def before_step(self, model: torch.nn.Module) -> None:
@@ -84,3 +88,11 @@ class FaultInjector:
             w.fill_(float("nan"))
         elif kind == "spike":
             w.mul_(-30.0)
+
+    def before_eval(self, rank: int) -> None:
+        self.eval_calls += 1
+        kind = self.eval_faults.get(self.eval_calls) if rank == 0 else None
+        if kind == "evalfail":
+            raise RuntimeError(f"injected evaluation failure (GPTPIPE_TEST_FAULT, evaluation {self.eval_calls})")
+        if kind == "evaloom":
+            raise torch.OutOfMemoryError(f"injected out of memory (GPTPIPE_TEST_FAULT, evaluation {self.eval_calls})")

@@ -208,7 +208,7 @@ def score(model: torch.nn.Module, examples: list[Example], device, autocast_ctx=
         longest = max(len(t) for t, _ in ex_rows)
         by_bucket.setdefault(next(b for b in buckets if b >= longest), []).append(i)
 
-    with evaluating(model) as inner:
+    with evaluating(model) as plain:
         for length, idxs in sorted(by_bucket.items()):
             per_batch = max(1, batch_tokens // (4 * length))  # examples per forward: fixed for this bucket
             for start in range(0, len(idxs), per_batch):
@@ -224,7 +224,7 @@ def score(model: torch.nn.Module, examples: list[Example], device, autocast_ctx=
                         y[4 * j + k, n - 1 - n_end:n - 1] = torch.tensor(toks[n - n_end:])
                 x, y = x.to(device), y.to(device)
                 with autocast_ctx or nullcontext():
-                    logits, _ = inner(x)
+                    logits, _ = plain(x)
                 mask = y >= 0
                 # only the ending positions' logits are upcast and normalised, not the context or padding
                 logp = F.log_softmax(logits[mask].float(), dim=-1)
@@ -237,15 +237,27 @@ def score(model: torch.nn.Module, examples: list[Example], device, autocast_ctx=
     return sums, counts
 
 
-def evaluate(model: torch.nn.Module, examples: list[Example], device, autocast_ctx=None,
-             rank: int = 0, world: int = 1) -> dict:
-    """{"acc", "acc_norm", "n"} over all examples; under DDP every rank must call this."""
+def local_counts(model: torch.nn.Module, examples: list[Example], device, autocast_ctx=None,
+                 rank: int = 0, world: int = 1) -> torch.Tensor:
+    """This rank's [correct, correct by length-normalised loss, examples] over its share
+    examples[rank::world] (float64, on `device`); no collective."""
     mine = examples[rank::world]
     sums, counts = score(model, mine, device, autocast_ctx)
     labels = torch.tensor([ex.label for ex in mine], dtype=torch.long)
     correct = [int((s.argmin(1) == labels).sum()) for s in (sums, sums / counts)]  # acc, acc_norm
-    totals = torch.tensor([*correct, len(mine)], dtype=torch.long, device=device)
-    if world > 1:
-        distributed.all_reduce_sum(totals)
+    return torch.tensor([*correct, len(mine)], dtype=torch.float64, device=device)
+
+
+def summary(totals: torch.Tensor) -> dict:
+    """{"acc", "acc_norm", "n"} from the all-reduced local_counts."""
     c, cn, n = (int(v) for v in totals.cpu())
     return {"acc": c / n if n else 0.0, "acc_norm": cn / n if n else 0.0, "n": n}
+
+
+def evaluate(model: torch.nn.Module, examples: list[Example], device, autocast_ctx=None,
+             rank: int = 0, world: int = 1) -> dict:
+    """{"acc", "acc_norm", "n"} over all examples; under DDP every rank must call this."""
+    totals = local_counts(model, examples, device, autocast_ctx, rank, world)
+    if world > 1:
+        distributed.all_reduce_sum(totals)
+    return summary(totals)

@@ -20,6 +20,7 @@ from torch.nn import functional as F
 from gptcore.tokenizer import N_VOCAB
 
 LOSS_CHUNK = 256  # rows per chunk of the fused loss (256 x 50304 fp32 logits = 51 MB)
+EVAL_CHUNK = 1024  # rows per chunk of the evaluation loss (206 MB of fp32 logits)
 
 
 class PlainLoss:
@@ -51,6 +52,16 @@ class FusedLoss:
         # eager under torch.compile (one graph break before the loss): compiled, each chunk's in-place
         # accumulation into the weight-sized gradient became a fresh weight-sized tensor plus a copy
         return FusedLinearCrossEntropy.apply(x, weight, targets, self, N_VOCAB)
+
+
+def eval_loss(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int = EVAL_CHUNK) -> torch.Tensor:
+    """The mean loss with no gradient (evaluation): chunks of rows, so only one chunk's logits exist at a
+    time (a 64 x 1024 validation batch would otherwise hold 3.3 G logits)."""
+    total = torch.zeros((), dtype=torch.float32, device=x.device)
+    for i in range(0, x.size(0), chunk):
+        logits = F.linear(x[i:i + chunk], weight)[:, :N_VOCAB]
+        total += F.cross_entropy(logits.float(), targets[i:i + chunk], ignore_index=-1, reduction="sum")
+    return total / (targets != -1).sum()
 
 
 def make_loss(kind: str) -> PlainLoss | FusedLoss:

@@ -17,7 +17,7 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 from gptcore.config import ModelConfig
-from gptcore.loss import PlainLoss
+from gptcore.loss import PlainLoss, eval_loss
 from gptcore.tokenizer import N_VOCAB
 
 
@@ -115,8 +115,9 @@ class GPT(nn.Module):
         for block in self.transformer.h:
             x = block(x)
         x = self.transformer.ln_f(x)
-        if targets is not None and not return_logits:
-            return None, self.head_loss(x.reshape(-1, x.size(-1)), self.lm_head.weight, targets.reshape(-1))
+        if targets is not None and not return_logits:  # no gradient wanted (evaluation): no gradient work
+            head = self.head_loss if torch.is_grad_enabled() else eval_loss
+            return None, head(x.reshape(-1, x.size(-1)), self.lm_head.weight, targets.reshape(-1))
         # the real-vocab rows of the tied weight only: contiguous logits, no logits-sized copy
         logits = F.linear(x, self.lm_head.weight[:N_VOCAB])
         loss = None
@@ -178,9 +179,10 @@ def clean_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 @contextmanager
 def evaluating(model: nn.Module):
-    """Eval mode for the block, on the module inside DDP (a torch.compile wrapper kept): evaluation does no
-    backward pass, so DDP's forward bookkeeping is waste (and ranks may run different numbers of forwards)."""
-    inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    """The plain GPT inside any DDP / torch.compile wrapper, in eval mode for the block. Evaluation runs
+    eagerly on it: no DDP forward bookkeeping (ranks may run different numbers of forwards), no compiled
+    graphs for eval shapes, and the training graph's guards (train mode) hold again afterwards."""
+    inner = unwrap(model)
     was_training = inner.training
     inner.eval()
     try:

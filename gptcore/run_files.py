@@ -3,7 +3,8 @@ only the stages that do work import torch.
 
     <run_dir>/run.json                      the run's identity (config hash, manifest id), written at start
     <run_dir>/DONE                          written when the run reached max_steps
-    <run_dir>/checkpoints/step_00001000/    one checkpoint (gptcore.checkpoint writes and verifies them)
+    <run_dir>/checkpoints/step_00001000/    one checkpoint (gptcore.checkpoint writes and verifies them);
+                                            its eval.json (val loss, HellaSwag) is added once evaluated
     <run_dir>/checkpoints/rejected/         checkpoints that failed verification, each with a why.txt
 """
 
@@ -21,6 +22,7 @@ from gptcore.files import read_json
 RUN_FILE = "run.json"
 DONE_FILE = "DONE"
 META_FILE = "meta.json"
+EVAL_FILE = "eval.json"  # a checkpoint's evaluation: written by the trainer after the checkpoint, or the flow
 REJECTED_DIR = "rejected"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
@@ -118,12 +120,29 @@ def checkpoint_of(path: Path) -> Path:
     return path
 
 
+def eval_settings(cfg: RunConfig, val: bool, hellaswag: bool | None = None) -> dict:
+    """What an evaluation's numbers depend on besides the weights, recorded in eval.json: a change means
+    evaluate again. `hellaswag` (default cfg.eval.hellaswag): whether HellaSwag was part of it."""
+    return {"val": val, "val_tokens": cfg.eval.val_tokens if val else None,
+            "micro_batch": cfg.train.micro_batch, "seq_len": cfg.train.seq_len,
+            "hellaswag": cfg.eval.hellaswag if hellaswag is None else hellaswag,
+            "hellaswag_limit": cfg.eval.hellaswag_limit}
+
+
+def val_loss_of(ckpt: Path, meta: dict) -> float | None:
+    """A checkpoint's val loss: its eval.json's (the trainer evaluates after the checkpoint is written), or
+    the one meta.json recorded (checkpoints written before); None when neither holds a finite one."""
+    for value in (read_json(Path(ckpt) / EVAL_FILE, {}).get("val_loss"), meta.get("val_loss")):
+        if finite(value):
+            return value
+    return None
+
+
 def best_checkpoint(run_dir: Path) -> Path | None:
     """The checkpoint with the lowest recorded val loss (latest step wins ties); the latest checkpoint
     if none has a val loss; None if there are no checkpoints."""
     ckpts = list_checkpoints(run_dir)
-    # finite: skip None, NaN and inf
-    scored = [(m["val_loss"], -int(c.name[5:]), c) for c, m in readable(ckpts) if finite(m.get("val_loss"))]
+    scored = [(v, -int(c.name[5:]), c) for c, m in readable(ckpts) if (v := val_loss_of(c, m)) is not None]
     if scored:
         return min(scored)[2]
     return ckpts[-1] if ckpts else None

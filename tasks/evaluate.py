@@ -24,19 +24,11 @@ from prefect import get_run_logger, task
 
 from gptcore.config import RunConfig, TrainConfig, from_dict
 from gptcore.files import read_json, write_json
-from gptcore.run_files import META_FILE, checkpoint_of, read_meta
+from gptcore.run_files import EVAL_FILE, META_FILE, checkpoint_of, eval_settings, read_meta
 from gptcore.runlock import RunLock
 
-EVAL_FILE = "eval.json"
 EVAL_LOCK = "eval.lock"  # held while a checkpoint is being evaluated
 EVAL_WAIT_SECONDS = 3600.0  # a second evaluation of the same checkpoint waits this long for the first
-
-
-def settings(cfg: RunConfig, val: bool) -> dict:
-    """What the numbers depend on besides the weights; a change means evaluate again."""
-    return {"val": val, "val_tokens": cfg.eval.val_tokens if val else None,
-            "micro_batch": cfg.train.micro_batch, "seq_len": cfg.train.seq_len,
-            "hellaswag": cfg.eval.hellaswag, "hellaswag_limit": cfg.eval.hellaswag_limit}
 
 
 def stored_evaluation(ckpt: str | Path, cfg: RunConfig, val: bool = True, retry_skipped: bool = True) -> dict | None:
@@ -44,7 +36,7 @@ def stored_evaluation(ckpt: str | Path, cfg: RunConfig, val: bool = True, retry_
     retry_skipped, one whose HellaSwag was skipped for lack of the dataset counts as not done (it may be
     reachable now); the flow passes False so that a re-run stays a no-op."""
     done = read_json(Path(ckpt) / EVAL_FILE, {})  # {} when missing, unreadable or not an object
-    if done.get("settings") != settings(cfg, val) or (retry_skipped and "skipped" in (done.get("hellaswag") or {})):
+    if done.get("settings") != eval_settings(cfg, val) or (retry_skipped and "skipped" in (done.get("hellaswag") or {})):
         return None
     return done
 
@@ -74,7 +66,7 @@ def evaluate_dir(target: str | Path, cfg_dict: dict | None = None, val: bool = T
         result = evaluate_model(model, cfg, env.device, env.autocast(), hellaswag=cfg.eval.hellaswag,
                                 hellaswag_path=None, limit=cfg.eval.hellaswag_limit, val=val)
         result = {"target": str(ckpt), "kind": info["kind"], "step": info.get("step"), **result,
-                  "settings": settings(cfg, val), "seconds": round(time.time() - t0, 2)}
+                  "settings": eval_settings(cfg, val), "seconds": round(time.time() - t0, 2)}
         write_json(ckpt / EVAL_FILE, result)
     if log:
         log.info("evaluated %s: %s", ckpt, {k: result[k] for k in ("val_loss", "hellaswag") if k in result})

@@ -35,7 +35,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from gptcore.files import file_sha256, read_json
-from gptcore.run_files import CheckpointError, finite, read_meta
+from gptcore.run_files import EVAL_FILE, CheckpointError, read_meta, val_loss_of
 from tasks import mlflow_store as store
 
 log = logging.getLogger("gptpipe.register")
@@ -68,17 +68,16 @@ def _requirements() -> list[str]:
 
 
 def _version_tags(ckpt_dir: Path, meta: dict, sha: str, flow_run_id: str | None) -> dict[str, str]:
-    # val loss and HellaSwag: the training-time numbers in meta.json, completed by the evaluate stage's
-    # <ckpt>/eval.json (a full HellaSwag run usually happens there, after training)
-    val, hs = meta.get("val_loss"), meta.get("hellaswag") or {}
-    ev = read_json(ckpt_dir / "eval.json", {})
-    val = val if val is not None else ev.get("val_loss")
+    # val loss and HellaSwag: <ckpt>/eval.json (the trainer's evaluation after the checkpoint, or the
+    # evaluate stage's), else what meta.json recorded (checkpoints written before eval.json existed)
+    val, hs = val_loss_of(ckpt_dir, meta), meta.get("hellaswag") or {}
+    ev = read_json(ckpt_dir / EVAL_FILE, {})
     if isinstance(ev.get("hellaswag"), dict) and ev["hellaswag"].get("acc") is not None:
         hs = ev["hellaswag"]
     optim = (meta.get("config") or {}).get("optim") or {}
     tags = {
         "step": meta["step"], "tokens_seen": meta.get("tokens_seen"),
-        "val_loss": val if finite(val) else None,  # a diverged (NaN) run must never become `best`
+        "val_loss": val,  # finite or None: a diverged (NaN) run must never become `best`
         "hellaswag_acc": hs.get("acc"), "hellaswag_acc_norm": hs.get("acc_norm"), "hellaswag_n": hs.get("n"),
         "manifest_id": meta.get("manifest_id"), "config_hash": meta.get("identity_hash"),
         "run_name": meta.get("run_name"), "code_version": store.code_version(),

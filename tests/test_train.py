@@ -71,7 +71,9 @@ def test_finished_run_layout_and_metrics(finished, capsys):
     ckpts = [p.name for p in R.list_checkpoints(finished)]
     assert ckpts == ["step_00000004", "step_00000006"]
     meta = R.read_meta(finished / "checkpoints" / "step_00000006")
-    assert meta["val_loss"] == evals[0]["val/loss"] and meta["tokens_seen"] == 6 * 128
+    assert meta["tokens_seen"] == 6 * 128 and "val_loss" not in meta  # evaluated after the checkpoint:
+    ev = json.loads((finished / "checkpoints" / "step_00000006" / "eval.json").read_text())  # its results
+    assert ev["val_loss"] == evals[0]["val/loss"] and ev["step"] == 6 and ev["by"] == "trainer"
     assert meta["identity_hash"] == run["identity_hash"] and meta["manifest_id"] == run["manifest_id"]
     state = C.load_trainer_state(finished / "checkpoints" / "step_00000006")
     assert state["loader"]["position"] == 6 * 128 // 32 and state["step"] == 6
@@ -199,7 +201,7 @@ def test_no_host_sync_inside_a_step_except_at_log_eval_and_checkpoint_steps(ds, 
     is counted, per step."""
     import torch
 
-    import gptcore.train as T
+    import gptcore.trainer as T
 
     syncs, steps = [0], []
     real_step = T.train_step

@@ -1,0 +1,415 @@
+"""The Trainer: GPT-2 pretraining on one process or many (DDP under torchrun), resumable exactly.
+
+`Trainer.run` reads top to bottom: step -> log -> checkpoint -> evaluate -> sample -> stop. The parts it
+holds each do one thing: the data loader, the divergence guard (gptcore/guard.py), the checkpoint writer
+(gptcore/checkpointer.py: the ranks wait for a copy of the state, rank 0 writes in the background), the
+evaluator (gptcore/train_eval.py: after the checkpoint, on the plain model, failures are events) and the
+metrics log. Where a run starts from (checks, resume, fallback) is gptcore/resume.py.
+
+Between host reads the loop never waits for the device: each step's statistics stay on the device until
+the next log, eval or checkpoint step, where one read gets them all (`read_steps`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from typing import NamedTuple
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from gptcore import distributed
+from gptcore.checkpointer import FAILED, SKIPPED, Checkpointer
+from gptcore.data import ShardLoader
+from gptcore.files import write_json
+from gptcore.guard import OK, ROLLBACK, SKIP, FaultInjector, Guard
+from gptcore.loss import make_loss
+from gptcore.metrics import METRICS_FILE, JsonlLogger, NullLogger
+from gptcore.model import peak_flops_guess
+from gptcore.optim import build_optimizer, lr_at, set_lr, skips_on_device
+from gptcore.resume import Prepared, RunError, newest_intact, restore
+from gptcore.run_files import DONE_FILE, EVAL_FILE, RUN_FILE, step_dir
+from gptcore.train_eval import Evaluator
+
+STOP_FILE = "STOP"  # create <run_dir>/STOP to stop a run gracefully (checkpoint, exit 0, torchrun too)
+PEAK_ENV = "GPTPIPE_PEAK_FLOPS"  # peak FLOP/s per device for MFU (default: a table for known GPUs)
+STOP_SIGNAL: dict = {"signal": None}  # set by gptcore.train's signal handler; read at every step
+
+
+class Diverged(RuntimeError):
+    """The guard rolled back too often in a row, or had no checkpoint to roll back to."""
+
+
+class StepStats(NamedTuple):
+    """One step's statistics, in the order train_step packs them into its device tensor."""
+    loss_sum: float  # the step's mean loss, summed over ranks
+    nonfinite_ranks: float  # ranks whose loss or gradient was not finite
+    stop_votes: float  # ranks that asked to stop
+    grad_norm: float  # this rank's gradient norm before clipping
+
+
+@dataclass
+class Pending:
+    """A step whose statistics the host has not read yet."""
+    step: int
+    lr: float
+    epoch: int
+    stats: torch.Tensor  # StepStats, on the device
+
+
+@dataclass
+class Read:
+    """What the host learned at one sync point about the steps since the previous one."""
+    loss: float  # the newest step's
+    verdict: str  # guard verdict: OK, SKIP or ROLLBACK
+    stop: bool  # some rank voted to stop
+
+
+@dataclass
+class Due:
+    """What the step just taken calls for."""
+    last: bool
+    checkpoint: bool
+    eval: bool
+    sample: bool
+    read: bool  # a host sync: log rows, guard verdicts, stop votes
+
+
+class Trainer:
+    def __init__(self, prep: Prepared, t_start: float):
+        cfg, env, raw = prep.cfg, prep.env, prep.model
+        tc = cfg.train
+        self.cfg, self.env, self.run_dir, self.raw, self.t_start = cfg, env, prep.run_dir, raw, t_start
+        raw.head_loss = make_loss(env.loss)  # train.loss; the trainer owns the fused loss's reusable buffers
+        self.optimizer = build_optimizer(raw, cfg.optim, env.device.type)
+        self.scaler = torch.amp.GradScaler(env.device.type) if env.dtype == torch.float16 else None
+        self.loader = ShardLoader(prep.data_dir, tc.micro_batch, tc.seq_len, tc.total_batch_tokens, tc.seed,
+                                  env.rank, env.world, env.device, manifest=prep.manifest)
+        torch.manual_seed(tc.seed + env.rank)  # per-rank randomness (dropout) from here on
+        self.step = 0  # steps done; tokens seen = step * train.total_batch_tokens (part of the run identity)
+        if prep.trainer_state is not None:
+            self.step = restore(prep.trainer_state, self.optimizer, self.loader, self.scaler, env)
+        seen = distributed.all_gather_object(self.step)  # every rank must resume from the same checkpoint
+        if len(set(seen)) > 1:
+            raise RunError(f"ranks found different checkpoints in {self.run_dir} (steps {seen}); the run "
+                           "directory must be on a filesystem shared by all nodes (or set train.run_dir to one)")
+        self.model = self.wrap(raw)
+        self.logger = JsonlLogger(self.run_dir / METRICS_FILE) if env.master else NullLogger()
+        if env.master:
+            write_records(prep, self.step)
+        peak_one = float(os.environ.get(PEAK_ENV) or 0) or peak_flops_guess(env.device)  # None: unknown GPU
+        self.peak_flops = peak_one * env.world if peak_one else None  # all devices together, for MFU
+        self.meta = {"config": cfg.to_dict(), "model_config": asdict(cfg.model), "manifest_id": prep.manifest.id,
+                     "run_name": cfg.run_name, "identity_hash": cfg.identity_hash()}  # in every checkpoint
+        self.guard, self.faults = Guard(cfg.guard), FaultInjector()
+        self.checkpointer = Checkpointer(self.run_dir, tc.keep_last, background=tc.async_checkpoint)
+        self.evaluator = Evaluator(cfg, env, prep.data_dir, raw, self.logger, self.event, self.faults)
+        self.accum = cfg.grad_accum_steps(env.world)
+        self.pending: list[Pending] = []
+        self.unconfirmed: int | None = None  # the step of a checkpoint whose write every rank has not confirmed
+        self.saved_step: int | None = None  # the step of the newest checkpoint this invocation saved
+        self.stop_file = False  # rank 0 saw a STOP file
+        self.t_read = time.time()
+
+    def wrap(self, raw: torch.nn.Module) -> torch.nn.Module:
+        """What trains: the plain model, wrapped in DDP and/or torch.compile."""
+        model, env = raw, self.env
+        if env.ddp:
+            model = DDP(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None)
+            if self.cfg.train.ddp_bf16_grads:  # halves the all-reduce bytes (multi-node); gradients summed in bf16
+                model.register_comm_hook(None, distributed.allreduce_in_bf16)
+        if env.compile:
+            # DDP first, then compile: dynamo's DDPOptimizer splits the graph at DDP's bucket boundaries, so
+            # each bucket's all-reduce starts while the rest of backward still runs (compiled-then-wrapped,
+            # the hooks would fire only after the whole compiled backward)
+            model = torch.compile(model)
+        return model
+
+    # --- the loop -------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Train to max_steps or a stop request; exit code 0 (RunError / Diverged for the caller)."""
+        try:
+            while self.step < self.cfg.train.max_steps:
+                self.take_step()
+                due = self.due()
+                if not due.read:
+                    continue  # no host sync: the device runs on while the host prepares the next step
+                read = self.read_steps()
+                if read.verdict == ROLLBACK:
+                    self.roll_back()
+                    continue
+                spent: dict[str, float] = {}
+                troubled = self.guard.nonfinite or self.guard.spiking  # an interval checkpoint waits for a healthy step
+                if due.last or read.stop or (due.checkpoint and not troubled):
+                    with timed(spent, "checkpoint"):
+                        self.checkpoint("end" if due.last else "stop" if read.stop else "interval", read.loss)
+                if due.eval and not read.stop:
+                    with timed(spent, "eval"):
+                        self.evaluate(due.last)
+                if due.sample and not read.stop and self.env.master:
+                    with timed(spent, "sample"):
+                        self.evaluator.sample(self.step)
+                self.log_time_spent(spent)
+                if read.stop and not due.last:
+                    return self.stopped()
+            return self.finished()
+        finally:
+            self.checkpointer.close()  # a write in flight ends before the process does
+            self.logger.close()
+
+    def due(self) -> Due:
+        step, tc, ev = self.step, self.cfg.train, self.cfg.eval
+        last = step == tc.max_steps
+        checkpoint = step % tc.checkpoint_interval == 0
+        evaluate = last or bool(ev.eval_interval and step % ev.eval_interval == 0)
+        sample = last or bool(ev.sample_interval and step % ev.sample_interval == 0)
+        read = last or checkpoint or evaluate or sample or step == 1 or step % tc.log_interval == 0
+        return Due(last, checkpoint, evaluate, sample, read)
+
+    # --- step and log -----------------------------------------------------------------------------
+
+    def take_step(self) -> None:
+        lr = lr_at(self.step, self.cfg)
+        set_lr(self.optimizer, lr)
+        vote = self.stop_vote()
+        self.faults.before_step(self.raw)
+        stats = train_step(self.model, self.optimizer, self.loader, self.accum, self.env, self.scaler,
+                           self.cfg.optim.grad_clip, vote)
+        self.step += 1
+        self.pending.append(Pending(self.step, lr, self.loader.epoch, stats))
+
+    def stop_vote(self) -> bool:
+        """This rank votes to stop: a signal on any rank, rank 0's clock, a STOP file or unwritable metrics.
+        The vote is reduced with the loss, so every rank sees it at the same step."""
+        tc, master = self.cfg.train, self.env.master
+        out_of_time = tc.max_minutes > 0 and (time.time() - self.t_start) > tc.max_minutes * 60
+        stop_file = master and (self.run_dir / STOP_FILE).exists()
+        self.stop_file = self.stop_file or stop_file
+        broken = master and self.logger.error is not None  # metrics.jsonl cannot be written (a full disk?)
+        return STOP_SIGNAL["signal"] is not None or (master and out_of_time) or stop_file or broken
+
+    def read_steps(self) -> Read:
+        """The one host sync of the pending steps (the same steps on every rank): log each, let the guard
+        judge each, and learn how a checkpoint write in flight ended."""
+        cfg, env, guard = self.cfg, self.env, self.guard
+        now = time.time()
+        dt = (now - self.t_read) / len(self.pending)
+        rows = [StepStats(*r) for r in torch.stack([p.stats for p in self.pending]).tolist()]
+        batch = cfg.train.total_batch_tokens
+        tok_s = batch / dt
+        mfu = {"train/mfu": self.raw.estimate_mfu(tok_s, self.peak_flops, cfg.train.seq_len)} if self.peak_flops else {}
+        read = Read(math.nan, OK, False)
+        for p, s in zip(self.pending, rows, strict=True):
+            read.loss, read.stop = s.loss_sum / env.world, read.stop or s.stop_votes > 0
+            self.logger.log(p.step, {"train/loss": read.loss, "train/lr": p.lr, "train/grad_norm": s.grad_norm,
+                                     "train/step_time": dt, "train/tokens_per_s": tok_s,
+                                     "train/tokens_seen": p.step * batch, "train/epoch": p.epoch, **mfu})
+            if read.verdict != ROLLBACK:
+                read.verdict = guard.observe(read.loss, s.nonfinite_ranks == 0)
+                if read.verdict == SKIP:
+                    self.event(p.step, f"non-finite step skipped (loss {read.loss}, grad norm {s.grad_norm}): no "
+                               f"update applied ({guard.nonfinite}/{cfg.guard.max_nonfinite} before a rollback)")
+        if env.master:
+            p, s = self.pending[-1], rows[-1]
+            print(f"step {p.step:6d}/{cfg.train.max_steps} | loss {read.loss:.6f} | lr {p.lr:.3e} | norm "
+                  f"{s.grad_norm:.4f} | {dt * 1000:.1f} ms | {tok_s:,.0f} tok/s", flush=True)
+        self.pending.clear()
+        self.t_read = now
+        self.confirm_checkpoint(wait=False)
+        return read
+
+    def event(self, step: int, text: str, who: str = "guard", **values) -> None:
+        """A guard, checkpoint or evaluation event: a metrics.jsonl row of kind "event" and a line on stdout
+        (rank 0)."""
+        self.logger.log(step, {"event": text, **values}, kind="event")
+        if self.env.master:
+            print(f"step {step:6d} | {who}: {text}", flush=True)
+
+    def log_time_spent(self, spent: dict[str, float]) -> None:
+        """Time outside training steps at this sync point, as metrics; step times leave it out."""
+        if spent:
+            self.logger.log(self.step, {f"time/{k}_s": v for k, v in spent.items()}, kind="overhead")
+            self.t_read = time.time()
+
+    # --- checkpoint, evaluate -----------------------------------------------------------------------
+
+    def checkpoint(self, reason: str, train_loss: float) -> None:
+        """Checkpoint the state after this step: the ranks wait for rank 0's copy of it, not for the disk
+        (train.async_checkpoint). Collective: every rank contributes its RNG state."""
+        self.confirm_checkpoint(wait=True)  # at most one write in flight
+        env = self.env
+        rng = {"torch": torch.get_rng_state()}  # every rank's, so dropout masks resume exactly
+        if env.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(env.device)
+        rngs = distributed.all_gather_object(rng)
+        if env.master:
+            state = {"optimizer": self.optimizer.state_dict(), "loader": self.loader.state_dict(), "rng": rngs,
+                     "scaler": self.scaler.state_dict() if self.scaler is not None else {},
+                     "step": self.step, "world": env.world}
+            self.checkpointer.save(self.step, self.raw, state, {
+                **self.meta, "tokens_seen": self.step * self.cfg.train.total_batch_tokens,
+                "train_loss": train_loss, "reason": reason})
+        self.unconfirmed = self.saved_step = self.step
+        if not self.cfg.train.async_checkpoint:
+            self.confirm_checkpoint(wait=True)
+
+    def confirm_checkpoint(self, wait: bool) -> None:
+        """Every rank learns how rank 0's newest checkpoint write ended (collective, while one is unconfirmed):
+        a failed write stops every rank with the same error; a skipped one (non-finite weights) is an event."""
+        if self.unconfirmed is None:
+            return
+        out = distributed.broadcast_object(self.checkpointer.outcome(wait) if self.env.master else None)
+        if out is None:
+            return  # still being written
+        self.unconfirmed = None
+        if out.status == FAILED:
+            raise RunError(out.text)
+        if out.status == SKIPPED:
+            self.event(out.step, f"checkpoint not written: {out.text}", who="checkpoint")
+            return
+        if self.env.master:
+            print(f"checkpoint {out.text} written", flush=True)
+        self.guard.checkpointed()
+
+    def evaluate(self, last: bool) -> None:
+        """Validation (and HellaSwag when due) after the checkpoint of this step; the results are attached to
+        that checkpoint as its eval.json."""
+        record = self.evaluator.evaluate(self.step, last)
+        if record is not None and self.env.master and self.saved_step == self.step:
+            self.checkpointer.attach(self.step, EVAL_FILE, {**record, "target": str(step_dir(self.run_dir, self.step))})
+
+    def roll_back(self) -> None:
+        """Reload the newest good checkpoint (weights, optimizer, RNG) but keep the data position, so the
+        batches since that checkpoint, which led into the trouble, are skipped. Raises Diverged when there is
+        nothing to roll back to or it happened too often in a row."""
+        self.confirm_checkpoint(wait=True)  # a write in flight is on disk (or known lost) before choosing
+        cfg, loader, guard, step = self.cfg, self.loader, self.guard, self.step
+        why = "non-finite steps" if guard.nonfinite else "loss spike"  # the guard's counts, before rolled_back resets them
+        if not guard.rolled_back():
+            raise Diverged(f"the run diverged again ({why} at step {step}) after {cfg.guard.max_rollbacks} "
+                           "rollbacks with no checkpoint written in between; the checkpoints are intact. Lower "
+                           "optim.max_lr (or raise optim.warmup_steps), check the data near loader position "
+                           f"{loader.position}, then run the same command to continue from the newest checkpoint "
+                           "(guard.max_rollbacks allows more tries)")
+        # healthy only: a checkpoint written during the trouble is no way out of it
+        ck, ts, _ = newest_intact(self.run_dir, self.raw, self.env.master, healthy_only=True)
+        if ck is None:
+            raise Diverged(f"the run diverged ({why} at step {step}) before it had a good checkpoint to roll back "
+                           "to; lower optim.max_lr or raise optim.warmup_steps, or lower train.checkpoint_interval so a "
+                           "rollback has somewhere to go")
+        skipped = loader.position - int(ts["loader"]["position"])
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step = restore(ts, self.optimizer, loader, self.scaler, self.env, data=False)  # the checkpoint's step
+        self.event(step, f"{why}: rolled back to {ck.name}; the {skipped} sequences since it are "
+                   f"skipped (rollback {guard.rollbacks}/{cfg.guard.max_rollbacks})",
+                   **{"guard/rollback_from": step, "guard/rollback_to": self.step, "guard/skipped_sequences": skipped})
+        self.t_read = time.time()
+
+    # --- the end ----------------------------------------------------------------------------------
+
+    def stopped(self) -> int:
+        """A stop request (signal, STOP file, time budget): its checkpoint is on disk, then exit 0."""
+        self.confirm_checkpoint(wait=True)
+        env, tc = self.env, self.cfg.train
+        broken = distributed.broadcast_object(self.logger.error if env.master else None)
+        if broken:
+            raise RunError(f"{self.run_dir / METRICS_FILE} cannot be written ({broken}); the run checkpointed "
+                           f"step {self.step} and stopped: make room on that disk and run again")
+        why = f"signal {STOP_SIGNAL['signal']}" if STOP_SIGNAL["signal"] is not None else \
+            f"{STOP_FILE} file" if self.stop_file else f"time budget train.max_minutes={tc.max_minutes}"
+        if env.master:
+            print(f"stopped at step {self.step}/{tc.max_steps} ({why}); run the same command to continue", flush=True)
+        return 0
+
+    def finished(self) -> int:
+        """max_steps reached: the last checkpoint is on disk, then DONE."""
+        self.confirm_checkpoint(wait=True)
+        if self.env.master:
+            write_json(self.run_dir / DONE_FILE, {"step": self.step, "time": time.time(),
+                                                  "tokens_seen": self.step * self.cfg.train.total_batch_tokens})
+            print(f"RUN_DONE run={self.cfg.run_name} step={self.step} dir={self.run_dir}", flush=True)
+        return 0
+
+
+class timed:
+    """`with timed(spent, "eval"):` adds the block's wall time to spent["eval"]."""
+
+    def __init__(self, spent: dict[str, float], name: str):
+        self.spent, self.name = spent, name
+
+    def __enter__(self):
+        self.t0 = time.time()
+
+    def __exit__(self, *exc):
+        self.spent[self.name] = self.spent.get(self.name, 0.0) + time.time() - self.t0
+
+
+def write_records(prep: Prepared, step: int) -> None:
+    """run.json (the run's identity, once), config.json (this invocation's) and the start line (rank 0)."""
+    cfg, run_dir, env = prep.cfg, prep.run_dir, prep.env
+    if not (run_dir / RUN_FILE).is_file():  # a new run (check_run accepted an existing one)
+        write_json(run_dir / RUN_FILE, {
+            "run_name": cfg.run_name, "identity_hash": cfg.identity_hash(), "manifest_id": prep.manifest.id,
+            "preset": cfg.preset, "dataset_dir": str(prep.data_dir), "created": time.time()})
+    write_json(run_dir / "config.json", cfg.to_dict())
+    (run_dir / STOP_FILE).unlink(missing_ok=True)  # a stop request was for the previous invocation
+    how = f"resuming from {prep.ckpt.name}" if prep.ckpt else "starting"
+    print(f"run {cfg.run_name} ({run_dir}): {how} at step {step}/{cfg.train.max_steps}; world={env.world} "
+          f"accum={cfg.grad_accum_steps(env.world)} device={env.device} dtype={env.dtype} compile={env.compile} "
+          f"loss={env.loss} params={prep.model.num_params():,} dataset={prep.data_dir} ({prep.manifest.id})",
+          flush=True)
+
+
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loader: ShardLoader, accum: int,
+               env: distributed.Env, scaler=None, grad_clip: float = 1.0, stop_vote: bool = False) -> torch.Tensor:
+    """One optimizer step over `accum` micro-batches, with no host sync: returns StepStats as one device
+    tensor. A step that is non-finite on any rank applies no update (the fused optimizer skips it on the
+    device, as GradScaler does). The learning rate is set by the caller. (bench_train times this.)"""
+    loss_sum = torch.zeros((), device=env.device)
+    for micro in range(accum):
+        x, y = loader.next_batch()
+        # under DDP, gradients are all-reduced only on the last micro-step
+        sync = model.no_sync() if env.ddp and micro < accum - 1 else nullcontext()
+        with sync:
+            with env.autocast():
+                _, loss = model(x, y, return_logits=False)
+            loss = loss / accum  # the mean over the whole step's micro-batches
+            loss_sum += loss.detach()
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+    parts = getattr(optimizer, "optimizers", (optimizer,))  # optim.name=muon: AdamW + Muon
+    if scaler is not None:
+        for part in parts:
+            scaler.unscale_(part)
+    # inf: measure the norm without clipping
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
+    # one all-reduce, before the update: the loss, whether any rank's step is non-finite (fp16's GradScaler
+    # handles overflowing gradients itself, so there only the loss counts) and the stop vote
+    bad = ~torch.isfinite(loss_sum) if scaler is not None else ~(torch.isfinite(loss_sum) & torch.isfinite(norm))
+    packed = torch.stack([loss_sum.float(), bad.float(), torch.full((), float(stop_vote), device=env.device)])
+    distributed.all_reduce_sum(packed)
+    if scaler is not None:
+        for part in parts:
+            scaler.step(part)  # skips the update itself when gradients overflowed
+        scaler.update()
+    else:
+        skip_if_nonfinite(optimizer, packed[1])
+    optimizer.zero_grad(set_to_none=True)
+    return torch.cat([packed, norm.detach().float().view(1)])  # StepStats' order
+
+
+def skip_if_nonfinite(optimizer: torch.optim.Optimizer, n_bad: torch.Tensor) -> None:
+    """optimizer.step(), or no update when n_bad > 0. The fused AdamW and the Muon of gptcore.optim take
+    the decision on the device (found_inf: no parameter, moment or step-count change); another optimizer
+    needs a host sync."""
+    if skips_on_device(optimizer):
+        optimizer.found_inf = (n_bad > 0).float()
+        optimizer.step()
+        optimizer.found_inf = None
+    elif n_bad.item() == 0:
+        optimizer.step()
