@@ -5,14 +5,23 @@
 
 Each check is a row of the table it prints, PASS or FAIL (exit 1 if any fails):
   train   micro and a GPT-2-shaped model train under torchrun on every device (compile + bf16 on CUDA,
-          fp16 + GradScaler on GPUs without native bf16, as `auto` selects): exit 0, finite losses, the
-          loss falls
+          fp16 + GradScaler on GPUs without native bf16, as `auto` selects), the whole job: validation,
+          HellaSwag (the cached dataset, limited, or the bundled fixture), samples and checkpoints every 4
+          steps: exit 0, finite losses, the loss falls, every evaluation and checkpoint done
+  outside the time spent outside training steps (checkpoint blocking, validation, HellaSwag, samples):
+          measured here, and projected to gpt2-124m's cadence (a checkpoint and HellaSwag every 1,000
+          steps, validation of 10M tokens and a sample every 250) from the per-token / per-example /
+          per-save costs measured here; on CUDA the projection for the GPT-2 shape must be <= 5% of wall
+          time
   resume  a run SIGKILLed after its first checkpoint and started again ends with the losses of the
           uninterrupted run (bf16 tolerance on CUDA, fp32 rounding on CPU)
   ranks   2 ranks equal 1 rank with twice the accumulation (when there are >= 2 devices)
   speed   the trainer's train_step against a plain single-file build-nanogpt-style loop (compile on,
-          same shape, batch and precision), measured in this run: tokens/s ratio, MFU, peak memory;
-          on CUDA it must reach 1.0x (on CPU the row is informational)
+          same shape, batch and precision), alternated over --speed-rounds rounds in this run: the median
+          tokens/s ratio with its spread, MFU, peak memory. On CUDA the median must reach 0.97x: the two
+          loops do the same work but for the trainer's stop vote, non-finite check and gradient norm
+          (a few small kernels per step), so parity is the target and 3% is the noise allowance one
+          ratio of two ~equal timings needs (on CPU the row is informational)
 """
 
 from __future__ import annotations
@@ -32,6 +41,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 12
+EVERY = 4  # steps between checkpoints, evaluations, HellaSwag and samples in the train rows
+FIXTURE = ROOT / "tests" / "fixtures" / "hellaswag_mini.jsonl"
+HELLASWAG_LIMIT = 200  # examples scored per HellaSwag evaluation when the real dataset is cached
+HELLASWAG_FULL = 10_042  # examples in HellaSwag's validation split: what gpt2-124m's evaluations score
 
 
 def make_dataset(d: Path) -> Path:
@@ -41,7 +54,7 @@ def make_dataset(d: Path) -> Path:
     d.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
     infos = []
-    for i, n in enumerate((40_000, 200_000, 200_000, 200_000)):
+    for i, n in enumerate((300_000, 200_000, 200_000, 200_000)):  # val: a batch per rank on 8 GPUs
         base = np.repeat(rng.integers(0, 300, n // 4 + 1), 4)[:n]
         toks = np.where(rng.random(n) < 0.1, rng.integers(0, 50257, n), base).astype(np.uint16)
         split = "val" if i == 0 else "train"
@@ -61,9 +74,10 @@ class Trainer:
         B, T = self.shape["B"], self.shape["T"]  # the same step on any rank count: 2 micro-steps per device
         return {"data.dataset_dir": str(self.dataset), "train.run_dir": str(run), "train.device": self.device,
                 "train.micro_batch": B, "train.seq_len": T, "train.total_batch_tokens": B * T * 2 * self.ndev,
-                "train.max_steps": STEPS, "train.checkpoint_interval": 4, "train.keep_last": 10,
-                "train.log_interval": 1, "optim.warmup_steps": 2, "eval.eval_interval": 0,
-                "eval.sample_interval": 0, "eval.val_tokens": B * T, "eval.hellaswag": False,
+                "train.max_steps": STEPS, "train.checkpoint_interval": EVERY, "train.keep_last": 10,
+                "train.log_interval": 1, "optim.warmup_steps": 2, "eval.eval_interval": EVERY,
+                "eval.hellaswag_interval": EVERY, "eval.sample_interval": EVERY, "eval.sample_tokens": 16,
+                "eval.val_tokens": B * T * self.ndev, **hellaswag_settings(),
                 **{f"model.{k}": v for k, v in self.shape["model"].items()}, **extra}
 
     def start(self, run: Path, nproc: int, log: Path) -> subprocess.Popen:
@@ -79,6 +93,15 @@ class Trainer:
         proc = self.start(run, nproc, log)
         rc = proc.wait(timeout=3600)
         return rc, losses(run), log.read_text()[-2000:]
+
+
+def hellaswag_settings() -> dict:
+    """The real HellaSwag when it is cached (limited to HELLASWAG_LIMIT examples), else the bundled fixture."""
+    from gptcore.config import pipeline_home
+
+    cached = pipeline_home() / "hellaswag" / "hellaswag_val.jsonl"
+    path = cached if cached.is_file() else FIXTURE
+    return {"eval.hellaswag": True, "eval.hellaswag_path": str(path), "eval.hellaswag_limit": HELLASWAG_LIMIT}
 
 
 def losses(run: Path) -> dict[int, float]:
@@ -108,10 +131,60 @@ def worst_gap(a: dict[int, float], b: dict[int, float]) -> float:
 # --- the checks ----------------------------------------------------------------------------------------
 
 def check_train(t: Trainer, label: str, nproc: int) -> tuple[bool, str, dict]:
+    from gptcore.metrics import read_metrics
+    from gptcore.run_files import list_checkpoints
+
     rc, got, tail = t.run(f"train-{label}", nproc)
-    ok = rc == 0 and len(got) == STEPS and all(math.isfinite(v) for v in got.values()) and got[STEPS] < got[1]
-    detail = f"{nproc} rank(s), loss {got.get(1, float('nan')):.3f} -> {got.get(STEPS, float('nan')):.3f}"
+    run = t.work / f"train-{label}"
+    evals = read_metrics(run / "metrics.jsonl", "eval") if rc == 0 else []
+    due = list(range(EVERY, STEPS + 1, EVERY))
+    whole_job = ([r["step"] for r in evals] == due and all("hellaswag/acc" in r for r in evals)
+                 and [int(c.name[5:]) for c in list_checkpoints(run)] == due
+                 and not read_metrics(run / "metrics.jsonl", "event"))
+    ok = (rc == 0 and len(got) == STEPS and all(math.isfinite(v) for v in got.values()) and got[STEPS] < got[1]
+          and whole_job)
+    detail = (f"{nproc} rank(s), loss {got.get(1, float('nan')):.3f} -> {got.get(STEPS, float('nan')):.3f}, "
+              f"{len(evals)} evaluations with HellaSwag, checkpoints at {due}: "
+              f"{'all done' if whole_job else 'MISSING'}")
     return ok, detail if rc == 0 else f"exit {rc}: {tail[-300:]}", got
+
+
+def check_outside_steps(t: Trainer, label: str, gate: bool) -> tuple[bool | None, str]:
+    """Time outside training steps: its share in the train row's run, and projected to gpt2-124m's
+    cadence from what each part cost per unit (checkpoint: per save; validation: per token; HellaSwag:
+    per example; sample: per sample) against the step time per token."""
+    import statistics
+
+    from gptcore.config import load_config
+    from gptcore.metrics import read_metrics
+
+    rows = read_metrics(t.work / f"train-{label}" / "metrics.jsonl")
+    train = [r for r in rows if r["kind"] == "train"][2:]  # after compile's warm-up steps
+    evals = [r for r in rows if r["kind"] == "eval"]
+    spent = {k: [r[f"time/{k}_s"] for r in rows if r["kind"] == "overhead" and f"time/{k}_s" in r]
+             for k in ("checkpoint", "eval", "sample")}
+    if not (train and evals and all(spent.values())):
+        return False, "no timing rows in metrics.jsonl"
+    steps_s = sum(r["train/step_time"] for r in train)
+    outside = sum(sum(v) for v in spent.values())  # all of it falls after the warm-up steps
+    batch = t.overrides(Path(), 1)["train.total_batch_tokens"]
+    per_token_step = statistics.median(r["train/step_time"] for r in train) / batch
+    val_s_per_token = sum(r["time/val_s"] for r in evals) / sum(r["val/tokens"] for r in evals)
+    hs_s_per_example = sum(r["time/hellaswag_s"] for r in evals) / sum(r["hellaswag/n"] for r in evals)
+    cfg = load_config("gpt2-124m")
+    tc, ev = cfg.train, cfg.eval
+    per_step = (statistics.median(spent["checkpoint"]) / tc.checkpoint_interval
+                + val_s_per_token * ev.val_tokens / ev.eval_interval
+                + hs_s_per_example * HELLASWAG_FULL / ev.hellaswag_interval
+                + statistics.median(spent["sample"]) / ev.sample_interval)
+    step = per_token_step * tc.total_batch_tokens
+    projected = per_step / (per_step + step)
+    med = {k: statistics.median(v) for k, v in spent.items()}
+    detail = (f"{outside / (outside + steps_s):.1%} here (every {EVERY} steps: checkpoint blocked "
+              f"{med['checkpoint'] * 1000:.0f} ms, eval {med['eval']:.2f} s, sample {med['sample']:.2f} s per "
+              f"event; steps {per_token_step * 1e6:.2f} s/Mtok); projected at gpt2-124m's cadence: "
+              f"{projected:.1%} of wall time")
+    return (projected <= 0.05) if gate else None, detail
 
 
 def check_resume(t: Trainer, nproc: int, reference: dict[int, float], tol: float) -> tuple[bool, str]:
@@ -137,8 +210,11 @@ def check_ranks(t: Trainer, two_ranks: dict[int, float], tol: float) -> tuple[bo
     return rc == 0 and gap <= tol, f"{t.ndev} ranks vs 1 rank with {t.ndev}x the accumulation: worst loss gap {gap:.2e}"
 
 
-def check_speed(device: torch.device, shape: dict, dataset: Path, steps: int) -> tuple[bool | None, str]:
-    """train_step vs the plain loop, in this process, compile on, the precision `auto` picks."""
+def check_speed(device: torch.device, shape: dict, dataset: Path, steps: int, rounds: int) -> tuple[bool | None, str]:
+    """train_step vs the plain loop, in this process, compile on, the precision `auto` picks; the two
+    measured alternately, `rounds` times."""
+    import statistics
+
     from benchmarks.bench_train import BaseGPT
     from gptcore.config import ModelConfig, OptimConfig, TrainConfig
     from gptcore.data import ShardLoader
@@ -192,13 +268,19 @@ def check_speed(device: torch.device, shape: dict, dataset: Path, steps: int) ->
         bopt.zero_grad(set_to_none=True)
 
     base_s, base_mem = measure(base_step)
-    ratio = base_s / ours_s
+    ratios = [base_s / ours_s]
+    for _ in range(rounds - 1):  # alternated: drift in the machine's speed hits both loops alike
+        ours_s = measure(lambda: train_step(model, opt, loader, 1, env, None, 1.0))[0]
+        base_s = measure(base_step)[0]
+        ratios.append(base_s / ours_s)
+    ratio = statistics.median(ratios)
     peak = peak_flops_guess(device)
     mfu = f", MFU {fpt * B * T / ours_s / peak:.1%} vs {fpt * B * T / base_s / peak:.1%}" if peak and cuda else ""
     mem = f", peak memory {ours_mem:.1f} vs {base_mem:.1f} GiB" if cuda else ""
-    detail = (f"{B * T / ours_s:,.0f} vs {B * T / base_s:,.0f} tok/s = {ratio:.2f}x the plain loop "
+    detail = (f"{B * T / ours_s:,.0f} vs {B * T / base_s:,.0f} tok/s: median {ratio:.3f}x the plain loop over "
+              f"{len(ratios)} rounds ({min(ratios):.3f}..{max(ratios):.3f}; pass >= 0.97) "
               f"({env.dtype}, B={B}, T={T}){mfu}{mem}")
-    return (ratio >= 1.0 if cuda else None), detail
+    return (ratio >= 0.97 if cuda else None), detail
 
 
 # --- the run ---------------------------------------------------------------------------------------
@@ -218,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--work", help="keep the runs here (default: a temp dir)")
     ap.add_argument("--speed-steps", type=int, default=20)
+    ap.add_argument("--speed-rounds", type=int, default=3)
     a = ap.parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
         print("gpu_check: no CUDA device is visible on this machine; nothing was checked (run it on the GPU "
@@ -235,13 +318,16 @@ def main(argv: list[str] | None = None) -> int:
             (work / label).mkdir()
             ok, detail, full = check_train(t, label, ndev)
             rows.append((f"train {label}", ok, detail))
+            if ok:
+                gate = a.device == "cuda" and label == list(all_shapes)[-1]
+                rows.append((f"outside steps {label}", *check_outside_steps(t, label, gate)))
             if label == "micro" and ok:
                 rows.append(("resume after SIGKILL", *check_resume(t, ndev, full, tol)))
                 if ndev >= 2:
                     rows.append((f"{ndev} ranks == 1 rank", *check_ranks(t, full, tol)))
         big = list(all_shapes)[-1]
         device = torch.device("cuda", 0) if a.device == "cuda" else torch.device("cpu")
-        rows.append((f"speed {big}", *check_speed(device, all_shapes[big], dataset, a.speed_steps)))
+        rows.append((f"speed {big}", *check_speed(device, all_shapes[big], dataset, a.speed_steps, a.speed_rounds)))
     from gptcore.distributed import select_dtype
 
     name = torch.cuda.get_device_name(0) if a.device == "cuda" else "CPU"
@@ -249,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\ngpu_check on {ndev} x {name} (torch {torch.__version__}, auto dtype {autocast})")
     for check, ok, detail in rows:
         mark = "PASS" if ok else "info" if ok is None else "FAIL"
-        print(f"  {mark:4s}  {check:22s} {detail}")
+        print(f"  {mark:4s}  {check:26s} {detail}")
     print(json.dumps({"passed": all(ok is not False for _, ok, _ in rows)}))
     return 0 if all(ok is not False for _, ok, _ in rows) else 1
 

@@ -187,8 +187,9 @@ def evaluate_stage(ckpt: str, cfg: RunConfig, stage: Stages) -> dict:
     # a stored evaluation whose HellaSwag was skipped counts too: a re-run of a finished flow does nothing
     # (`python -m tasks.evaluate` scores HellaSwag later)
     result = stored_evaluation(ckpt, cfg, val=True, retry_skipped=False)
-    if result is not None:
-        stage("evaluate", "skipped", f"{ckpt}/eval.json exists")
+    if result is not None:  # the trainer's own evaluation at the last step usually is this one
+        by = "the trainer, after the checkpoint" if result.get("by") == "trainer" else "an earlier run"
+        stage("evaluate", "skipped", f"{ckpt}/eval.json exists (evaluated by {by})")
     else:
         result = evaluate_checkpoint(ckpt, cfg.to_dict())
         stage("evaluate", "ran", f"val loss {result.get('val_loss')}")

@@ -126,6 +126,12 @@ def allreduce_in_bf16(process_group, bucket):
     return fut.then(decompress)
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (timing); nothing to wait for on CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()

@@ -48,16 +48,19 @@ class Evaluator:
             return None
         every = self.cfg.eval.hellaswag_interval
         examples = self._hellaswag_examples() if last or (every and step % every == 0) else []
-        t0 = time.time()
-        env, error = self.env, None
+        env, error, seconds = self.env, None, {}
         packed = torch.zeros(6, dtype=torch.float64, device=env.device)
         try:
             self.faults.before_eval(env.rank)
+            t0 = time.time()
             packed[VAL] = validation_sums(self.model, self.cfg, self.data_dir, env.device, env.autocast(),
                                           env.rank, env.world)
+            distributed.synchronize(env.device)
+            seconds["val"], t0 = time.time() - t0, time.time()
             if examples:
                 packed[HELLASWAG] = hellaswag.local_counts(self.model, examples, env.device, env.autocast(),
                                                            env.rank, env.world)
+                seconds["hellaswag"] = time.time() - t0
         except Exception as e:  # noqa: BLE001 -- any failure of an evaluation is an event, not the run's end
             error = f"{type(e).__name__}: {e}"
             packed.zero_()
@@ -69,14 +72,16 @@ class Evaluator:
             self._failed(step, distributed.all_gather_object(error))
             return None
         self.failures = 0
-        return self._record(step, packed, bool(examples), time.time() - t0)
+        return self._record(step, packed, bool(examples), seconds)
 
-    def _record(self, step: int, packed: torch.Tensor, with_hellaswag: bool, seconds: float) -> dict:
-        val = mean_loss(packed[VAL].cpu(), self.cfg)
-        row = {"val/loss": val, "time/eval_s": seconds}
+    def _record(self, step: int, packed: torch.Tensor, with_hellaswag: bool, seconds: dict[str, float]) -> dict:
+        val, tc = mean_loss(packed[VAL].cpu(), self.cfg), self.cfg.train
+        # per-part times and sizes: what benchmarks/gpu_check projects to a run's cadence
+        row = {"val/loss": val, "val/tokens": int(packed[VAL][1]) * tc.micro_batch * tc.seq_len,
+               **{f"time/{k}_s": v for k, v in seconds.items()}}
         if self.env.compile:  # graphs dynamo compiled so far: evaluation must not add any (tests assert it)
             row["compile/unique_graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        record = {"step": step, "kind": "checkpoint", "by": "trainer", "val_loss": val}
+        record = {"step": step, "kind": "checkpoint", "by": "trainer", "val_loss": val, "val_tokens": row["val/tokens"]}
         hs_text = ""
         if with_hellaswag:
             hs = record["hellaswag"] = hellaswag.summary(packed[HELLASWAG])
@@ -84,9 +89,9 @@ class Evaluator:
             hs_text = f" | hellaswag acc_norm {hs['acc_norm']:.4f} (n={hs['n']})"
         self.logger.log(step, row, kind="eval")
         record["settings"] = eval_settings(self.cfg, val=True, hellaswag=with_hellaswag)
-        record["seconds"] = round(seconds, 2)
+        record["seconds"] = round(sum(seconds.values()), 2)
         if self.env.master:
-            print(f"step {step:6d} | val loss {val:.4f}{hs_text} ({seconds:.1f} s)", flush=True)
+            print(f"step {step:6d} | val loss {val:.4f}{hs_text} ({record['seconds']:.1f} s)", flush=True)
         return record
 
     def _failed(self, step: int, errors: list[str | None]) -> None:

@@ -281,7 +281,8 @@ class Trainer:
         that checkpoint as its eval.json."""
         record = self.evaluator.evaluate(self.step, last)
         if record is not None and self.env.master and self.saved_step == self.step:
-            self.checkpointer.attach(self.step, EVAL_FILE, {**record, "target": str(step_dir(self.run_dir, self.step))})
+            self.checkpointer.attach(self.step, EVAL_FILE, {**record, "target": str(step_dir(self.run_dir, self.step)),
+                                                            "manifest_id": self.meta["manifest_id"]})
 
     def roll_back(self) -> None:
         """Reload the newest good checkpoint (weights, optimizer, RNG) but keep the data position, so the
@@ -289,7 +290,7 @@ class Trainer:
         nothing to roll back to or it happened too often in a row."""
         self.confirm_checkpoint(wait=True)  # a write in flight is on disk (or known lost) before choosing
         cfg, loader, guard, step = self.cfg, self.loader, self.guard, self.step
-        why = "non-finite steps" if guard.nonfinite else "loss spike"  # the guard's counts, before rolled_back resets them
+        why = "non-finite steps" if guard.nonfinite else "loss spike"  # read before rolled_back resets the counts
         if not guard.rolled_back():
             raise Diverged(f"the run diverged again ({why} at step {step}) after {cfg.guard.max_rollbacks} "
                            "rollbacks with no checkpoint written in between; the checkpoints are intact. Lower "
@@ -299,9 +300,9 @@ class Trainer:
         # healthy only: a checkpoint written during the trouble is no way out of it
         ck, ts, _ = newest_intact(self.run_dir, self.raw, self.env.master, healthy_only=True)
         if ck is None:
-            raise Diverged(f"the run diverged ({why} at step {step}) before it had a good checkpoint to roll back "
-                           "to; lower optim.max_lr or raise optim.warmup_steps, or lower train.checkpoint_interval so a "
-                           "rollback has somewhere to go")
+            raise Diverged(f"the run diverged ({why} at step {step}) before it had a good checkpoint to roll "
+                           "back to; lower optim.max_lr or raise optim.warmup_steps, or lower "
+                           "train.checkpoint_interval so a rollback has somewhere to go")
         skipped = loader.position - int(ts["loader"]["position"])
         self.optimizer.zero_grad(set_to_none=True)
         self.step = restore(ts, self.optimizer, loader, self.scaler, self.env, data=False)  # the checkpoint's step
@@ -324,6 +325,7 @@ class Trainer:
             f"{STOP_FILE} file" if self.stop_file else f"time budget train.max_minutes={tc.max_minutes}"
         if env.master:
             print(f"stopped at step {self.step}/{tc.max_steps} ({why}); run the same command to continue", flush=True)
+        distributed.barrier()  # no rank tears the group down while another still finishes a collective
         return 0
 
     def finished(self) -> int:
@@ -333,6 +335,7 @@ class Trainer:
             write_json(self.run_dir / DONE_FILE, {"step": self.step, "time": time.time(),
                                                   "tokens_seen": self.step * self.cfg.train.total_batch_tokens})
             print(f"RUN_DONE run={self.cfg.run_name} step={self.step} dir={self.run_dir}", flush=True)
+        distributed.barrier()  # no rank tears the group down while another still finishes a collective
         return 0
 
 

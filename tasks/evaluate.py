@@ -36,7 +36,8 @@ def stored_evaluation(ckpt: str | Path, cfg: RunConfig, val: bool = True, retry_
     retry_skipped, one whose HellaSwag was skipped for lack of the dataset counts as not done (it may be
     reachable now); the flow passes False so that a re-run stays a no-op."""
     done = read_json(Path(ckpt) / EVAL_FILE, {})  # {} when missing, unreadable or not an object
-    if done.get("settings") != eval_settings(cfg, val) or (retry_skipped and "skipped" in (done.get("hellaswag") or {})):
+    skipped = "skipped" in (done.get("hellaswag") or {})
+    if done.get("settings") != eval_settings(cfg, val) or (retry_skipped and skipped):
         return None
     return done
 

@@ -1,17 +1,23 @@
 """Distributed correctness with real torchrun + gloo on CPU.
 
 One reference run (two torchrun agents, --nnodes=2, c10d rendezvous on 127.0.0.1, 1 rank each, so
-2 ranks x accumulation 2) is compared against: 1 rank x accumulation 4; a SIGKILLed run started again
-with the same command; and a run stopped on 2 ranks and resumed on 1.
+2 ranks x accumulation 2, no evaluation) is compared against: 1 rank x accumulation 4 with synchronous
+checkpoints; a SIGKILLed run started again with the same command (also while a background checkpoint
+write is in flight); a run stopped on 2 ranks and resumed on 1; and the job as it runs on GPUs
+(torch.compile, validation, HellaSwag, samples and checkpoints every few steps), whose evaluations must
+leave the training trajectory untouched, also when they fail.
 """
 
+import json
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from gptcore import checkpoint as C
 from gptcore import run_files as R
+from gptcore.metrics import read_metrics
 from gptcore.train import STOP_FILE
 from tests.test_train_utils import (
     free_port,
@@ -22,10 +28,15 @@ from tests.test_train_utils import (
     start,
     torchrun_cmd,
     wait_for_step,
+    wait_for_text,
 )
 
 pytestmark = pytest.mark.slow
 STEPS = 14
+HELLASWAG = Path(__file__).parent / "fixtures" / "hellaswag_mini.jsonl"
+# the GPU job's cadence, compressed: evaluation and HellaSwag at every checkpoint step, and at the end
+EVALS = ["eval.eval_interval=4", "eval.hellaswag=true", "eval.hellaswag_interval=4",
+         f"eval.hellaswag_path={HELLASWAG}", "eval.sample_interval=4", "eval.sample_tokens=4"]
 
 
 def args(ds, run, *extra):
@@ -79,9 +90,14 @@ def reference(ds, tmp_path_factory):
     return run
 
 
+def evals_of(run) -> dict[int, dict]:
+    return {r["step"]: r for r in read_metrics(run / "metrics.jsonl", "eval")}
+
+
 def test_two_ranks_accum_k_equal_one_rank_accum_2k(ds, reference, tmp_path):
+    """Also: synchronous checkpoints (train.async_checkpoint=false) train and save what async ones do."""
     run = tmp_path / "one"
-    proc = start(python_cmd(args(ds, run)), tmp_path, tmp_path / "log")
+    proc = start(python_cmd(args(ds, run, "train.async_checkpoint=false")), tmp_path, tmp_path / "log")
     assert proc.wait(timeout=300) == 0, (tmp_path / "log").read_text()
     assert "world=1 accum=4" in (tmp_path / "log").read_text()
     assert_same_run(run, reference, 1e-5)
@@ -119,14 +135,77 @@ def test_stop_on_two_ranks_resume_on_one_continues_the_global_data_order(ds, ref
     assert_same_run(run, reference, 1e-5)
 
 
-def test_compiled_ddp_trains_the_eager_ddp_trajectory(ds, reference, tmp_path):
-    """DDP wrapped first, then torch.compile (DDPOptimizer splits the graph at bucket boundaries): the
-    same losses as the eager 2-rank run, and checkpoints that load into a plain GPT."""
+@pytest.fixture(scope="module")
+def eager_job(ds, tmp_path_factory):
+    """The whole job, eager, on two ranks: validation, HellaSwag, samples and checkpoints every 4 steps."""
+    tmp = tmp_path_factory.mktemp("eagerjob")
+    run = tmp / "run"
+    proc = start(torchrun_cmd(args(ds, run, *EVALS)), tmp, tmp / "log")
+    assert proc.wait(timeout=300) == 0, (tmp / "log").read_text()[-3000:]
+    return run
+
+
+def test_the_compiled_job_with_evaluation_trains_and_evaluates_like_eager(ds, reference, eager_job, tmp_path):
+    """What GPUs run: DDP wrapped first, then torch.compile (DDPOptimizer splits the graph at bucket
+    boundaries), with validation, HellaSwag, samples and checkpoints on. The training losses are the eager
+    run's without evaluation (evaluation leaves the trajectory alone), val loss and HellaSwag are the
+    eager run's, each checkpoint carries its evaluation, and no evaluation makes dynamo compile a graph."""
     run = tmp_path / "compiled"
-    proc = start(torchrun_cmd(args(ds, run, "train.compile=true")), tmp_path, tmp_path / "log")
-    assert proc.wait(timeout=600) == 0, (tmp_path / "log").read_text()[-3000:]
-    assert "world=2 accum=2" in (tmp_path / "log").read_text() and "compile=True" in (tmp_path / "log").read_text()
+    proc = start(torchrun_cmd(args(ds, run, *EVALS, "train.compile=true")), tmp_path, tmp_path / "log")
+    assert proc.wait(timeout=900) == 0, (tmp_path / "log").read_text()[-3000:]
+    log = (tmp_path / "log").read_text()
+    assert "world=2 accum=2" in log and "compile=True" in log
     assert_same_run(run, reference, 1e-4)
+    got, want = evals_of(run), evals_of(eager_job)
+    assert sorted(got) == sorted(want) == [4, 8, 12, 14]
+    for s in want:
+        assert got[s]["val/loss"] == pytest.approx(want[s]["val/loss"], abs=1e-4), s
+        assert got[s]["hellaswag/n"] == want[s]["hellaswag/n"] == 7
+        assert (got[s]["hellaswag/acc"], got[s]["hellaswag/acc_norm"]) == \
+            (want[s]["hellaswag/acc"], want[s]["hellaswag/acc_norm"]), s
+        ev = json.loads((R.step_dir(run, s) / R.EVAL_FILE).read_text())  # evaluated after the checkpoint
+        assert ev["val_loss"] == got[s]["val/loss"] and ev["hellaswag"]["n"] == 7
+    graphs = [got[s]["compile/unique_graphs"] for s in sorted(got)]  # torch._dynamo's own counter
+    assert graphs[0] > 0 and len(set(graphs)) == 1, graphs  # no graph compiled after the first evaluation
+    assert sorted(r["step"] for r in read_metrics(run / "metrics.jsonl", "sample")) == [4, 8, 12, 14]
+
+
+def test_failing_evaluations_are_events_and_training_goes_on(ds, reference, tmp_path):
+    """Rank 0's first evaluation raises and its second runs out of memory (test-only faults; rank 1
+    finishes its share each time, so the failure must be agreed on, not hang): both are events, every
+    checkpoint is written, evaluation is off after eval.max_failures=2 failures in a row, and the weights
+    are those of the run without evaluation."""
+    run = tmp_path / "evalfail"
+    proc = start(torchrun_cmd(args(ds, run, *EVALS, "eval.max_failures=2")), tmp_path, tmp_path / "log",
+                 GPTPIPE_TEST_FAULT="evalfail@1,evaloom@2")
+    assert proc.wait(timeout=300) == 0, (tmp_path / "log").read_text()[-3000:]
+    events = [r for r in read_metrics(run / "metrics.jsonl", "event")]
+    assert [e["step"] for e in events] == [4, 8], events
+    assert "rank 0: RuntimeError: injected" in events[0]["event"] and "tried again" in events[0]["event"]
+    assert "rank 0: OutOfMemoryError" in events[1]["event"] and "evaluation is off" in events[1]["event"]
+    assert "python -m gptcore.evaluate" in events[1]["event"]
+    assert not evals_of(run)  # off for the rest of the invocation
+    assert [c.name for c in R.list_checkpoints(run)] == [R.step_dir(run, s).name for s in (4, 8, 12, 14)]
+    assert_same_run(run, reference, 1e-6)
+
+
+def test_sigkill_while_a_checkpoint_is_written_in_the_background_loses_nothing(ds, reference, tmp_path):
+    """Each write takes 20 s (a test-only delay) while the ranks train on; SIGKILL while the step-8 write
+    is in flight leaves step 4 intact, and the same command resumes from it to the reference's weights."""
+    run = tmp_path / "killed-writing"
+    cmd = torchrun_cmd(args(ds, run))
+    proc = start(cmd, tmp_path, tmp_path / "log1", GPTPIPE_TEST_CHECKPOINT_DELAY="20")
+    wait_for_text(tmp_path / "log1", "checkpoint write delayed", 2, timeout=180)  # step 8's write began
+    assert wait_for_step(proc, run / "metrics.jsonl", 10) >= 10  # the ranks train on while it is written
+    kill_tree(proc)
+    assert [c.name for c in R.list_checkpoints(run)] == ["step_00000004"]
+    C.load_for_resume(R.step_dir(run, 4), C.load_model(R.step_dir(run, 4))[0])  # complete and verified
+    proc = start(cmd, tmp_path, tmp_path / "log2")
+    assert proc.wait(timeout=300) == 0, (tmp_path / "log2").read_text()
+    log = (tmp_path / "log2").read_text()
+    assert "resuming from step_00000004" in log
+    assert_same_run(run, reference, 1e-6)
+    assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]  # the killed temp is swept
 
 
 def test_bf16_gradient_compression_trains_close_to_fp32_all_reduce(ds, reference, tmp_path):

@@ -13,7 +13,7 @@ from gptcore.config import load_config
 from gptcore.metrics import read_metrics
 from gptcore.optim import lr_at
 from gptcore.train import main
-from tests.test_train_utils import kill_tree, losses, make_dataset, python_cmd, start, wait_for_step
+from tests.test_train_utils import kill_tree, losses, make_dataset, python_cmd, start, wait_for_step, wait_for_text
 
 
 def args(ds, run, *extra):
@@ -157,6 +157,45 @@ def test_sigterm_checkpoints_exits_0_and_the_run_continues(ds, tmp_path):
     assert [r["step"] for r in rows] == list(range(1, stopped + 2))  # appended, not truncated
     assert set(losses(run / "metrics.jsonl")) == set(range(1, stopped + 2))
     kill_tree(proc)
+
+
+def test_a_failed_evaluation_is_tried_again_and_never_changes_the_training(finished, ds, tmp_path, monkeypatch):
+    """Evaluations at steps 2, 4 and 6: the first raises, the third runs out of memory (test-only faults).
+    Each is an event; the one between succeeds and is attached to the step-4 checkpoint; the run finishes
+    with every checkpoint and exactly the weights of the run that evaluated only at the end."""
+    import torch
+
+    monkeypatch.setenv("GPTPIPE_TEST_FAULT", "evalfail@1,evaloom@3")
+    run = tmp_path / "retry"
+    assert main(args(ds, run, "eval.eval_interval=2")) == 0
+    events = read_metrics(run / "metrics.jsonl", "event")
+    assert [e["step"] for e in events] == [2, 6] and "RuntimeError: injected" in events[0]["event"]
+    assert "OutOfMemoryError" in events[1]["event"] and "tried again" in events[1]["event"]
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl", "eval")] == [4]
+    ev = json.loads((R.step_dir(run, 4) / R.EVAL_FILE).read_text())
+    assert ev["step"] == 4 and math.isfinite(ev["val_loss"])
+    assert not (R.step_dir(run, 6) / R.EVAL_FILE).exists()  # its evaluation failed: the flow evaluates it
+    assert losses(run / "metrics.jsonl") == losses(finished / "metrics.jsonl")
+    a, b = C.load_model(R.step_dir(run, 6))[0].state_dict(), C.load_model(R.step_dir(finished, 6))[0].state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in b)
+
+
+def test_sigterm_during_a_background_write_finishes_it_then_writes_the_stop_checkpoint(ds, tmp_path):
+    """Each checkpoint write takes 6 s (a test-only delay). SIGTERM while step 4 is being written: that
+    write completes, the stop checkpoint follows, both verify whole, exit 0."""
+    run = tmp_path / "term"
+    log = tmp_path / "log"
+    proc = start(python_cmd(args(ds, run, "train.max_steps=100000")), tmp_path, log,
+                 GPTPIPE_TEST_CHECKPOINT_DELAY="6")
+    wait_for_text(log, "checkpoint write delayed")  # step 4's write is in flight
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 0, log.read_text()
+    ckpts = R.list_checkpoints(run)
+    assert len(ckpts) == 2 and ckpts[0].name == "step_00000004", log.read_text()
+    stop = R.read_meta(ckpts[1])
+    assert stop["reason"] == "stop" and stop["step"] > 4 and "stopped at step" in log.read_text()
+    for ck in ckpts:
+        C.load_for_resume(ck, C.load_model(ck)[0])  # complete and verified
 
 
 def test_bf16_autocast_on_cpu_trains_like_fp32(finished, ds, tmp_path):

@@ -67,10 +67,10 @@ def run(cmd: list[str], cwd: Path, timeout: float = 120) -> subprocess.Completed
     return subprocess.run(cmd, cwd=cwd, env=env(), capture_output=True, text=True, timeout=timeout)
 
 
-def start(cmd: list[str], cwd: Path, log: Path) -> subprocess.Popen:
+def start(cmd: list[str], cwd: Path, log: Path, **extra_env: str) -> subprocess.Popen:
     """Start in its own session so the whole tree (torchrun agent + workers) can be signalled."""
-    return subprocess.Popen(cmd, cwd=cwd, env=env(), stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    return subprocess.Popen(cmd, cwd=cwd, env={**env(), **extra_env}, stdout=open(log, "w"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def wait_for_step(proc: subprocess.Popen, metrics: Path, step: int, timeout: float = 120) -> int:
@@ -84,6 +84,16 @@ def wait_for_step(proc: subprocess.Popen, metrics: Path, step: int, timeout: flo
             raise AssertionError(f"trainer exited with {proc.returncode} before step {step}")
         time.sleep(0.02)
     raise AssertionError(f"no step {step} within {timeout}s")
+
+
+def wait_for_text(log: Path, text: str, count: int = 1, timeout: float = 120) -> None:
+    """Poll a log file until `text` appears in it `count` times."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if log.is_file() and log.read_text().count(text) >= count:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{text!r} not seen {count}x in {log} within {timeout}s:\n{log.read_text()[-3000:]}")
 
 
 def descendants(pid: int) -> list[int]:
