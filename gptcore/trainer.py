@@ -79,6 +79,20 @@ class Due:
     read: bool  # a host sync: log rows, guard verdicts, stop votes
 
 
+class EventLog:
+    """Guard, checkpoint and evaluation events: a metrics.jsonl row of kind "event" and a line on stdout
+    (rank 0). Its own object, not a Trainer method, so the evaluator holding it makes no reference cycle:
+    a cycle kept the DDP module alive past the process group's teardown, and gloo aborted the process."""
+
+    def __init__(self, logger: JsonlLogger | NullLogger, master: bool):
+        self.logger, self.master = logger, master
+
+    def __call__(self, step: int, text: str, who: str = "guard", **values) -> None:
+        self.logger.log(step, {"event": text, **values}, kind="event")
+        if self.master:
+            print(f"step {step:6d} | {who}: {text}", flush=True)
+
+
 class Trainer:
     def __init__(self, prep: Prepared, t_start: float):
         cfg, env, raw = prep.cfg, prep.env, prep.model
@@ -105,7 +119,7 @@ class Trainer:
         self.peak_flops = peak_one * env.world if peak_one else None  # all devices together, for MFU
         self.meta = {"config": cfg.to_dict(), "model_config": asdict(cfg.model), "manifest_id": prep.manifest.id,
                      "run_name": cfg.run_name, "identity_hash": cfg.identity_hash()}  # in every checkpoint
-        self.guard, self.faults = Guard(cfg.guard), FaultInjector()
+        self.guard, self.faults, self.event = Guard(cfg.guard), FaultInjector(), EventLog(self.logger, env.master)
         self.checkpointer = Checkpointer(self.run_dir, tc.keep_last, background=tc.async_checkpoint)
         self.evaluator = Evaluator(cfg, env, prep.data_dir, raw, self.logger, self.event, self.faults)
         self.accum = cfg.grad_accum_steps(env.world)
@@ -222,13 +236,6 @@ class Trainer:
         self.t_read = now
         self.confirm_checkpoint(wait=False)
         return read
-
-    def event(self, step: int, text: str, who: str = "guard", **values) -> None:
-        """A guard, checkpoint or evaluation event: a metrics.jsonl row of kind "event" and a line on stdout
-        (rank 0)."""
-        self.logger.log(step, {"event": text, **values}, kind="event")
-        if self.env.master:
-            print(f"step {step:6d} | {who}: {text}", flush=True)
 
     def log_time_spent(self, spent: dict[str, float]) -> None:
         """Time outside training steps at this sync point, as metrics; step times leave it out."""
