@@ -158,18 +158,19 @@ class Trainer:
                     self.roll_back()
                     continue
                 spent: dict[str, float] = {}
+                stopping = read.stop and not due.last  # checkpoint and go: the flow evaluates that checkpoint
                 troubled = self.guard.nonfinite or self.guard.spiking  # an interval checkpoint waits for a healthy step
-                if due.last or read.stop or (due.checkpoint and not troubled):
+                if due.last or stopping or (due.checkpoint and not troubled):
                     with timed(spent, "checkpoint"):
-                        self.checkpoint("end" if due.last else "stop" if read.stop else "interval", read.loss)
-                if due.eval and not read.stop:
+                        self.checkpoint("end" if due.last else "stop" if stopping else "interval", read.loss)
+                if due.eval and not stopping:
                     with timed(spent, "eval"):
                         self.evaluate(due.last)
-                if due.sample and not read.stop and self.env.master:
+                if due.sample and not stopping and self.env.master:
                     with timed(spent, "sample"):
                         self.evaluator.sample(self.step)
                 self.log_time_spent(spent)
-                if read.stop and not due.last:
+                if stopping:
                     return self.stopped()
             return self.finished()
         finally:
