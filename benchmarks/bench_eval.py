@@ -22,16 +22,27 @@ import torch
 from benchmarks.bench_hellaswag import FIXTURE
 from gptcore import hellaswag
 from gptcore.config import load_config
-from gptcore.evaluate import validation_sums
+from gptcore.data import val_batches
 from gptcore.model import GPT
 from tests.test_train_utils import make_dataset
 
 
-def evaluation(model, cfg, data_dir: Path, examples) -> float:
-    """One trainer evaluation (validation, then HellaSwag) on `model`; seconds."""
+@torch.no_grad()
+def evaluation(forward, cfg, data_dir: Path, examples) -> float:
+    """The forwards of one trainer evaluation through `forward` (the plain model, or a compiled one):
+    validation batches through the loss path, then HellaSwag's padded batches, one shape per length
+    bucket (gptcore.hellaswag.score's batching); seconds."""
     t = time.perf_counter()
-    validation_sums(model, cfg, data_dir, "cpu")
-    hellaswag.local_counts(model, examples, "cpu")
+    for x, y in val_batches(data_dir, cfg.train.micro_batch, cfg.train.seq_len, cfg.eval.val_tokens):
+        forward(x, y, return_logits=False)
+    block = cfg.model.block_size
+    buckets = hellaswag.bucket_lengths(block)
+    lengths = sorted(next(b for b in buckets if b >= max(len(t) for t, _ in hellaswag.example_rows(ex, block)))
+                     for ex in examples)
+    for length in sorted(set(lengths)):
+        per_batch = max(1, 512 // (4 * length))  # the scorer's CPU batch: 512 tokens
+        for _ in range(0, lengths.count(length), per_batch):
+            forward(torch.zeros(4 * per_batch, length, dtype=torch.long))
     return time.perf_counter() - t
 
 
@@ -45,7 +56,7 @@ def main(argv=None) -> int:
     records = hellaswag.read_records(FIXTURE)
     examples = [hellaswag.make_example(*records[i % len(records)]) for i in range(a.examples)]
     torch.manual_seed(0)
-    model = GPT(cfg.model)
+    model = GPT(cfg.model).eval()
     with tempfile.TemporaryDirectory() as d:
         data = make_dataset(Path(d), sizes=(20_000, 20_000), seed=1)
         times = {}
