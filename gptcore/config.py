@@ -71,8 +71,9 @@ class DataConfig:
     # or a local directory / glob of parquet, jsonl or txt files.
     source: str = "builtin"
     hf_repo: str = "HuggingFaceFW/fineweb-edu"
-    hf_config: str = "sample-10BT"
-    hf_revision: str = "main"
+    hf_config: str = "sample-10BT"  # "" = the dataset's default config
+    hf_split: str = "train"  # only this split is tokenized (the val shard is held out of it)
+    hf_revision: str = "main"  # a branch, tag or commit sha; the listing and manifest record the sha it resolved to
     text_column: str = "text"
     shard_tokens: int = 100_000_000  # tokens per shard file (llm.c layout, uint16)
     dataset_name: str = ""  # shard directory name under <home>/shards; "" = derived from the source
@@ -89,6 +90,8 @@ class DataConfig:
             raise ConfigError("data.piece_bytes must be >= 1, data.num_workers and data.max_docs >= 0")
         if not self.source:
             raise ConfigError("data.source is empty; use 'builtin', 'hf', or a local path/glob")
+        if self.source == "hf" and not (self.hf_repo and self.hf_split and self.hf_revision):
+            raise ConfigError("data.hf_repo, data.hf_split and data.hf_revision must not be empty with data.source=hf")
 
 
 @dataclass

@@ -82,7 +82,8 @@ def dataset_name(cfg: RunConfig) -> str:
     if d.source == "builtin":
         base = "shakespeare"
     elif d.source == "hf":
-        base = f"{d.hf_repo.split('/')[-1]}-{d.hf_config}"
+        base = f"{d.hf_repo.split('/')[-1]}-{d.hf_config}" + ("" if d.hf_split == "train" else f"-{d.hf_split}")
+        base += "" if d.hf_revision == "main" else f"-{d.hf_revision[:12]}"  # a pinned commit or tag: its own
     else:
         base = sources.source_id(cfg)
     base += f"-{d.max_docs}docs" if d.max_docs else ""
@@ -130,11 +131,15 @@ def why_incomplete(cfg: RunConfig, full: bool = False) -> str | None:
     bad = m.verify(dataset_dir(cfg), full=full)
     if bad:
         return f"shards missing or damaged: {', '.join(bad[:5])}"
-    if d.source not in ("builtin", "hf"):
+    if d.source == "builtin":
+        return None
+    if d.source == "hf":  # fetch() has just listed the files of the commit the revision resolves to now
+        now = sources.previous_files(listing_path(cfg).parent)
+    else:
         now = sources.local_files(d.source, sources.previous_files(listing_path(cfg).parent))
-        changed = sources.changed_files(s.get("files", []), now, additions=not d.max_docs)
-        if changed:
-            return f"the source changed: {', '.join(changed[:10])}{' ...' if len(changed) > 10 else ''}"
+    changed = sources.changed_files(s.get("files", []), now, additions=not d.max_docs)
+    if changed:
+        return f"the source changed: {', '.join(changed[:10])}{' ...' if len(changed) > 10 else ''}"
     return None
 
 
@@ -292,8 +297,9 @@ def _shard_file(name: str, k: int) -> tuple[str, str]:
 
 def _settings(spec: dict) -> dict:
     """A spec without its files: what must match for an existing dataset dir to be rebuilt in place (a
-    changed source file is a rebuild; another source, column, cap or tokenizer is another dataset)."""
-    return {k: v for k, v in spec.items() if k not in ("files", "documents", "invalid_utf8")}
+    changed source file, or a hub branch that moved to another commit, is a rebuild; another source,
+    column, cap or tokenizer is another dataset)."""
+    return {k: v for k, v in spec.items() if k not in ("files", "documents", "invalid_utf8", "hf")}
 
 
 def _known_shards(cfg: RunConfig, spec: dict) -> dict[int, ShardInfo]:
@@ -476,8 +482,10 @@ def _spec(cfg: RunConfig, pieces: list[Piece]) -> dict:
     for p in pieces:
         files.setdefault(p.name, {"name": p.name, "sha256": p.file_id})
     d = cfg.data
+    hub = read_json(listing_path(cfg), {}).get("hf")  # repo, config, split, revision and its commit
     return {"id": sources.source_id(cfg), "source": d.source, "text_column": d.text_column,
-            "max_docs": d.max_docs, "tokenizer_sha256": RANK_FILE_SHA256, "files": list(files.values())}
+            "max_docs": d.max_docs, "tokenizer_sha256": RANK_FILE_SHA256, "files": list(files.values()),
+            **({"hf": hub} if hub else {})}
 
 
 def _existing_manifest(out: Path) -> Manifest | None:

@@ -6,9 +6,12 @@
 
 `data.source` selects the source:
   "builtin"   the small public-domain corpus shipped in the package (Shakespeare, ~1.6M tokens)
-  "hf"        a Hugging Face hub dataset (default FineWeb-Edu sample-10BT), parquet files fetched one
-              by one into <home>/raw/<source_id>/ and verified against the hub's size and sha256;
-              HF_TOKEN and HF_ENDPOINT are honoured (HF_ENDPOINT also when set after import)
+  "hf"        a Hugging Face hub dataset (default FineWeb-Edu sample-10BT): `datasets` resolves the config's
+              data files of the requested split (data.hf_split) at the commit data.hf_revision resolves
+              to, as it would for `load_dataset` (YAML configs in the card, or splits inferred from file
+              names); those files are fetched one by one into <home>/raw/<source_id>/ and verified
+              against the hub's size and sha256. The commit is recorded; a branch that moved is a changed
+              source. HF_TOKEN and HF_ENDPOINT are honoured (HF_ENDPOINT also when set after import)
   other       a local directory or glob of .parquet / .jsonl / .txt files (used in place, not copied),
               each fingerprinted (size, mtime, sha256; re-hashed only when size or mtime changed), so a
               changed, added or removed file is noticed and the dataset rebuilt from it
@@ -18,7 +21,6 @@ Documents: a parquet row or a jsonl line (its `data.text_column` field), or a wh
 
 from __future__ import annotations
 
-import fnmatch
 import functools
 import glob
 import hashlib
@@ -38,6 +40,21 @@ BUILTIN = Path(__file__).parent / "assets" / "corpus" / "shakespeare.parquet"
 BUILTIN_SHA256 = "2db4ec02cd015044806362430773d64ca4be9030c573aa55d0afe047b3e76c7c"
 LISTING = "source.json"
 KINDS = {".parquet": "parquet", ".jsonl": "jsonl", ".txt": "txt"}
+
+
+def kind_of(path: str | Path) -> str | None:
+    """The reader a file takes, by its name: parquet | jsonl | txt; None for a format not read here."""
+    return KINDS.get(Path(path).suffix)
+
+
+def count_documents(path: Path, kind: str) -> int:
+    """Documents in one source file: parquet rows (from the footer), jsonl lines, or 1 for a .txt."""
+    if kind == "parquet":
+        return pq.ParquetFile(path).metadata.num_rows
+    if kind == "jsonl":
+        with open(path, "rb") as f:
+            return sum(1 for line in f if line.strip())
+    return 1
 
 
 class SourceError(RuntimeError):
@@ -70,7 +87,8 @@ def source_id(cfg: RunConfig) -> str:
     if d.source == "builtin":
         return "builtin"
     if d.source == "hf":
-        return safe_name(f"hf-{d.hf_repo.replace('/', '--')}-{d.hf_config}-{d.hf_revision}")
+        split = "" if d.hf_split == "train" else f"-{d.hf_split}"  # train keeps the ids it had
+        return safe_name(f"hf-{d.hf_repo.replace('/', '--')}-{d.hf_config}{split}-{d.hf_revision}")
     spec = str(Path(d.source).expanduser().resolve()) if not glob.has_magic(d.source) else d.source
     base = Path(d.source.rstrip("/*")).name or "local"
     return safe_name(f"local-{base}-{hashlib.sha256(spec.encode()).hexdigest()[:8]}")
@@ -116,9 +134,11 @@ def previous_files(source_dir: Path) -> list[SourceFile]:
         return []
 
 
-def _save_listing(source_dir: Path, cfg: RunConfig, files: list[SourceFile], complete: bool) -> None:
+def _save_listing(source_dir: Path, cfg: RunConfig, files: list[SourceFile], complete: bool,
+                  commit: str | None = None) -> None:
     d = cfg.data
-    hub = {"repo": d.hf_repo, "config": d.hf_config, "revision": d.hf_revision} if d.source == "hf" else None
+    hub = {"repo": d.hf_repo, "config": d.hf_config, "split": d.hf_split, "revision": d.hf_revision,
+           "commit": commit or hub_commit(source_dir)} if d.source == "hf" else None
     doc = {"id": source_id(cfg), "source": d.source, "complete": complete, "max_docs": d.max_docs, "hf": hub,
            "files": [asdict(f) for f in files]}
     path = Path(source_dir) / LISTING
@@ -156,7 +176,7 @@ def local_files(spec: str, previous: list[SourceFile] = (), fingerprint: bool = 
     else:
         raise SourceError(f"data.source={spec!r} does not exist; use 'builtin', 'hf', or an existing "
                           "directory / glob of .parquet, .jsonl or .txt files")
-    paths = [p.absolute() for p in paths if p.is_file() and p.suffix in KINDS]
+    paths = [p.absolute() for p in paths if p.is_file() and kind_of(p)]
     if not paths:
         raise SourceError(f"data.source={spec!r} holds no .parquet, .jsonl or .txt files; point it at a "
                           "directory or glob that matches some")
@@ -169,7 +189,7 @@ def local_files(spec: str, previous: list[SourceFile] = (), fingerprint: bool = 
         if not os.access(p, os.R_OK):
             raise SourceError(f"source file {p} is not readable (permission denied); fix its permissions")
         st = p.stat()
-        f = SourceFile(path=str(p), kind=KINDS[p.suffix], size=st.st_size, mtime_ns=st.st_mtime_ns, name=name)
+        f = SourceFile(path=str(p), kind=kind_of(p), size=st.st_size, mtime_ns=st.st_mtime_ns, name=name)
         if fingerprint:
             old = known.get(name)
             same = old is not None and old.sha256 and (old.size, old.mtime_ns) == (f.size, f.mtime_ns)
@@ -194,91 +214,113 @@ def changed_files(recorded: list[dict], current: list[SourceFile], additions: bo
     return out
 
 
+def hub_commit(source_dir: Path) -> str | None:
+    """The commit sha a hub source's listing was resolved at (None: not a hub source, or not yet)."""
+    return (read_json(Path(source_dir) / LISTING, {}).get("hf") or {}).get("commit")
+
+
 def _fetch_hub(cfg: RunConfig, source_dir: Path) -> list[SourceFile]:
-    """Download the config's parquet files one at a time (so a kill resumes at the file it was on),
-    each verified against the hub's LFS size + sha256 before it is recorded in source.json."""
+    """Download the requested split's data files one at a time (so a kill resumes at the file it was on),
+    each verified against the hub's size + sha256 before it is recorded in source.json."""
     d = cfg.data
-    # fast path: everything verified earlier and untouched since -> no network. An unreadable listing
-    # counts as none (every file is then checked against the hub again)
     files, doc = previous_files(source_dir), read_json(Path(source_dir) / LISTING, {})
     done = {f.name: f for f in files if f.unchanged(source_dir)}
-    if files and doc.get("complete") and doc.get("max_docs") == d.max_docs and len(done) == len(files):
-        return files
+    verified = bool(files) and doc.get("complete") and doc.get("max_docs") == d.max_docs and len(done) == len(files)
+    pinned = hub_commit(source_dir)
+    if verified and pinned == d.hf_revision:
+        return files  # a commit sha never moves: no network
 
     from huggingface_hub import HfApi, hf_hub_download  # only the hub source needs it
 
-    endpoint = os.environ.get("HF_ENDPOINT") or None  # read now, not at huggingface_hub import time
-    token = os.environ.get("HF_TOKEN") or None
+    endpoint, token = _hub_endpoint(), os.environ.get("HF_TOKEN") or None
     api = HfApi(endpoint=endpoint, token=token)
-    get = functools.partial(hf_hub_download, d.hf_repo, repo_type="dataset", revision=d.hf_revision,
-                            endpoint=endpoint, token=token)  # a file of this repo and revision, into local_dir
     try:
-        card = get("README.md", local_dir=Path(source_dir) / "card")
-        remote = _hub_data_files(api, Path(card), d.hf_repo, d.hf_config, d.hf_revision)
-    except SourceError:
-        raise
-    except Exception as e:  # network / auth / missing repo: say which and what to do
-        raise SourceError(f"cannot list {d.hf_repo} ({d.hf_config}, revision {d.hf_revision}) on "
-                          f"{endpoint or 'huggingface.co'}: {e}. Check the network or HF_ENDPOINT, set "
-                          "HF_TOKEN for gated/private data, or use a local copy: data.source=/path/to/parquet"
-                          ) from e
+        commit = api.dataset_info(d.hf_repo, revision=d.hf_revision).sha
+    except Exception as e:  # noqa: BLE001 -- offline, auth, missing repo: say which and what to do
+        if verified:  # offline with a complete download: train on what is verified, say it
+            print(f"warning: cannot ask {endpoint} which commit {d.hf_repo}@{d.hf_revision} is now ({e}); "
+                  f"using the verified download of commit {pinned}", flush=True)
+            return files
+        raise SourceError(f"cannot reach {d.hf_repo} (revision {d.hf_revision}) on {endpoint}: {e}. Check "
+                          "the network or HF_ENDPOINT, set HF_TOKEN for gated/private data, or use a local copy: "
+                          "data.source=/path/to/files") from e
+    if verified and commit == pinned:
+        return files
+    if pinned and commit != pinned:
+        print(f"{d.hf_repo}@{d.hf_revision} moved from commit {pinned} to {commit}: the source changed, its "
+              "files are checked again (pin data.hf_revision=<sha> to train on one commit)", flush=True)
+    remote = hub_data_files(api, cfg, commit, token)
     need = sum(e.size for e in remote if e.path not in done)
     free = free_disk(source_dir)
     if need > free and not d.max_docs:
         raise SourceError(f"not enough free disk to download the dataset into {source_dir}: need "
                           f"{need / 1e9:.1f} GB, {free / 1e9:.1f} GB free. Free space, point GPTPIPE_HOME at "
                           "a larger disk, or download part of it with data.max_docs")
+    get = functools.partial(hf_hub_download, d.hf_repo, repo_type="dataset", revision=commit,
+                            endpoint=endpoint, token=token)  # a file of this commit, into local_dir
     files, rows = [], 0
     for entry in remote:
         if d.max_docs and rows >= d.max_docs:
             break
         f = done.pop(entry.path, None)
-        if f is None or f.sha256 != entry.lfs_sha256:
+        if f is None or f.sha256 != entry.sha256:
             f = _download_one(get, source_dir, entry)
         files.append(f)
         # record progress: a kill now resumes at the next file (earlier verified ones stay listed)
-        _save_listing(source_dir, cfg, [*files, *done.values()], complete=False)
+        _save_listing(source_dir, cfg, [*files, *done.values()], complete=False, commit=commit)
         if d.max_docs:
-            rows += pq.ParquetFile(f.resolve(source_dir)).metadata.num_rows
+            rows += count_documents(f.resolve(source_dir), f.kind)
     return files
+
+
+def _hub_endpoint() -> str:
+    """HF_ENDPOINT as it is now: huggingface_hub and datasets read it once, at import."""
+    import datasets
+    from huggingface_hub import constants
+
+    endpoint = (os.environ.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/")
+    constants.ENDPOINT, datasets.config.HF_ENDPOINT = endpoint, endpoint
+    constants.HUGGINGFACE_CO_URL_TEMPLATE = endpoint + "/{repo_id}/resolve/{revision}/{filename}"
+    datasets.config.HUB_DATASETS_URL = endpoint + "/datasets/{repo_id}/resolve/{revision}/{path}"
+    return endpoint
 
 
 @dataclass
 class _Remote:
     path: str
     size: int
-    lfs_sha256: str
+    sha256: str  # the hub's LFS sha256 ("" for a file stored in git: checked by size only)
 
 
-def _hub_data_files(api, card_path: Path, repo: str, config: str, revision: str) -> list[_Remote]:
-    """The parquet files of one dataset config, in path order. The config -> files mapping comes from
-    the dataset card's `configs:` (e.g. sample-10BT -> sample/10BT/*), as `datasets` does it."""
-    from huggingface_hub import DatasetCard
+def hub_data_files(api, cfg: RunConfig, commit: str, token: str | None) -> list[_Remote]:
+    """The data files of data.hf_split in data.hf_config at `commit`, in path order, as `datasets`
+    resolves them (`load_dataset_builder`: the card's YAML configs, or splits inferred from file names)."""
+    import datasets
 
-    configs = DatasetCard.load(card_path).data.to_dict().get("configs") or []
-    patterns = []
-    for c in configs:
-        if c.get("config_name") == config:
-            data_files = c.get("data_files", [])
-            for item in data_files if isinstance(data_files, list) else [data_files]:
-                paths = item.get("path") if isinstance(item, dict) else item
-                patterns += paths if isinstance(paths, list) else [paths]
-    if not patterns:
-        raise SourceError(f"{repo} has no config {config!r} in its dataset card; choose data.hf_config "
-                          f"from {[c.get('config_name') for c in configs]}")
-    out = {}
-    for pat in patterns:
-        prefix = pat.split("*")[0].rsplit("/", 1)[0] if "/" in pat.split("*")[0] else None
-        for e in api.list_repo_tree(repo, path_in_repo=prefix, recursive=True, repo_type="dataset",
-                                    revision=revision):
-            is_file = getattr(e, "size", None) is not None
-            if is_file and e.path.endswith(".parquet") and fnmatch.fnmatch(e.path, pat):
-                sha = e.lfs.sha256 if e.lfs else ""
-                out[e.path] = _Remote(e.path, e.lfs.size if e.lfs else e.size, sha)
-    if not out:
-        raise SourceError(f"{repo} config {config!r} matches no parquet files ({patterns}); the dataset is "
-                          "empty or laid out differently: use data.source=<local dir> instead")
-    return [out[k] for k in sorted(out)]
+    d = cfg.data
+    try:
+        builder = datasets.load_dataset_builder(d.hf_repo, d.hf_config or None, revision=commit, token=token,
+                                                cache_dir=str(pipeline_home() / "raw" / ".datasets-cache"))
+    except ValueError as e:  # an unknown config: datasets names the ones that exist
+        raise SourceError(f"{d.hf_repo} has no config {d.hf_config!r} ({e}); set data.hf_config to one of "
+                          "those") from e
+    except Exception as e:  # noqa: BLE001 -- a missing repo, a layout datasets cannot read
+        raise SourceError(f"datasets cannot resolve {d.hf_repo} (config {d.hf_config!r}, commit {commit}): "
+                          f"{type(e).__name__}: {e}; use data.source=<local dir> for a copy of its files") from e
+    splits = builder.config.data_files or {}
+    if d.hf_split not in splits:
+        raise SourceError(f"{d.hf_repo} config {builder.config.name!r} has no split {d.hf_split!r}; set "
+                          f"data.hf_split to one of {sorted(splits)}")
+    prefix = f"hf://datasets/{d.hf_repo}@{commit}/"
+    paths = sorted(str(u).removeprefix(prefix) for u in splits[d.hf_split])
+    unreadable = [p for p in paths if kind_of(p) is None]
+    if unreadable:
+        raise SourceError(f"{d.hf_repo} split {d.hf_split!r} has files this pipeline cannot read "
+                          f"({unreadable[:3]}; it reads {', '.join(KINDS)}); convert them, or point "
+                          "data.source at a local copy in one of those formats")
+    infos = {i.path: i for i in api.get_paths_info(d.hf_repo, paths, revision=commit, repo_type="dataset")}
+    return [_Remote(p, infos[p].lfs.size if infos[p].lfs else infos[p].size,
+                    infos[p].lfs.sha256 if infos[p].lfs else "") for p in paths]
 
 
 def _download_one(get, source_dir: Path, entry: _Remote) -> SourceFile:
@@ -289,13 +331,13 @@ def _download_one(get, source_dir: Path, entry: _Remote) -> SourceFile:
     local = Path(get(entry.path, local_dir=Path(source_dir) / "files"))
     st = local.stat()
     sha = file_sha256(local)
-    if st.st_size != entry.size or (entry.lfs_sha256 and sha != entry.lfs_sha256):
+    if st.st_size != entry.size or (entry.sha256 and sha != entry.sha256):
         local.unlink(missing_ok=True)
         raise SourceError(f"downloaded {entry.path} does not match the hub (size {st.st_size} vs {entry.size}, "
-                          f"sha256 {sha[:12]} vs {entry.lfs_sha256[:12]}); deleted it: re-run to download "
+                          f"sha256 {sha[:12]} vs {entry.sha256[:12]}); deleted it: re-run to download "
                           "again")
-    return SourceFile(path=str(local.relative_to(source_dir)), kind="parquet", size=st.st_size, sha256=sha,
-                      mtime_ns=st.st_mtime_ns, name=entry.path)
+    return SourceFile(path=str(local.relative_to(source_dir)), kind=kind_of(entry.path), size=st.st_size,
+                      sha256=sha, mtime_ns=st.st_mtime_ns, name=entry.path)
 
 
 # --- reading documents (streaming) ----------------------------------------------------------------

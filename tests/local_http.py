@@ -9,7 +9,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 def serve(handle) -> ThreadingHTTPServer:
     """Start a server on a free 127.0.0.1 port in a daemon thread. `handle(request_handler, head)` answers
-    every GET (head=False) and HEAD (head=True). Stop it with .shutdown() and .server_close()."""
+    every GET and POST (head=False) and HEAD (head=True). Stop it with .shutdown() and .server_close()."""
 
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *a):
@@ -19,6 +19,9 @@ def serve(handle) -> ThreadingHTTPServer:
             handle(self, head=True)
 
         def do_GET(self):
+            handle(self, head=False)
+
+        def do_POST(self):
             handle(self, head=False)
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)

@@ -1,12 +1,9 @@
 """Sources: the built-in corpus, local files, and the Hugging Face hub path against a real HTTP server on
-127.0.0.1 that serves the hub's layout (dataset card, paginated tree API, resolve URLs with LFS
-headers and range requests). huggingface_hub itself makes the requests: nothing is mocked."""
+127.0.0.1 that serves the hub's layout (tests/hub_standin.py: repo info by revision, paginated tree API,
+paths-info, resolve URLs with LFS headers and range requests). huggingface_hub and datasets themselves
+make the requests: nothing is mocked."""
 
 import hashlib
-import json
-import re
-from pathlib import Path
-from urllib.parse import parse_qs, unquote, urlparse
 
 import numpy as np
 import pyarrow as pa
@@ -17,10 +14,9 @@ from gptcore import sharding, sources
 from gptcore.config import load_config
 from gptcore.shard_format import read_shard
 from gptcore.tokenizer import EOT, get_encoding
-from tests.local_http import serve
+from tests.hub_standin import Hub
 
 REPO = "HuggingFaceFW/fineweb-edu"
-COMMIT = "a" * 40
 CARD = """---
 license: odc-by
 configs:
@@ -37,88 +33,38 @@ configs:
 """
 
 
-class Hub:
-    """Files of one dataset repo served the way huggingface.co serves them."""
-
-    def __init__(self, root: Path):
-        self.root, self.requests, self.corrupt = root, [], set()
-        self.server = serve(self.handle)
-        self.url = f"http://127.0.0.1:{self.server.server_port}"
-
-    def files(self):
-        return sorted(p.relative_to(self.root).as_posix() for p in self.root.rglob("*") if p.is_file())
-
-    def handle(self, h, head):
-        u = urlparse(h.path)
-        self.requests.append((h.command, unquote(u.path), h.headers.get("Authorization")))
-        tree = re.match(rf"^/api/datasets/{REPO}/tree/([^/]+)(?:/(.*))?$", u.path)
-        resolve = re.match(rf"^/datasets/{REPO}/resolve/([^/]+)/(.+)$", u.path)
-        if tree:
-            prefix = unquote(tree.group(2) or "")
-            entries = []
-            for rel in self.files():
-                if rel.startswith(prefix + "/") or not prefix:
-                    data = (self.root / rel).read_bytes()
-                    lfs = {"oid": hashlib.sha256(data).hexdigest(), "size": len(data), "pointerSize": 134}
-                    entries.append({"type": "file", "oid": hashlib.sha1(data).hexdigest(), "size": len(data),
-                                    "path": rel, **({"lfs": lfs} if rel.endswith(".parquet") else {})})
-            cursor = int(parse_qs(u.query).get("cursor", ["0"])[0])
-            page = entries[cursor: cursor + 2]  # tiny pages: exercise the Link-header pagination
-            body = json.dumps(page).encode()
-            h.send_response(200)
-            h.send_header("Content-Type", "application/json")
-            if cursor + 2 < len(entries):
-                h.send_header("Link", f'<{self.url}{u.path}?recursive=true&cursor={cursor + 2}>; rel="next"')
-        elif resolve and (self.root / unquote(resolve.group(2))).is_file():
-            rel = unquote(resolve.group(2))
-            data = (self.root / rel).read_bytes()
-            sha = hashlib.sha256(data).hexdigest()
-            if rel in self.corrupt:
-                data = data[:-10] + b"0123456789"  # same size, wrong bytes
-            start = 0
-            if rng := re.match(r"bytes=(\d+)-", h.headers.get("Range") or ""):
-                start = int(rng.group(1))
-            body = data[start:]
-            h.send_response(206 if start else 200)
-            h.send_header("X-Repo-Commit", COMMIT)
-            h.send_header("ETag", f'"{sha if rel.endswith(".parquet") else hashlib.sha1(data).hexdigest()}"')
-            if start:
-                h.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
-        else:
-            body = b'{"error": "Entry not found"}'
-            h.send_response(404)
-            h.send_header("X-Error-Code", "EntryNotFound")
-        h.send_header("Content-Length", str(len(body)))
-        h.end_headers()
-        if not head:
-            h.wfile.write(body)
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
-
-
 @pytest.fixture
-def hub(tmp_path, monkeypatch):
-    root = tmp_path / "repo"
-    (root / "sample" / "10BT").mkdir(parents=True)
-    (root / "data" / "CC-MAIN-2024").mkdir(parents=True)
-    (root / "README.md").write_text(CARD)
-    texts = pq.read_table(sources.BUILTIN, columns=["text"]).column("text").to_pylist()
-    for i in range(3):  # 3 files x 2 documents, with fineweb's extra columns
-        t = pa.table({"text": texts[2 * i: 2 * i + 2], "id": [f"doc{2 * i}", f"doc{2 * i + 1}"],
-                      "score": [3.1, 2.9]})
-        pq.write_table(t, root / "sample" / "10BT" / f"{i:03d}_00000.parquet")
-    pq.write_table(pa.table({"text": ["other config"]}), root / "data" / "CC-MAIN-2024" / "x.parquet")
-    server = Hub(root)
+def standin(tmp_path, monkeypatch):
+    """The hub stand-in, with the environment a hub user has (token, endpoint, own caches)."""
+    server = Hub(tmp_path / "hub")
     monkeypatch.setenv("HF_ENDPOINT", server.url)
     monkeypatch.setenv("HF_TOKEN", "hf_test_token")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
     monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
     monkeypatch.setenv("GPTPIPE_HOME", str(tmp_path / "home"))
-    server.texts = texts[:6]
     yield server
     server.close()
+
+
+def parquet_bytes(table: pa.Table) -> bytes:
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    return sink.getvalue().to_pybytes()
+
+
+@pytest.fixture
+def hub(standin):
+    """FineWeb-Edu's layout: YAML configs in the card, sample/10BT/*.parquet with fineweb's extra columns."""
+    texts = pq.read_table(sources.BUILTIN, columns=["text"]).column("text").to_pylist()
+    files = {"README.md": CARD.encode(), "data/CC-MAIN-2024/x.parquet": parquet_bytes(pa.table({"text": ["other"]}))}
+    for i in range(3):  # 3 files x 2 documents
+        t = pa.table({"text": texts[2 * i: 2 * i + 2], "id": [f"doc{2 * i}", f"doc{2 * i + 1}"],
+                      "score": [3.1, 2.9]})
+        files[f"sample/10BT/{i:03d}_00000.parquet"] = parquet_bytes(t)
+    standin.commit = standin.publish(REPO, files)
+    standin.root = standin.tree(REPO)
+    standin.texts = texts[:6]
+    return standin
 
 
 def hf_cfg(*ov):
@@ -136,17 +82,22 @@ def test_hub_download_verified_idempotent_and_tokenized(hub):
     assert doc["complete"] and not list(src.rglob("*.incomplete"))
     repo_requests = [r for r in hub.requests if REPO in r[1]]
     assert repo_requests and all(auth == "Bearer hf_test_token" for _, _, auth in repo_requests)  # HF_TOKEN
-    assert sum("tree" in p for _, p, _ in hub.requests) >= 2  # paginated listing followed
+    assert doc["hf"]["commit"] == hub.commit and doc["hf"]["split"] == "train"  # pinned to what main was
 
+    n = len(hub.requests)  # second run: one question (which commit is main now?), nothing downloaded
+    assert sources.fetch(cfg) == src
+    assert [p for _, p, _ in hub.requests[n:]] == [f"/api/datasets/{REPO}/revision/main"]
+    pinned = hf_cfg(f"data.hf_revision={hub.commit}")  # pinned to the commit: its own download, then
+    sources.fetch(pinned)
     n = len(hub.requests)
-    assert sources.fetch(cfg) == src and len(hub.requests) == n  # second run: no network at all
+    assert sources.fetch(pinned) and len(hub.requests) == n  # no network at all
 
     # a damaged local file is re-downloaded, the others are kept
     victim = files[1].resolve(src)
     victim.write_bytes(b"x" * 10)
     sources.fetch(cfg)
     gets = [p for m, p, _ in hub.requests[n:] if m == "GET" and p.endswith(".parquet")]
-    assert gets == [f"/datasets/{REPO}/resolve/main/{files[1].name}"]
+    assert gets == [f"/datasets/{REPO}/resolve/{hub.commit}/{files[1].name}"]  # the pinned commit's file
     assert victim.read_bytes() == (hub.root / files[1].name).read_bytes()
 
     # a listing damaged on disk (truncated) is not a dead end: every file is checked against the hub again
@@ -181,7 +132,7 @@ def test_hub_max_docs_stops_downloading_early_and_unknown_config(hub):
     cfg = hf_cfg("data.max_docs=2")
     _, files = sources.load_listing(sources.fetch(cfg))
     assert len(files) == 1  # 2 documents are in the first file: the rest is not fetched
-    with pytest.raises(sources.SourceError, match=r"no config 'nope'.*'sample-10BT'"):
+    with pytest.raises(sources.SourceError, match=r"(?s)no config 'nope'.*'sample-10BT'"):
         sources.fetch(hf_cfg("data.hf_config=nope"))
 
 
@@ -193,7 +144,7 @@ def test_hub_not_enough_disk(hub, monkeypatch):
 
 
 def test_hub_missing_repo_says_what_to_do(hub):
-    with pytest.raises(sources.SourceError, match=r"(?s)cannot list nobody/nothing.*data.source=/path/to"):
+    with pytest.raises(sources.SourceError, match=r"(?s)cannot reach nobody/nothing.*data.source=/path/to"):
         sources.fetch(hf_cfg("data.hf_repo=nobody/nothing"))
 
 

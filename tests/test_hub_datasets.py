@@ -1,0 +1,92 @@
+"""Any hub dataset users bring, resolved by `datasets` the way `load_dataset` reads it, against the hub
+stand-in on 127.0.0.1 (tests/hub_standin.py; real huggingface_hub and datasets clients): only the
+requested split is tokenized, the commit a branch resolved to is recorded, a moved branch is a changed
+source, and jsonl repositories and cards without YAML configs work."""
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from gptcore import sharding, sources
+from gptcore.config import load_config
+from gptcore.shard_format import read_shard
+from gptcore.tokenizer import EOT, get_encoding
+from tests.test_sources import parquet_bytes, standin  # noqa: F401 -- the stand-in fixture
+
+SPLITS = "someone/three-splits"
+JSONL = "someone/jsonl-corpus"
+
+
+def docs(split: str, n: int, tag: str = "") -> list[str]:
+    return [f"{split} document {i}{tag}: " + "the quick brown fox " * (100 + i) for i in range(n)]
+
+
+def hub_cfg(repo: str, *ov):
+    return load_config("micro", ["data.source=hf", f"data.hf_repo={repo}", "data.hf_config=",
+                                 "data.shard_tokens=1024", *ov])
+
+
+def tokens_of(cfg) -> np.ndarray:
+    m = sharding.run(cfg, workers=1)
+    return np.concatenate([np.asarray(read_shard(sharding.dataset_dir(cfg) / s.name)) for s in m.shards]), m
+
+
+def expected(texts: list[str]) -> np.ndarray:
+    enc = get_encoding()
+    return np.array([t for text in texts for t in [EOT, *enc.encode_ordinary(text)]], dtype=np.uint16)
+
+
+@pytest.fixture
+def three_splits(standin):
+    """No dataset card configs: `datasets` infers train/validation/test from the file names."""
+    files = {"README.md": b"# no YAML header\n"}
+    for split, n in (("train", 5), ("validation", 3), ("test", 2)):
+        files[f"data/{split}-00000-of-00001.parquet"] = parquet_bytes(pa.table({"text": docs(split, n)}))
+    standin.commit = standin.publish(SPLITS, files)
+    return standin
+
+
+def test_only_the_requested_split_is_tokenized_and_the_commit_is_recorded(three_splits):
+    got, m = tokens_of(hub_cfg(SPLITS))
+    assert np.array_equal(got, expected(docs("train", 5)))  # not a token of validation or test
+    assert m.source["hf"] == {"repo": SPLITS, "config": "", "split": "train", "revision": "main",
+                              "commit": three_splits.commit}
+    got, m = tokens_of(hub_cfg(SPLITS, "data.hf_split=validation"))
+    assert np.array_equal(got, expected(docs("validation", 3)))
+    assert sharding.dataset_dir(hub_cfg(SPLITS, "data.hf_split=validation")).name.endswith("-validation-1024")
+
+
+def test_an_unknown_split_or_config_names_the_ones_that_exist(three_splits):
+    with pytest.raises(sources.SourceError, match=r"no split 'dev'.*\['test', 'train', 'validation'\]"):
+        sources.fetch(hub_cfg(SPLITS, "data.hf_split=dev"))
+    with pytest.raises(sources.SourceError, match=r"(?s)no config 'nope'.*default"):
+        sources.fetch(hub_cfg(SPLITS, "data.hf_config=nope"))
+
+
+def test_a_moved_branch_is_a_changed_source_rebuilt_under_a_new_manifest_id(three_splits):
+    cfg = hub_cfg(SPLITS)
+    _, first = tokens_of(cfg)
+    files = {"README.md": b"# no YAML header\n",
+             "data/train-00000-of-00001.parquet": parquet_bytes(pa.table({"text": docs("train", 5, " v2")}))}
+    moved = three_splits.publish(SPLITS, files)  # main moves to a commit with other training text
+    got, second = tokens_of(cfg)
+    assert np.array_equal(got, expected(docs("train", 5, " v2")))
+    assert second.id != first.id and second.source["hf"]["commit"] == moved != first.source["hf"]["commit"]
+    pinned = hub_cfg(SPLITS, f"data.hf_revision={three_splits.commit}")  # the old commit, by its sha
+    got, old = tokens_of(pinned)
+    assert np.array_equal(got, expected(docs("train", 5))) and old.source["hf"]["commit"] == three_splits.commit
+
+
+def test_a_jsonl_dataset_with_yaml_configs(standin):
+    card = ("---\nconfigs:\n- config_name: en\n  data_files:\n  - split: train\n    path: en/*.jsonl\n"
+            "- config_name: de\n  data_files:\n  - split: train\n    path: de/*.jsonl\n---\n")
+    lines = lambda texts: "".join(json.dumps({"text": t, "meta": 1}) + "\n" for t in texts).encode()  # noqa: E731
+    standin.publish(JSONL, {"README.md": card.encode(), "en/part-0.jsonl": lines(docs("en", 3)),
+                            "en/part-1.jsonl": lines(docs("en2", 2)), "de/part-0.jsonl": lines(["ein Text"])})
+    got, m = tokens_of(hub_cfg(JSONL, "data.hf_config=en"))
+    assert np.array_equal(got, expected(docs("en", 3) + docs("en2", 2)))
+    assert [f["name"] for f in m.source["files"]] == ["en/part-0.jsonl", "en/part-1.jsonl"]
+    _, files = sources.load_listing(sources.fetch(hub_cfg(JSONL, "data.hf_config=en", "data.max_docs=2")))
+    assert [f.name for f in files] == ["en/part-0.jsonl"]  # max_docs: the second file is not fetched
