@@ -11,6 +11,10 @@ import re
 from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlparse
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
 from tests.local_http import serve
 
 API = re.compile(r"^/api/datasets/(?P<repo>[^/]+/[^/]+)(?:/(?P<op>revision|tree|paths-info)/(?P<rev>[^/]+)"
@@ -130,3 +134,22 @@ class Hub:
     def close(self):
         self.server.shutdown()
         self.server.server_close()
+
+
+@pytest.fixture
+def standin(tmp_path, monkeypatch):
+    """The hub stand-in, with the environment a hub user has (token, endpoint, own caches)."""
+    server = Hub(tmp_path / "hub")
+    monkeypatch.setenv("HF_ENDPOINT", server.url)
+    monkeypatch.setenv("HF_TOKEN", "hf_test_token")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+    monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
+    monkeypatch.setenv("GPTPIPE_HOME", str(tmp_path / "home"))
+    yield server
+    server.close()
+
+
+def parquet_bytes(table: pa.Table) -> bytes:
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    return sink.getvalue().to_pybytes()

@@ -13,7 +13,7 @@ from gptcore import sharding, sources
 from gptcore.config import load_config
 from gptcore.shard_format import read_shard
 from gptcore.tokenizer import EOT, get_encoding
-from tests.test_sources import parquet_bytes, standin  # noqa: F401 -- the stand-in fixture
+from tests.hub_standin import parquet_bytes
 
 SPLITS = "someone/three-splits"
 JSONL = "someone/jsonl-corpus"

@@ -14,7 +14,7 @@ from gptcore import sharding, sources
 from gptcore.config import load_config
 from gptcore.shard_format import read_shard
 from gptcore.tokenizer import EOT, get_encoding
-from tests.hub_standin import Hub
+from tests.hub_standin import parquet_bytes
 
 REPO = "HuggingFaceFW/fineweb-edu"
 CARD = """---
@@ -31,25 +31,6 @@ configs:
 ---
 # test card
 """
-
-
-@pytest.fixture
-def standin(tmp_path, monkeypatch):
-    """The hub stand-in, with the environment a hub user has (token, endpoint, own caches)."""
-    server = Hub(tmp_path / "hub")
-    monkeypatch.setenv("HF_ENDPOINT", server.url)
-    monkeypatch.setenv("HF_TOKEN", "hf_test_token")
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
-    monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
-    monkeypatch.setenv("GPTPIPE_HOME", str(tmp_path / "home"))
-    yield server
-    server.close()
-
-
-def parquet_bytes(table: pa.Table) -> bytes:
-    sink = pa.BufferOutputStream()
-    pq.write_table(table, sink)
-    return sink.getvalue().to_pybytes()
 
 
 @pytest.fixture
