@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gptcore.files import atomic_write_bytes, file_sha256, read_json, write_json
+from gptcore.files import atomic_write_bytes, cached_sha256, file_sha256, read_json, write_json
 
 MAGIC = 20240520
 VERSION = 1
@@ -154,15 +154,17 @@ class Manifest:
             raise ShardError(f"{path} was edited by hand (id mismatch); re-run tokenize to rebuild it")
         return m
 
-    def verify(self, directory: Path, full: bool = False) -> list[str]:
-        """Names of shards that are missing or broken. Size and header are always checked;
-        `full` also re-hashes every file (slow for 10B tokens, so the trainer does it only on demand)."""
+    def verify(self, directory: Path, full: bool = False, hashes: dict | None = None) -> list[str]:
+        """Names of shards that are missing or broken. Size and header are always checked; `full` also
+        checks every file's sha256: with a `hashes` cache (files.cached_sha256's records), only files whose
+        size, mtime or inode changed are re-hashed, else every one is (slow for 10B tokens)."""
         bad = []
         for s in self.shards:
             path = Path(directory) / s.name
             try:
-                if len(read_shard(path)) != s.tokens or (full and file_sha256(path) != s.sha256):
+                if len(read_shard(path)) != s.tokens or (full and (
+                        cached_sha256(path, hashes, s.name) if hashes is not None else file_sha256(path)) != s.sha256):
                     bad.append(s.name)
-            except ShardError:
+            except (ShardError, OSError):
                 bad.append(s.name)
         return bad

@@ -40,13 +40,22 @@ from tqdm import tqdm
 
 from gptcore import sources
 from gptcore.config import RunConfig, pipeline_home
-from gptcore.files import atomic_write_bytes, cached_sha256, file_sha256, free_disk, read_json, remove_stale_temps
+from gptcore.files import (
+    atomic_write_bytes,
+    cached_sha256,
+    file_sha256,
+    free_disk,
+    read_json,
+    remove_stale_temps,
+    write_json,
+)
 from gptcore.runlock import LockHeld, LocksUnsupported, RunLock
 from gptcore.shard_format import MANIFEST, Manifest, ShardError, ShardInfo, read_shard, write_shard_chunks
 from gptcore.tokenizer import EOT, RANK_FILE_SHA256, get_encoding
 
 PIECES = ".pieces"  # work area inside the dataset dir; removed once the manifest is written
 PROGRESS = ".progress.json"  # shards written so far (so a resumed build skips them)
+SHARD_HASHES = "shard_hashes.json"  # verified sha256 per shard by (size, mtime, inode): checks re-hash what changed
 BYTES_PER_TOKEN = 3.0  # conservative (English ~4.2 bytes/token): for the free-disk estimate only
 
 
@@ -112,8 +121,32 @@ def dataset_dir(cfg: RunConfig) -> Path:
     return pipeline_home() / "shards" / dataset_name(cfg)
 
 
-CHECKED = ("manifest, every shard's header and size, and the source files' fingerprints (sha256 per size and "
-           "mtime); the trainer checks each shard's sha256 before training on it (--full-verify: here, now)")
+CHECKED = ("manifest, every shard's header, size and sha256 (re-hashed only when its size, mtime or inode changed), "
+           "and the source files' fingerprints (sha256 per size and mtime); --full-verify: re-hash every shard")
+
+
+def verify_shards(out: Path, m: Manifest, rehash_all: bool = False) -> list[str]:
+    """The shards that are missing or whose bytes do not hash to the manifest's sha256, the trainer's way:
+    through the dataset's hash cache (shard_hashes.json), so only files whose size, mtime or inode changed
+    are re-hashed (`rehash_all`: every one). The cache is kept when the directory is writable."""
+    path = out / SHARD_HASHES
+    known = {} if rehash_all else read_json(path, {})
+    hashes = dict(known)
+    bad = m.verify(out, full=True, hashes=hashes)
+    if hashes != known:
+        with suppress(OSError):  # a read-only dataset dir is checked all the same, only not remembered
+            write_json(path, hashes)
+    return bad
+
+
+def remember_hashes(out: Path, m: Manifest) -> None:
+    """Seed the hash cache with the shards just written (their sha256s were computed while writing)."""
+    hashes = {}
+    for s in m.shards:
+        st = (out / s.name).stat()
+        hashes[s.name] = [st.st_size, st.st_mtime_ns, st.st_ino, s.sha256]
+    with suppress(OSError):
+        write_json(out / SHARD_HASHES, hashes)
 
 
 def why_incomplete(cfg: RunConfig, full: bool = False) -> str | None:
@@ -128,7 +161,7 @@ def why_incomplete(cfg: RunConfig, full: bool = False) -> str | None:
     if (m.shard_tokens, s.get("source"), s.get("text_column"), s.get("max_docs")) != (
             d.shard_tokens, d.source, d.text_column, d.max_docs):
         return "the manifest was made with other data settings"
-    bad = m.verify(dataset_dir(cfg), full=full)
+    bad = verify_shards(dataset_dir(cfg), m, rehash_all=full)
     if bad:
         return f"shards missing or damaged: {', '.join(bad[:5])}"
     if d.source == "builtin":
@@ -551,6 +584,7 @@ def build(cfg: RunConfig, tokenize, full_verify: bool = False, say=None) -> Mani
         except (sources.SourceError, DataError, ShardError):
             discard_partial(cfg, existed)
             raise
+        remember_hashes(out, manifest)
         dt = time.perf_counter() - t0
         say(f"dataset {out}: {manifest.total_tokens():,} tokens in {len(manifest.shards)} shards ({dt:.1f}s, "
             f"{manifest.total_tokens() / max(dt, 1e-9) / 1e6:.2f}M tok/s), manifest {manifest.id}")

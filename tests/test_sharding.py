@@ -234,6 +234,32 @@ def test_corrupt_and_truncated_shards_are_detected_and_only_they_rebuilt():
     assert rewritten == {victim.name, flipped.name}
 
 
+def test_a_shard_damaged_in_place_is_rebuilt_by_the_next_plain_run(monkeypatch):
+    """What a nightly flow run meets: a shard whose bytes changed (same size, header intact). The data
+    stage's skip check hashes it the trainer's way (only files whose size, mtime or inode changed), so the
+    plain run, no --full-verify, rebuilds it from the source instead of skipping and leaving the trainer to
+    refuse it every night; unchanged shards are not re-hashed, not even the first time (the build
+    remembers the hashes it computed while writing)."""
+    from gptcore import files
+
+    cfg = cfg_of()
+    m = sharding.run(cfg, workers=1)
+    out = sharding.dataset_dir(cfg)
+    good = shard_bytes(out)
+    hashed = []
+    real = files.file_sha256
+    monkeypatch.setattr(files, "file_sha256", lambda p: hashed.append(Path(p).name) or real(p))
+    assert sharding.why_incomplete(cfg) is None and hashed == []
+    flipped = out / m.shards[5].name
+    data = bytearray(flipped.read_bytes())
+    data[2000] ^= 0xFF
+    flipped.write_bytes(bytes(data))
+    why = sharding.why_incomplete(cfg)
+    assert why is not None and flipped.name in why and hashed == [flipped.name]
+    sharding.run(cfg, workers=1)
+    assert shard_bytes(out) == good and sharding.why_incomplete(cfg) is None
+
+
 def test_different_spec_cannot_overwrite_a_dataset():
     sharding.run(cfg_of("data.dataset_name=ds"), workers=1)
     with pytest.raises(sharding.DataError, match="different dataset"):
