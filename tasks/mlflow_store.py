@@ -91,6 +91,44 @@ def find_or_create_run(mlc, run_name: str, identity_hash: str, experiment: str =
     return mlc.create_run(exp_id, run_name=run_name, tags={TAG_RUN_NAME: run_name, TAG_IDENTITY: identity_hash})
 
 
+def training_dataset(dataset_dir: str | Path):
+    """The MLflow dataset a run trained on: name = the dataset directory's, digest = its manifest id (the
+    id every shard, checkpoint and model version carries), source = the hub repo at the recorded commit
+    (config, split) or the local path. None when the directory holds no readable manifest."""
+    from mlflow.data.meta_dataset import MetaDataset
+
+    from gptcore.shard_format import Manifest, ShardError
+
+    try:
+        m = Manifest.load(Path(dataset_dir))
+    except ShardError:
+        return None
+    hub = m.source.get("hf")
+    if hub:
+        from mlflow.data.huggingface_dataset_source import HuggingFaceDatasetSource
+
+        source = HuggingFaceDatasetSource(hub["repo"], config_name=hub.get("config") or None,
+                                          split=hub.get("split"), revision=hub.get("commit"))
+    else:
+        from mlflow.data.artifact_dataset_sources import LocalArtifactDatasetSource
+
+        source = LocalArtifactDatasetSource(str(m.source.get("source") or dataset_dir))
+    return MetaDataset(source=source, name=Path(dataset_dir).name, digest=m.id)
+
+
+def log_training_dataset(mlc, run_id: str, dataset_dir: str | Path) -> bool:
+    """Record the run's training dataset as an MLflow dataset input (the run page's "Datasets used");
+    MLflow keeps one input per (run, dataset), so calling it on every invocation adds nothing."""
+    from mlflow.entities import DatasetInput, InputTag
+
+    ds = training_dataset(dataset_dir)
+    if ds is None:
+        return False
+    training = [InputTag("mlflow.data.context", "training")]
+    mlc.log_inputs(run_id, datasets=[DatasetInput(ds._to_mlflow_entity(), training)])
+    return True
+
+
 def as_params(config: dict) -> dict[str, str]:
     """{"model": {"n_layer": 12}} -> {"model.n_layer": "12"}: MLflow params are flat strings."""
     return {k: str(v) for k, v in flatten(config).items()}

@@ -35,7 +35,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from gptcore.files import file_sha256, read_json
-from gptcore.run_files import EVAL_FILE, CheckpointError, read_meta, val_loss_of
+from gptcore.run_files import EVAL_FILE, RUN_FILE, CheckpointError, read_meta, val_loss_of
 from tasks import mlflow_store as store
 
 log = logging.getLogger("gptpipe.register")
@@ -155,6 +155,7 @@ def _log_model(mlc, uri: str, ckpt_dir: Path, meta: dict, name: str, tags: dict,
                 model_id=lm.model_id, step=int(meta["step"]))
             # the run lists the model among its outputs, at the checkpoint's step
             mlc.log_outputs(run.run_id, [LoggedModelOutput(lm.model_id, step=int(meta["step"]))])
+            _link_dataset(mlc, run.run_id, lm.model_id, ckpt_dir, meta)
             if hf:
                 from gptcore.hf import export_hf
 
@@ -166,6 +167,20 @@ def _log_model(mlc, uri: str, ckpt_dir: Path, meta: dict, name: str, tags: dict,
         mlc.finalize_logged_model(lm.model_id, "FAILED")
         raise
     return lm.model_id, run.run_id
+
+
+def _link_dataset(mlc, run_id: str, model_id: str, ckpt_dir: Path, meta: dict) -> None:
+    """Lineage on the model: the tokens it was trained on, as a metric of the logged model tied to its
+    training dataset (name + manifest digest), so models:/<name>/<version> -> dataset -> source (hub
+    repo@commit or local path) is traceable in the UI; the run lists the dataset as its input too."""
+    dataset_dir = read_json(ckpt_dir.parent.parent / RUN_FILE, {}).get("dataset_dir")  # the trainer's record
+    ds = store.training_dataset(dataset_dir) if dataset_dir else None
+    if ds is None:
+        log.warning("no manifest in %s: the model version carries no dataset lineage", dataset_dir)
+        return
+    store.log_training_dataset(mlc, run_id, dataset_dir)
+    mlc.log_metric(run_id, "train/tokens_seen", float(meta.get("tokens_seen") or 0), step=int(meta["step"]),
+                   model_id=model_id, dataset_name=ds.name, dataset_digest=ds.digest, synchronous=True)
 
 
 def _move_best(mlc, name: str, mv) -> None:

@@ -49,8 +49,8 @@ MAX_READ_BYTES = 4 << 20  # per round, so a long backlog goes out in bounded pie
 # --- reading the run directory ---------------------------------------------------------------------
 
 def run_identity(run_dir: Path) -> dict | None:
-    """run_name, identity_hash, manifest_id and the resolved config of a run directory, or None if the
-    trainer has not written them yet."""
+    """run_name, identity_hash, manifest_id, dataset_dir (when recorded) and the resolved config of a run
+    directory, or None if the trainer has not written them yet."""
     config = read_json(run_dir / "config.json", {})  # damaged: the trainer rewrites it when it starts
     if not config:
         return None
@@ -58,7 +58,7 @@ def run_identity(run_dir: Path) -> dict | None:
     ident = {"run_name": cfg.run_name, "identity_hash": cfg.identity_hash(), "manifest_id": "",
              "config": config}
     rj = read_json(run_dir / RUN_FILE, {})  # the trainer's own record wins (it is what resume checks)
-    for key in ("run_name", "identity_hash", "manifest_id"):
+    for key in ("run_name", "identity_hash", "manifest_id", "dataset_dir"):
         if rj.get(key):
             ident[key] = rj[key]
     return ident
@@ -143,6 +143,8 @@ class Shipper:
             mlc.log_batch(run_id, params=new[i:i + MAX_PARAMS_PER_BATCH], synchronous=True)
         mlc.log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()], synchronous=True)
         mlc.log_dict(run_id, ident["config"], "config.json")
+        if ident.get("dataset_dir"):  # lineage: the run page lists the dataset (manifest id, hub repo@commit)
+            store.log_training_dataset(mlc, run_id, ident["dataset_dir"])
         if run.info.status != "RUNNING" and not (self.run_dir / DONE_FILE).exists():
             mlc.update_run(run_id, status="RUNNING")  # a resumed run is running again
         cur["run_id"] = self.run_id = run_id

@@ -223,3 +223,37 @@ def test_concurrent_registrations_of_one_checkpoint_make_one_version(mlflow_serv
     assert register.registered_version(ck2, name, tracking_uri=mlflow_server.uri) is None
     r = register.register_checkpoint(ck2, name, tracking_uri=mlflow_server.uri, hf=False)
     assert r["created"] and r["version"] != alive[0].version
+
+
+def test_the_training_dataset_is_an_input_of_the_run_and_tied_to_the_model(mlflow_server, tmp_path):  # noqa: F811
+    """Lineage: the registered model's run lists its training dataset (name, digest = the manifest id,
+    source = the hub repo at the recorded commit, config and split), and the logged model carries a metric
+    tied to that dataset, so models:/<name>/<version> -> dataset -> source files is traceable."""
+    from gptcore.shard_format import Manifest
+    from tests.test_train_utils import make_dataset
+
+    ds = make_dataset(tmp_path / "ds")
+    m = Manifest.load(ds)
+    commit = "c" * 40
+    m.source = {**m.source, "source": "hf", "hf": {"repo": "someone/corpus", "config": "", "split": "train",
+                                                 "revision": "main", "commit": commit}}
+    m.save(ds)
+    m = Manifest.load(ds)
+    run_dir = tmp_path / "lineage"
+    ck = save_ckpt(run_dir, 4, 9.1, seed=4)
+    (run_dir / run_files.RUN_FILE).write_text(json.dumps({"run_name": "lineage", "dataset_dir": str(ds)}))
+    uri = mlflow_server.uri
+    mlc = MlflowClient(uri, registry_uri=uri)
+    r = register.register_checkpoint(ck, model_name="lineage", tracking_uri=uri, hf=False)
+    lm = mlc.get_logged_model(r["model_id"])
+    inputs = mlc.get_run(lm.source_run_id).inputs.dataset_inputs
+    assert len(inputs) == 1
+    d = inputs[0].dataset
+    assert (d.name, d.digest, d.source_type) == ("ds", m.id, "hugging_face")
+    source = json.loads(d.source)
+    assert (source["path"], source["revision"], source["split"]) == ("someone/corpus", commit, "train")
+    assert [t.value for t in inputs[0].tags if t.key == "mlflow.data.context"] == ["training"]
+    tied = [x for x in lm.metrics if x.key == "train/tokens_seen"]
+    assert tied and (tied[0].dataset_name, tied[0].dataset_digest) == ("ds", m.id)
+    register.register_checkpoint(ck, model_name="lineage", tracking_uri=uri, hf=False)  # again: no new input
+    assert len(mlc.get_run(lm.source_run_id).inputs.dataset_inputs) == 1
