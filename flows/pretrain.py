@@ -61,8 +61,11 @@ def check_config(preset: str, overrides: dict | None, nproc: int) -> RunConfig:
     return cfg
 
 
-def check_params(nproc: int, wait_seconds: float, model_name: str) -> None:
+def check_params(nproc: int, wait_seconds: float, model_name: str, dask_address: str = "") -> None:
     """The ranges Prefect's type checks do not cover; ConfigError fails the flow run at once."""
+    if dask_address and not re.fullmatch(r"(tcp|tls|inproc|ucx)://\S+", dask_address):
+        raise ConfigError(f"dask_address {dask_address!r} is not a Dask scheduler address; use e.g. "
+                          "tcp://scheduler-host:8786, or '' for the local process pool")
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 0:
         raise ConfigError(f"nproc must be an integer >= 0 (0 = one per GPU, or 1 on CPU), got {nproc!r}")
     if not wait_seconds >= 0:
@@ -70,6 +73,17 @@ def check_params(nproc: int, wait_seconds: float, model_name: str) -> None:
     if model_name and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", model_name):
         raise ConfigError(f"model_name {model_name!r} is not a usable registered-model name; use letters, "
                           "digits, '.', '_' and '-'")
+
+
+def dask_runner(address: str):
+    """prefect-dask's runner for an existing Dask cluster; None (the local process pool) for ""."""
+    if not address:
+        return None
+    try:
+        from prefect_dask import DaskTaskRunner
+    except ImportError as e:
+        raise ConfigError(f"dask_address={address!r} needs prefect-dask on the worker: pip install -e '.[dask]'") from e
+    return DaskTaskRunner(address=address)
 
 
 # --- stages ----------------------------------------------------------------------------------------
@@ -135,9 +149,9 @@ class Stages:
         self.log.info("stage %s: %s %s", name, status, detail)
 
 
-def data_stage(cfg: RunConfig, stage: Stages) -> tuple[str, dict]:
-    """(dataset dir, {"train": tokens, "val": tokens}) after making the dataset (or finding it complete);
-    the shard table artifact."""
+def data_stage(cfg: RunConfig, stage: Stages, dask_address: str = "") -> tuple[str, dict]:
+    """(dataset dir, {"train": tokens, "val": tokens}) after making the dataset (or finding it complete),
+    tokenized on the Dask cluster at `dask_address` when one is given; the shard table artifact."""
     from gptcore import sharding
     from gptcore.shard_format import Manifest
 
@@ -148,7 +162,7 @@ def data_stage(cfg: RunConfig, stage: Stages) -> tuple[str, dict]:
 
         stage.log.info("dataset %s: %s", dataset_dir, why)
         download_task(cfg.to_dict())
-        dataset_dir = tokenize_dataset(cfg.to_dict())
+        dataset_dir = tokenize_dataset(cfg.to_dict(), task_runner=dask_runner(dask_address))
     rows = [{"shard": s.name, "split": s.split, "tokens": s.tokens, "sha256": s.sha256[:12]}
             for s in Manifest.load(Path(dataset_dir)).shards]
     tokens = {split: sum(r["tokens"] for r in rows if r["split"] == split) for split in ("train", "val")}
@@ -234,7 +248,7 @@ def sample_stage(ckpt: str, model_uri: str | None, cfg: RunConfig, stage: Stages
 @flow(name="pretrain", log_prints=True)
 def pretrain(preset: str = "tiny-cpu", overrides: dict | None = None, nproc: int = 0, register: bool = True,
              model_name: str = "", evaluate: bool = True, tracking: bool = True,
-             wait_seconds: float = 600.0) -> dict:
+             wait_seconds: float = 600.0, dask_address: str = "") -> dict:
     """Prepare data, train (or continue) the run, evaluate its newest checkpoint and register it.
 
     preset: gpt2-124m | tiny-cpu | micro | a .toml/.json config file on the worker
@@ -244,15 +258,17 @@ def pretrain(preset: str = "tiny-cpu", overrides: dict | None = None, nproc: int
     evaluate: validation loss + HellaSwag on the newest checkpoint
     tracking: ship training metrics to MLflow while training
     wait_seconds: how long to wait for another flow run training the same run before failing
+    dask_address: a Dask scheduler (tcp://host:8786) whose workers tokenize the dataset's pieces (they must
+        share GPTPIPE_HOME with this flow run); "" = a process pool on the flow run's machine
     """
     log = get_run_logger()
-    check_params(nproc, wait_seconds, model_name)
+    check_params(nproc, wait_seconds, model_name, dask_address)
     cfg = check_config(preset, overrides, nproc or 1)
     run_name = cfg.run_name
     log.info("run %s (identity %s), preset %s, %s process(es)", run_name, cfg.identity_hash(), preset,
              nproc or "auto")
     stage = Stages(log)
-    dataset_dir, tokens = data_stage(cfg, stage)
+    dataset_dir, tokens = data_stage(cfg, stage, dask_address)
     state = train_stage(cfg, preset, overrides, nproc, wait_seconds, tracking, stage)
     ckpt = state["checkpoint"]
     result = evaluate_stage(ckpt, cfg, stage) if evaluate else None

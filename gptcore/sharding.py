@@ -153,7 +153,8 @@ def why_incomplete(cfg: RunConfig, full: bool = False) -> str | None:
     """None when the dataset dir holds a manifest for this config whose shards check out (headers and
     sizes; with `full`, every sha256) and whose source files are unchanged (a local source is re-stat'ed
     and only files whose size or mtime changed are re-hashed; hub and built-in files are fixed by their
-    hashes). Otherwise what is missing or changed. Does not contact the hub."""
+    hashes). Otherwise what is missing or changed. A hub source on a branch asks the hub once which commit
+    the branch is now (unreachable: taken as unchanged, with a warning); one pinned to a commit asks nothing."""
     m = _existing_manifest(dataset_dir(cfg))
     if m is None:
         return "no manifest yet"
@@ -166,7 +167,13 @@ def why_incomplete(cfg: RunConfig, full: bool = False) -> str | None:
         return f"shards missing or damaged: {', '.join(bad[:5])}"
     if d.source == "builtin":
         return None
-    if d.source == "hf":  # fetch() has just listed the files of the commit the revision resolves to now
+    if d.source == "hf":
+        pinned = (s.get("hf") or {}).get("commit")
+        if d.hf_revision != pinned:  # a branch or tag: has it moved since the dataset was built?
+            head = sources.hub_head(cfg)
+            if head and pinned and head != pinned:
+                return (f"the source changed: {d.hf_repo}@{d.hf_revision} moved from commit {pinned[:12]} to "
+                        f"{head[:12]}")
         now = sources.previous_files(listing_path(cfg).parent)
     else:
         now = sources.local_files(d.source, sources.previous_files(listing_path(cfg).parent))

@@ -273,15 +273,33 @@ def _fetch_hub(cfg: RunConfig, source_dir: Path) -> list[SourceFile]:
     return files
 
 
+def hub_head(cfg: RunConfig) -> str | None:
+    """The commit data.hf_revision is on the hub now (one request); None, with a warning, when the hub
+    cannot be asked (offline: a nightly run goes on with what it has verified)."""
+    from huggingface_hub import HfApi
+
+    d, endpoint = cfg.data, _hub_endpoint()
+    try:
+        return HfApi(endpoint=endpoint, token=os.environ.get("HF_TOKEN") or None).dataset_info(
+            d.hf_repo, revision=d.hf_revision).sha
+    except Exception as e:  # noqa: BLE001 -- any failure to ask is "unknown", never a reason to stop
+        print(f"warning: cannot ask {endpoint} which commit {d.hf_repo}@{d.hf_revision} is now ({e})", flush=True)
+        return None
+
+
 def _hub_endpoint() -> str:
-    """HF_ENDPOINT as it is now: huggingface_hub and datasets read it once, at import."""
-    import datasets
+    """HF_ENDPOINT as it is now: huggingface_hub (and datasets, once imported) read it only at import."""
+    import sys
+
     from huggingface_hub import constants
 
     endpoint = (os.environ.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/")
-    constants.ENDPOINT, datasets.config.HF_ENDPOINT = endpoint, endpoint
+    constants.ENDPOINT = endpoint
     constants.HUGGINGFACE_CO_URL_TEMPLATE = endpoint + "/{repo_id}/resolve/{revision}/{filename}"
-    datasets.config.HUB_DATASETS_URL = endpoint + "/datasets/{repo_id}/resolve/{revision}/{path}"
+    if "datasets" in sys.modules:
+        datasets = sys.modules["datasets"]
+        datasets.config.HF_ENDPOINT = endpoint
+        datasets.config.HUB_DATASETS_URL = endpoint + "/datasets/{repo_id}/resolve/{revision}/{path}"
     return endpoint
 
 
@@ -297,6 +315,7 @@ def hub_data_files(api, cfg: RunConfig, commit: str, token: str | None) -> list[
     resolves them (`load_dataset_builder`: the card's YAML configs, or splits inferred from file names)."""
     import datasets
 
+    _hub_endpoint()  # datasets is imported now: point it at HF_ENDPOINT as it is
     d = cfg.data
     try:
         builder = datasets.load_dataset_builder(d.hf_repo, d.hf_config or None, revision=commit, token=token,

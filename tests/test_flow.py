@@ -233,7 +233,8 @@ def test_bad_parameters_fail_the_flow_run_early(prefect_stack):
            "unknown config key 'train.max_stepz'": {"preset": "micro", "overrides": {"train.max_stepz": 3}},
            "nproc must be an integer >= 0": {"preset": "micro", "nproc": -1},
            "wait_seconds must be >= 0": {"preset": "micro", "wait_seconds": -5},
-           "is not a usable registered-model name": {"preset": "micro", "model_name": "bad name/x"}}
+           "is not a usable registered-model name": {"preset": "micro", "model_name": "bad name/x"},
+           "is not a Dask scheduler address": {"preset": "micro", "dask_address": "scheduler:8786"}}
     runs = {msg: run_deployment("pretrain/tiny", parameters=p, timeout=0) for msg, p in bad.items()}
     for msg, fr in runs.items():
         fr = wait_final(fr.id, timeout=180)
@@ -241,6 +242,34 @@ def test_bad_parameters_fail_the_flow_run_early(prefect_stack):
         assert msg in fr.state.message, fr.state.message
         assert not task_runs(fr.id), "nothing may start before the config is valid"
         assert fr.total_run_time.total_seconds() < 30
+
+
+def test_the_deployment_tokenizes_on_the_dask_cluster_it_is_given(prefect_stack, monkeypatch):
+    """`prefect deployment run pretrain/tiny --param dask_address=tcp://...`: the flow run (on the process
+    worker) maps its tokenize-piece tasks onto a real distributed.LocalCluster whose workers share the
+    pipeline home, and the dataset equals the one the local process pool makes."""
+    from distributed import Client, LocalCluster
+
+    from gptcore import sharding
+    from gptcore.config import load_config
+
+    monkeypatch.setenv("GPTPIPE_HOME", str(prefect_stack.home))  # the cluster's workers inherit these
+    monkeypatch.setenv("PREFECT_API_URL", prefect_stack.prefect_api_url)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    over = {"data.dataset_name": "dask-e2e", "data.piece_bytes": 200_000, "data.max_docs": 12,
+            "data.shard_tokens": 50_000}
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        params = micro("dask-e2e", 2, **over)
+        params.update(register=False, evaluate=False, dask_address=cluster.scheduler_address)
+        fr = run_deployment_and_wait(params)
+        assert fr.state.is_completed(), fr.state.message
+        prefixes = client.run_on_scheduler(lambda dask_scheduler: sorted(dask_scheduler.task_prefixes))
+    assert "tokenize_piece_task" in prefixes, prefixes  # the pieces ran on the cluster
+    cfg = load_config("micro", {k: v for k, v in over.items()})
+    built = sharding.dataset_dir(cfg)
+    reference = sharding.run(load_config("micro", {**over, "data.dataset_name": "dask-reference"}), workers=1)
+    assert [s.sha256 for s in reference.shards] == [s.sha256 for s in sharding.Manifest.load(built).shards]
 
 
 def test_concurrency_slot_set_up_by_many_flow_runs_at_once(prefect_stack):

@@ -71,6 +71,9 @@ def test_a_moved_branch_is_a_changed_source_rebuilt_under_a_new_manifest_id(thre
     files = {"README.md": b"# no YAML header\n",
              "data/train-00000-of-00001.parquet": parquet_bytes(pa.table({"text": docs("train", 5, " v2")}))}
     moved = three_splits.publish(SPLITS, files)  # main moves to a commit with other training text
+    why = sharding.why_incomplete(cfg)  # the flow's skip check asks the hub (one request), downloads nothing
+    old = first.source["hf"]["commit"]
+    assert why == f"the source changed: {SPLITS}@main moved from commit {old[:12]} to {moved[:12]}"
     got, second = tokens_of(cfg)
     assert np.array_equal(got, expected(docs("train", 5, " v2")))
     assert second.id != first.id and second.source["hf"]["commit"] == moved != first.source["hf"]["commit"]
