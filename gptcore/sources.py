@@ -34,7 +34,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from gptcore.config import RunConfig, pipeline_home
-from gptcore.files import file_sha256, free_disk, read_json, write_json
+from gptcore.files import atomic_write_bytes, file_sha256, free_disk, read_json, write_json
 
 BUILTIN = Path(__file__).parent / "assets" / "corpus" / "shakespeare.parquet"
 BUILTIN_SHA256 = "2db4ec02cd015044806362430773d64ca4be9030c573aa55d0afe047b3e76c7c"
@@ -45,16 +45,6 @@ KINDS = {".parquet": "parquet", ".jsonl": "jsonl", ".txt": "txt"}
 def kind_of(path: str | Path) -> str | None:
     """The reader a file takes, by its name: parquet | jsonl | txt; None for a format not read here."""
     return KINDS.get(Path(path).suffix)
-
-
-def count_documents(path: Path, kind: str) -> int:
-    """Documents in one source file: parquet rows (from the footer), jsonl lines, or 1 for a .txt."""
-    if kind == "parquet":
-        return pq.ParquetFile(path).metadata.num_rows
-    if kind == "jsonl":
-        with open(path, "rb") as f:
-            return sum(1 for line in f if line.strip())
-    return 1
 
 
 class SourceError(RuntimeError):
@@ -69,6 +59,7 @@ class SourceFile:
     sha256: str = ""  # content hash (hub: checked against the hub's; local: hashed once per size+mtime)
     mtime_ns: int = 0
     name: str = ""  # stable name for lineage (path in the hub repo / relative to the local root)
+    prefix_of: str = ""  # a smoke run's first documents of a hub file: that file's sha256
 
     def resolve(self, source_dir: Path) -> Path:
         return Path(source_dir) / self.path
@@ -138,7 +129,8 @@ def _save_listing(source_dir: Path, cfg: RunConfig, files: list[SourceFile], com
                   commit: str | None = None) -> None:
     d = cfg.data
     hub = {"repo": d.hf_repo, "config": d.hf_config, "split": d.hf_split, "revision": d.hf_revision,
-           "commit": commit or hub_commit(source_dir)} if d.source == "hf" else None
+           "commit": commit or hub_commit(source_dir),
+           "documents": f"the first {d.max_docs}" if d.max_docs else "all"} if d.source == "hf" else None
     doc = {"id": source_id(cfg), "source": d.source, "complete": complete, "max_docs": d.max_docs, "hf": hub,
            "files": [asdict(f) for f in files]}
     path = Path(source_dir) / LISTING
@@ -256,21 +248,70 @@ def _fetch_hub(cfg: RunConfig, source_dir: Path) -> list[SourceFile]:
         raise SourceError(f"not enough free disk to download the dataset into {source_dir}: need "
                           f"{need / 1e9:.1f} GB, {free / 1e9:.1f} GB free. Free space, point GPTPIPE_HOME at "
                           "a larger disk, or download part of it with data.max_docs")
+    if d.max_docs:  # a smoke run: read the first documents through range requests, download nothing whole
+        return _read_hub_prefix(cfg, source_dir, remote, commit, endpoint, token)
     get = functools.partial(hf_hub_download, d.hf_repo, repo_type="dataset", revision=commit,
                             endpoint=endpoint, token=token)  # a file of this commit, into local_dir
-    files, rows = [], 0
+    files = []
     for entry in remote:
-        if d.max_docs and rows >= d.max_docs:
-            break
         f = done.pop(entry.path, None)
         if f is None or f.sha256 != entry.sha256:
             f = _download_one(get, source_dir, entry)
         files.append(f)
         # record progress: a kill now resumes at the next file (earlier verified ones stay listed)
         _save_listing(source_dir, cfg, [*files, *done.values()], complete=False, commit=commit)
-        if d.max_docs:
-            rows += count_documents(f.resolve(source_dir), f.kind)
     return files
+
+
+def _read_hub_prefix(cfg: RunConfig, source_dir: Path, remote: list[_Remote], commit: str, endpoint: str,
+                     token: str | None) -> list[SourceFile]:
+    """The first data.max_docs documents of the split, read with range requests (huggingface_hub's
+    HfFileSystem: a parquet file's footer, then row group after row group; a jsonl file line by line) and
+    written as local prefix files (`prefix/<path>`), so a 1,000-document smoke run of a 2 GB parquet file
+    moves megabytes. Each prefix file is recorded with its own sha256 and the remote file's (`prefix_of`)."""
+    from huggingface_hub import HfFileSystem
+
+    d = cfg.data
+    fs = HfFileSystem(endpoint=endpoint, token=token, skip_instance_cache=True)
+    files, left = [], d.max_docs
+    for entry in remote:
+        if left <= 0:
+            break
+        local = Path(source_dir) / "prefix" / entry.path
+        with fs.open(f"datasets/{d.hf_repo}@{commit}/{entry.path}", "rb", block_size=1 << 16) as remote_file:
+            taken = _write_prefix(remote_file, local, kind_of(entry.path), left, d.text_column)
+        left -= taken
+        st = local.stat()
+        files.append(SourceFile(path=str(local.relative_to(source_dir)), kind=kind_of(entry.path), size=st.st_size,
+                                sha256=file_sha256(local), mtime_ns=st.st_mtime_ns, name=entry.path,
+                                prefix_of=entry.sha256))
+        _save_listing(source_dir, cfg, files, complete=False, commit=commit)
+    return files
+
+
+def _write_prefix(remote_file, local: Path, kind: str, want: int, text_column: str) -> int:
+    """Copy the first `want` documents of an open remote file to `local` (atomically); returns how many."""
+    if kind == "parquet":
+        pf = parquet_text_column(remote_file, text_column)
+        tables, n = [], 0
+        for g in range(pf.num_row_groups):  # each read fetches only that row group's byte range
+            tables.append(pf.read_row_group(g, columns=[text_column]))
+            n += tables[-1].num_rows
+            if n >= want:
+                break
+        table = pa.concat_tables(tables).slice(0, want)
+        sink = pa.BufferOutputStream()
+        pq.write_table(table, sink)
+        atomic_write_bytes(local, [sink.getvalue().to_pybytes()])
+        return table.num_rows
+    lines = []
+    for line in remote_file:  # jsonl: buffered reads of block_size; txt: one document, read whole
+        if kind == "txt" or line.strip():
+            lines.append(line)
+        if kind == "jsonl" and len(lines) >= want:
+            break
+    atomic_write_bytes(local, lines)
+    return 1 if kind == "txt" else len(lines)
 
 
 def hub_head(cfg: RunConfig) -> str | None:

@@ -52,7 +52,7 @@ def test_only_the_requested_split_is_tokenized_and_the_commit_is_recorded(three_
     got, m = tokens_of(hub_cfg(SPLITS))
     assert np.array_equal(got, expected(docs("train", 5)))  # not a token of validation or test
     assert m.source["hf"] == {"repo": SPLITS, "config": "", "split": "train", "revision": "main",
-                              "commit": three_splits.commit}
+                              "commit": three_splits.commit, "documents": "all"}
     got, m = tokens_of(hub_cfg(SPLITS, "data.hf_split=validation"))
     assert np.array_equal(got, expected(docs("validation", 3)))
     assert sharding.dataset_dir(hub_cfg(SPLITS, "data.hf_split=validation")).name.endswith("-validation-1024")
@@ -93,3 +93,30 @@ def test_a_jsonl_dataset_with_yaml_configs(standin):
     assert [f["name"] for f in m.source["files"]] == ["en/part-0.jsonl", "en/part-1.jsonl"]
     _, files = sources.load_listing(sources.fetch(hub_cfg(JSONL, "data.hf_config=en", "data.max_docs=2")))
     assert [f.name for f in files] == ["en/part-0.jsonl"]  # max_docs: the second file is not fetched
+
+
+def test_a_smoke_run_reads_only_the_documents_it_needs(standin):
+    """data.max_docs=30 of a 4,000-document parquet file written in row groups of 100: huggingface_hub's
+    HfFileSystem reads the footer and the first row group with range requests, so the stand-in serves a small
+    fraction of the file; the shards hold exactly the first 30 documents; the listing and the manifest say
+    the dataset is a prefix of the source."""
+    import hashlib
+    import random
+
+    import pyarrow.parquet as pq
+
+    rng = random.Random(0)
+    words = [f"w{i}" for i in range(5000)]
+    texts = [" ".join(rng.choice(words) for _ in range(300)) for _ in range(4000)]  # incompressible-ish
+    sink = pa.BufferOutputStream()
+    pq.write_table(pa.table({"text": texts}), sink, row_group_size=100)
+    data = sink.getvalue().to_pybytes()
+    standin.publish(SPLITS, {"README.md": b"# smoke\n", "data/train-00000-of-00001.parquet": data})
+    cfg = hub_cfg(SPLITS, "data.max_docs=30")
+    got, m = tokens_of(cfg)
+    assert np.array_equal(got, expected(texts[:30]))
+    assert standin.served_bytes < len(data) / 10, (standin.served_bytes, len(data))
+    _, files = sources.load_listing(sources.raw_dir(cfg))
+    assert [f.name for f in files] == ["data/train-00000-of-00001.parquet"]
+    assert files[0].prefix_of == hashlib.sha256(data).hexdigest() and files[0].size < len(data) / 10
+    assert m.source["hf"]["documents"] == "the first 30" and m.source["max_docs"] == 30
