@@ -51,9 +51,9 @@ def check_config(preset: str, overrides: dict | None, nproc: int) -> RunConfig:
     if overrides is not None and not isinstance(overrides, dict):
         raise ConfigError(f"overrides must be a mapping like {{\"train.max_steps\": 100}}, got {overrides!r}")
     cfg = load_config(preset, overrides, world_size=nproc)
-    if cfg.data.source not in ("builtin", "hf"):
-        from gptcore import sources
+    from gptcore import sources
 
+    if sources.source_kind(cfg).in_place:
         try:  # the one place that knows what a usable local source is; only lists files
             sources.local_files(cfg.data.source, fingerprint=False)
         except sources.SourceError as e:

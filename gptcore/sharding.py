@@ -88,13 +88,7 @@ def dataset_name(cfg: RunConfig) -> str:
     d = cfg.data
     if d.dataset_name:
         return d.dataset_name
-    if d.source == "builtin":
-        base = "shakespeare"
-    elif d.source == "hf":
-        base = f"{d.hf_repo.split('/')[-1]}-{d.hf_config}" + ("" if d.hf_split == "train" else f"-{d.hf_split}")
-        base += "" if d.hf_revision == "main" else f"-{d.hf_revision[:12]}"  # a pinned commit or tag: its own
-    else:
-        base = sources.source_id(cfg)
+    base = sources.source_kind(cfg).dataset_base(d)
     base += f"-{d.max_docs}docs" if d.max_docs else ""
     return sources.safe_name(f"{base}-{_short(d.shard_tokens)}")
 
@@ -165,22 +159,7 @@ def why_incomplete(cfg: RunConfig, full: bool = False) -> str | None:
     bad = verify_shards(dataset_dir(cfg), m, rehash_all=full)
     if bad:
         return f"shards missing or damaged: {', '.join(bad[:5])}"
-    if d.source == "builtin":
-        return None
-    if d.source == "hf":
-        pinned = (s.get("hf") or {}).get("commit")
-        if d.hf_revision != pinned:  # a branch or tag: has it moved since the dataset was built?
-            head = sources.hub_head(cfg)
-            if head and pinned and head != pinned:
-                return (f"the source changed: {d.hf_repo}@{d.hf_revision} moved from commit {pinned[:12]} to "
-                        f"{head[:12]}")
-        now = sources.previous_files(listing_path(cfg).parent)
-    else:
-        now = sources.local_files(d.source, sources.previous_files(listing_path(cfg).parent))
-    changed = sources.changed_files(s.get("files", []), now, additions=not d.max_docs)
-    if changed:
-        return f"the source changed: {', '.join(changed[:10])}{' ...' if len(changed) > 10 else ''}"
-    return None
+    return sources.source_kind(cfg).changed(cfg, s, listing_path(cfg).parent)
 
 
 # --- planning -------------------------------------------------------------------------------------
@@ -555,7 +534,7 @@ def discard_partial(cfg: RunConfig, listing_existed: bool) -> None:
         remove_stale_temps(out)
         with suppress(OSError):  # removed only when empty
             out.rmdir()
-    if not listing_existed and cfg.data.source not in ("builtin", "hf"):
+    if not listing_existed and sources.source_kind(cfg).in_place:
         listing_path(cfg).unlink(missing_ok=True)
         with suppress(OSError):  # removed only when empty
             listing_path(cfg).parent.rmdir()

@@ -4,7 +4,8 @@
     files = load_listing(source_dir)     # the verified source files, in document order
     for texts in read_texts(path, kind, start, stop, text_column): ...   # streaming batches of documents
 
-`data.source` selects the source:
+`data.source` selects the source kind (SOURCE_KINDS at the end of this module: one entry per kind, with
+how it is named, fetched and checked for changes; anything else is a local path or glob):
   "builtin"   the small public-domain corpus shipped in the package (Shakespeare, ~1.6M tokens)
   "hf"        a Hugging Face hub dataset (default FineWeb-Edu sample-10BT): `datasets` resolves the config's
               data files of the requested split (data.hf_split) at the commit data.hf_revision resolves
@@ -27,13 +28,14 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from gptcore.config import RunConfig, pipeline_home
+from gptcore.config import DataConfig, RunConfig, pipeline_home
 from gptcore.files import atomic_write_bytes, file_sha256, free_disk, read_json, write_json
 
 BUILTIN = Path(__file__).parent / "assets" / "corpus" / "shakespeare.parquet"
@@ -74,15 +76,7 @@ class SourceFile:
 
 def source_id(cfg: RunConfig) -> str:
     """A directory-safe name for the source (the raw/<source_id>/ folder)."""
-    d = cfg.data
-    if d.source == "builtin":
-        return "builtin"
-    if d.source == "hf":
-        split = "" if d.hf_split == "train" else f"-{d.hf_split}"  # train keeps the ids it had
-        return safe_name(f"hf-{d.hf_repo.replace('/', '--')}-{d.hf_config}{split}-{d.hf_revision}")
-    spec = str(Path(d.source).expanduser().resolve()) if not glob.has_magic(d.source) else d.source
-    base = Path(d.source.rstrip("/*")).name or "local"
-    return safe_name(f"local-{base}-{hashlib.sha256(spec.encode()).hexdigest()[:8]}")
+    return source_kind(cfg).source_id(cfg.data)
 
 
 def safe_name(name: str) -> str:
@@ -98,12 +92,7 @@ def fetch(cfg: RunConfig) -> Path:
     """Make the source available locally and verified; returns the source directory (with source.json).
     A second call with everything in place only checks sizes/mtimes: no network, no re-hashing."""
     source_dir = raw_dir(cfg)
-    if cfg.data.source == "builtin":
-        files = [_builtin_file()]
-    elif cfg.data.source == "hf":
-        files = _fetch_hub(cfg, source_dir)
-    else:
-        files = local_files(cfg.data.source, previous_files(source_dir))
+    files = source_kind(cfg).fetch(cfg, source_dir)
     _save_listing(source_dir, cfg, files, complete=True)
     return source_dir
 
@@ -517,3 +506,68 @@ def jsonl_boundaries(path: Path, piece_bytes: int) -> list[int]:
                 break
             cuts.append(fh.tell())
     return cuts + [size]
+
+
+# --- the source kinds: one entry each; a new kind of data.source is one entry here ----------------
+
+@dataclass(frozen=True)
+class SourceKind:
+    """How one kind of data.source is named, fetched and checked for changes."""
+    name: str
+    source_id: Callable[[DataConfig], str]  # the raw/<source_id>/ folder
+    dataset_base: Callable[[DataConfig], str]  # a derived dataset name, before its caps and shard size
+    fetch: Callable[[RunConfig, Path], list[SourceFile]]  # make the files available and verified
+    changed: Callable[[RunConfig, dict, Path], str | None]  # how the source differs from a manifest's, or None
+    in_place: bool = False  # files used where they lie: validated before work, listing removed after bad input
+
+
+def _changes(recorded: dict, now: list[SourceFile], max_docs: int) -> str | None:
+    changed = changed_files(recorded.get("files", []), now, additions=not max_docs)
+    return f"the source changed: {', '.join(changed[:10])}{' ...' if len(changed) > 10 else ''}" if changed else None
+
+
+def _hub_changed(cfg: RunConfig, recorded: dict, source_dir: Path) -> str | None:
+    d, pinned = cfg.data, (recorded.get("hf") or {}).get("commit")
+    if d.hf_revision != pinned:  # a branch or tag: has it moved since the dataset was built? (one request)
+        head = hub_head(cfg)
+        if head and pinned and head != pinned:
+            return f"the source changed: {d.hf_repo}@{d.hf_revision} moved from commit {pinned[:12]} to {head[:12]}"
+    return _changes(recorded, previous_files(source_dir), d.max_docs)
+
+
+def _hub_split(d: DataConfig) -> str:
+    return "" if d.hf_split == "train" else f"-{d.hf_split}"  # train keeps the ids and names it had
+
+
+def _hub_name(d: DataConfig) -> str:
+    pinned = "" if d.hf_revision == "main" else f"-{d.hf_revision[:12]}"  # a commit or tag: a dataset of its own
+    return f"{d.hf_repo.split('/')[-1]}-{d.hf_config}{_hub_split(d)}{pinned}"
+
+
+def _local_id(d: DataConfig) -> str:
+    spec = str(Path(d.source).expanduser().resolve()) if not glob.has_magic(d.source) else d.source
+    base = Path(d.source.rstrip("/*")).name or "local"
+    return safe_name(f"local-{base}-{hashlib.sha256(spec.encode()).hexdigest()[:8]}")
+
+
+SOURCE_KINDS = {
+    "builtin": SourceKind(
+        "builtin", source_id=lambda d: "builtin", dataset_base=lambda d: "shakespeare",
+        fetch=lambda cfg, source_dir: [_builtin_file()],
+        changed=lambda cfg, recorded, source_dir: None),  # fixed by its sha256
+    "hf": SourceKind(
+        "hf", source_id=lambda d: safe_name(f"hf-{d.hf_repo.replace('/', '--')}-{d.hf_config}{_hub_split(d)}-"
+                                            f"{d.hf_revision}"),
+        dataset_base=_hub_name, fetch=_fetch_hub, changed=_hub_changed),
+}
+LOCAL = SourceKind(
+    "local", source_id=_local_id, dataset_base=_local_id,
+    fetch=lambda cfg, source_dir: local_files(cfg.data.source, previous_files(source_dir)),
+    changed=lambda cfg, recorded, source_dir: _changes(
+        recorded, local_files(cfg.data.source, previous_files(source_dir)), cfg.data.max_docs),
+    in_place=True)
+
+
+def source_kind(cfg: RunConfig) -> SourceKind:
+    """The kind of cfg.data.source: a named kind, or a local path / glob."""
+    return SOURCE_KINDS.get(cfg.data.source, LOCAL)
