@@ -22,7 +22,7 @@ import torch
 from benchmarks.bench_hellaswag import FIXTURE
 from gptcore import hellaswag
 from gptcore.config import load_config
-from gptcore.data import val_batches
+from gptcore.data.loader import val_batches
 from gptcore.model import GPT
 from tests.test_train_utils import make_dataset
 

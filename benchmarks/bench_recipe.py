@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="gptpipe-bench-recipe-") as tmp:
         home = Path(tmp)
         env = {**os.environ, "GPTPIPE_HOME": str(home)}
-        subprocess.run([sys.executable, "-m", "gptcore.sharding", args.preset], env=env, check=True,
+        subprocess.run([sys.executable, "-m", "gptcore.data.build", args.preset], env=env, check=True,
                        capture_output=True)
         results: dict[str, list[dict]] = {}
         configs = [(f"adamw lr {lr:g}, cosine, N={n}", n, [f"optim.max_lr={lr}", f"optim.min_lr={lr / 10}"])

@@ -14,9 +14,9 @@ reported). Timed runs go without the memory sampler; peak RSS comes from one mor
           the GIL, so it is a baseline, not a limit)
   naive   build-nanogpt fineweb.py style: multiprocessing.Pool(cores).imap(tokenize one doc), fill a
           shard buffer, write shards (no hashing, no atomic rename, no resume)
-  stage   gptcore.sharding.run: plan pieces, tokenize them on a process pool, cut shards (sha256,
+  stage   gptcore.data.build.run: plan pieces, tokenize them on a process pool, cut shards (sha256,
           atomic writes, manifest; shards are cut while later pieces are still tokenized), i.e.
-          `python -m gptcore.sharding`
+          `python -m gptcore.data.build`
   prefect (--prefect) the same through the Prefect `tokenize` flow (ProcessPoolTaskRunner) on a
           throwaway local `prefect server`: its difference to `stage` is Prefect's overhead
 Overheads measured on their own: parquet read, EOT/uint16 assembly, sha256, shard writing.
@@ -47,7 +47,7 @@ def build_corpus(path: Path, min_tokens: float) -> tuple[int, int]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from gptcore.sources import BUILTIN
+    from gptcore.data.sources import BUILTIN
     from gptcore.tokenizer import get_encoding
 
     texts = pq.read_table(BUILTIN, columns=["text"]).column("text").to_pylist()
@@ -135,7 +135,7 @@ def m_naive(corpus: Path, out: Path, workers: int):
 
     import pyarrow.parquet as pq
 
-    from gptcore.shard_format import shard_header
+    from gptcore.data.shard_format import shard_header
     t0 = time.perf_counter()
     texts = pq.read_table(corpus, columns=["text"]).column("text").to_pylist()
     out.mkdir(parents=True, exist_ok=True)
@@ -162,23 +162,23 @@ def _stage_cfg(corpus: Path, workers: int):
 
 def m_stage(corpus: Path, out: Path, workers: int):
     os.environ["GPTPIPE_HOME"] = str(out)
-    from gptcore import sharding
+    from gptcore.data import build
     cfg = _stage_cfg(corpus, workers)
     t0 = time.perf_counter()
-    m = sharding.run(cfg, workers=workers)
+    m = build.run(cfg, workers=workers)
     return m.total_tokens(), time.perf_counter() - t0
 
 
 def m_prefect(corpus: Path, out: Path, workers: int):
     os.environ["GPTPIPE_HOME"] = str(out)
-    from gptcore import sharding
+    from gptcore.data import build
     from tasks.tokenize import tokenize_dataset
     cfg = _stage_cfg(corpus, workers)
     t0 = time.perf_counter()
     tokenize_dataset(cfg)
     dt = time.perf_counter() - t0
-    from gptcore.shard_format import Manifest
-    return Manifest.load(sharding.dataset_dir(cfg)).total_tokens(), dt
+    from gptcore.data.shard_format import Manifest
+    return Manifest.load(build.dataset_dir(cfg)).total_tokens(), dt
 
 
 METHODS = {"ideal": m_ideal, "batch": m_batch, "naive": m_naive, "stage": m_stage, "prefect": m_prefect}
@@ -218,8 +218,8 @@ def run_one(method, corpus, out, workers, env=None, rss=False) -> dict:
 def overheads(corpus: Path, tmp: Path, tokens: int) -> dict:
     import pyarrow.parquet as pq
 
-    from gptcore.shard_format import write_shard_chunks
-    from gptcore.sharding import join_documents
+    from gptcore.data.build import join_documents
+    from gptcore.data.shard_format import write_shard_chunks
     res = {}
     t0 = time.perf_counter()
     n = 0

@@ -32,12 +32,12 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 from gptcore.config import ModelConfig, OptimConfig, load_config, model_preset
-from gptcore.data import ShardLoader
+from gptcore.data.loader import ShardLoader
+from gptcore.data.shard_format import Manifest, ShardInfo, write_shard
 from gptcore.distributed import Env, select_loss
 from gptcore.loss import make_loss
 from gptcore.model import GPT
 from gptcore.optim import adamw
-from gptcore.shard_format import Manifest, ShardInfo, write_shard
 from gptcore.trainer import train_step
 
 H100_BF16_PEAK = 989e12  # dense bf16 FLOP/s per H100 SXM

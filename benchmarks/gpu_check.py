@@ -49,7 +49,7 @@ HELLASWAG_FULL = 10_042  # examples in HellaSwag's validation split: what gpt2-1
 
 def make_dataset(d: Path) -> Path:
     """Learnable tokens (a repeating pattern with noise), a val shard and three train shards."""
-    from gptcore.shard_format import Manifest, ShardInfo, write_shard
+    from gptcore.data.shard_format import Manifest, ShardInfo, write_shard
 
     d.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
@@ -217,7 +217,7 @@ def check_speed(device: torch.device, shape: dict, dataset: Path, steps: int, ro
 
     from benchmarks.bench_train import BaseGPT
     from gptcore.config import ModelConfig, OptimConfig, TrainConfig
-    from gptcore.data import ShardLoader
+    from gptcore.data.loader import ShardLoader
     from gptcore.distributed import select
     from gptcore.loss import make_loss
     from gptcore.model import GPT, peak_flops_guess

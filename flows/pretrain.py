@@ -51,7 +51,7 @@ def check_config(preset: str, overrides: dict | None, nproc: int) -> RunConfig:
     if overrides is not None and not isinstance(overrides, dict):
         raise ConfigError(f"overrides must be a mapping like {{\"train.max_steps\": 100}}, got {overrides!r}")
     cfg = load_config(preset, overrides, world_size=nproc)
-    from gptcore import sources
+    from gptcore.data import sources
 
     if sources.source_kind(cfg).in_place:
         try:  # the one place that knows what a usable local source is; only lists files
@@ -152,10 +152,10 @@ class Stages:
 def data_stage(cfg: RunConfig, stage: Stages, dask_address: str = "") -> tuple[str, dict]:
     """(dataset dir, {"train": tokens, "val": tokens}) after making the dataset (or finding it complete),
     tokenized on the Dask cluster at `dask_address` when one is given; the shard table artifact."""
-    from gptcore import sharding
-    from gptcore.shard_format import Manifest
+    from gptcore.data import build
+    from gptcore.data.shard_format import Manifest
 
-    dataset_dir, why = str(sharding.dataset_dir(cfg)), sharding.why_incomplete(cfg)
+    dataset_dir, why = str(build.dataset_dir(cfg)), build.why_incomplete(cfg)
     if why is not None:
         from tasks.download import download_task
         from tasks.tokenize import tokenize_dataset
@@ -167,7 +167,7 @@ def data_stage(cfg: RunConfig, stage: Stages, dask_address: str = "") -> tuple[s
             for s in Manifest.load(Path(dataset_dir)).shards]
     tokens = {split: sum(r["tokens"] for r in rows if r["split"] == split) for split in ("train", "val")}
     stage("data", "ran" if why else "skipped", f"{dataset_dir}: {len(rows)} shards, {tokens['train']:,} train "
-          f"tokens{'' if why else f' (complete; checked: {sharding.CHECKED})'}")
+          f"tokens{'' if why else f' (complete; checked: {build.CHECKED})'}")
     create_table_artifact(rows, key=artifact_key(cfg.run_name, "shards"),
                           description=f"Shards of {dataset_dir} ({tokens['train']:,} train / {tokens['val']:,} "
                                       "val tokens)")

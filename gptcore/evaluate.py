@@ -1,7 +1,7 @@
 """Validation loss over a fixed slice of the val split, and the standalone evaluation command.
 
 validation_loss reads the first `cfg.eval.val_tokens` tokens of the val shards as (B, T) batches of
-`train.micro_batch x train.seq_len` (gptcore.data.val_batches): the same batches every time, so val/loss
+`train.micro_batch x train.seq_len` (gptcore.data.loader.val_batches): the same batches every time, so val/loss
 is comparable across steps and runs. Batch i goes to rank i % world; the per-rank sums are all-reduced,
 so the number does not depend on the world size.
 """
@@ -19,10 +19,10 @@ import torch
 
 from gptcore import distributed
 from gptcore.config import ConfigError, RunConfig, TrainConfig, apply_overrides, from_dict, load_config
-from gptcore.data import val_batches
+from gptcore.data.loader import val_batches
+from gptcore.data.shard_format import Manifest, ShardError
 from gptcore.model import evaluating
 from gptcore.run_files import META_FILE, CheckpointError, checkpoint_of
-from gptcore.shard_format import Manifest, ShardError
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ def evaluate_model(model: torch.nn.Module, cfg: RunConfig, device, autocast_ctx=
     out: dict = {}
     if val:
         if manifest_dir is None:
-            from gptcore.sharding import dataset_dir
+            from gptcore.data.build import dataset_dir
             manifest_dir = dataset_dir(cfg)
         out["val_loss"] = validation_loss(model, cfg, manifest_dir, device, autocast_ctx, rank, world)
         out["val_tokens"] = cfg.eval.val_tokens

@@ -19,13 +19,13 @@ import torch
 
 from gptcore import checkpoint, distributed, run_files
 from gptcore.config import RunConfig
-from gptcore.data import ShardLoader, open_dataset, verify_hashes
+from gptcore.data.build import dataset_dir
+from gptcore.data.loader import ShardLoader, open_dataset, verify_hashes
+from gptcore.data.shard_format import Manifest
 from gptcore.files import read_json
 from gptcore.model import GPT
 from gptcore.run_files import DONE_FILE, RUN_FILE, latest, run_dir_for
 from gptcore.runlock import RunLock
-from gptcore.shard_format import Manifest
-from gptcore.sharding import dataset_dir
 
 SHARD_HASHES = "shard_hashes.json"  # the shards' verified sha256s, by (size, mtime, inode): no re-hash on restart
 

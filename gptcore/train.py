@@ -31,9 +31,9 @@ import time
 
 from gptcore import distributed, run_files
 from gptcore.config import ConfigError, load_config
+from gptcore.data.shard_format import ShardError
 from gptcore.resume import RunError, prepare
 from gptcore.runlock import LockHeld
-from gptcore.shard_format import ShardError
 from gptcore.trainer import STOP_FILE, STOP_SIGNAL, Diverged, Trainer
 
 EXIT_OK, EXIT_BAD_INPUT, EXIT_DIVERGED = 0, 2, 3

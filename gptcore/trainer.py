@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gptcore import distributed
 from gptcore.checkpointer import FAILED, SKIPPED, Checkpointer
-from gptcore.data import ShardLoader
+from gptcore.data.loader import ShardLoader
 from gptcore.files import write_json
 from gptcore.guard import OK, ROLLBACK, SKIP, FaultInjector, Guard
 from gptcore.loss import make_loss

@@ -1,6 +1,6 @@
 """Prefect stage: make the training text available locally (hub download, local dir, or built-in).
 
-The work is gptcore.sources.fetch: file-by-file, verified, idempotent (a second run only checks sizes
+The work is gptcore.data.sources.fetch: file-by-file, verified, idempotent (a second run only checks sizes
 and mtimes, without touching the network), so retries are cheap and safe.
 """
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from gptcore import sources
 from gptcore.config import RunConfig, from_dict
+from gptcore.data import sources
 
 
 def as_config(cfg: RunConfig | dict) -> RunConfig:

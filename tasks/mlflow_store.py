@@ -97,7 +97,7 @@ def training_dataset(dataset_dir: str | Path):
     (config, split) or the local path. None when the directory holds no readable manifest."""
     from mlflow.data.meta_dataset import MetaDataset
 
-    from gptcore.shard_format import Manifest, ShardError
+    from gptcore.data.shard_format import Manifest, ShardError
 
     try:
         m = Manifest.load(Path(dataset_dir))

@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 import torch
 
-from gptcore.data import ShardLoader, open_dataset, val_batches
-from gptcore.shard_format import Manifest, ShardError
+from gptcore.data.loader import ShardLoader, open_dataset, val_batches
+from gptcore.data.shard_format import Manifest, ShardError
 from tests.test_train_utils import make_dataset
 
 T, B = 16, 2

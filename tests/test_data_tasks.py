@@ -76,7 +76,7 @@ def test_tokenize_flow_maps_pieces_and_matches_cli(prefect_api, tmp_path):
     assert out == tmp_path / "flow" / "shards" / "shakespeare-8docs-20K"
 
     ref_env = {**env, "GPTPIPE_HOME": str(tmp_path / "cli")}
-    ref = subprocess.run([sys.executable, "-m", "gptcore.sharding", "micro", *OV], cwd=ROOT, env=ref_env,
+    ref = subprocess.run([sys.executable, "-m", "gptcore.data.build", "micro", *OV], cwd=ROOT, env=ref_env,
                          capture_output=True, text=True, timeout=120)
     assert ref.returncode == 0, ref.stderr
     ref_dir = tmp_path / "cli" / "shards" / out.name
@@ -132,7 +132,7 @@ def _same_dataset(a: Path, b: Path) -> None:
 @pytest.fixture(scope="module")
 def cli_reference(tmp_path_factory):
     home = tmp_path_factory.mktemp("cli")
-    r = subprocess.run([sys.executable, "-m", "gptcore.sharding", "micro", *DASK_OV], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "gptcore.data.build", "micro", *DASK_OV], cwd=ROOT,
                        env={**os.environ, "GPTPIPE_HOME": str(home), "OMP_NUM_THREADS": "1"},
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from gptcore import sharding
 from gptcore.config import load_config
-from gptcore.shard_format import Manifest
+from gptcore.data import build
+from gptcore.data.shard_format import Manifest
 from tests.test_train_utils import env, make_dataset, python_cmd
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,7 +33,7 @@ def write_jsonl(path: Path, rows) -> None:
 
 def cli(home: Path, *overrides: str, timeout: float = 120) -> subprocess.CompletedProcess:
     e = {**os.environ, "GPTPIPE_HOME": str(home), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "gptcore.sharding", "micro", *SHARDS, "data.num_workers=1",
+    return subprocess.run([sys.executable, "-m", "gptcore.data.build", "micro", *SHARDS, "data.num_workers=1",
                            *overrides], cwd=ROOT, env=e, capture_output=True, text=True, timeout=timeout)
 
 
@@ -47,7 +47,7 @@ def src(tmp_path):
 
 
 def dataset(home, src) -> tuple[Path, Manifest]:
-    out = home / "shards" / sharding.dataset_name(load_config("micro", [*SHARDS, f"data.source={src}"]))
+    out = home / "shards" / build.dataset_name(load_config("micro", [*SHARDS, f"data.source={src}"]))
     return out, Manifest.load(out)
 
 

@@ -17,10 +17,10 @@ import torch
 
 from gptcore import checkpoint, hellaswag
 from gptcore.config import load_config
+from gptcore.data.shard_format import Manifest, ShardError, ShardInfo, write_shard
 from gptcore.evaluate import main as evaluate_main
 from gptcore.evaluate import validation_loss
 from gptcore.model import GPT
-from gptcore.shard_format import Manifest, ShardError, ShardInfo, write_shard
 from tasks.evaluate import evaluate_dir
 
 FIXTURE = Path(__file__).parent / "fixtures" / "hellaswag_mini.jsonl"

@@ -250,8 +250,8 @@ def test_the_deployment_tokenizes_on_the_dask_cluster_it_is_given(prefect_stack,
     pipeline home, and the dataset equals the one the local process pool makes."""
     from distributed import Client, LocalCluster
 
-    from gptcore import sharding
     from gptcore.config import load_config
+    from gptcore.data import build
 
     monkeypatch.setenv("GPTPIPE_HOME", str(prefect_stack.home))  # the cluster's workers inherit these
     monkeypatch.setenv("PREFECT_API_URL", prefect_stack.prefect_api_url)
@@ -267,9 +267,9 @@ def test_the_deployment_tokenizes_on_the_dask_cluster_it_is_given(prefect_stack,
         prefixes = client.run_on_scheduler(lambda dask_scheduler: sorted(dask_scheduler.task_prefixes))
     assert "tokenize_piece_task" in prefixes, prefixes  # the pieces ran on the cluster
     cfg = load_config("micro", {k: v for k, v in over.items()})
-    built = sharding.dataset_dir(cfg)
-    reference = sharding.run(load_config("micro", {**over, "data.dataset_name": "dask-reference"}), workers=1)
-    assert [s.sha256 for s in reference.shards] == [s.sha256 for s in sharding.Manifest.load(built).shards]
+    built = build.dataset_dir(cfg)
+    reference = build.run(load_config("micro", {**over, "data.dataset_name": "dask-reference"}), workers=1)
+    assert [s.sha256 for s in reference.shards] == [s.sha256 for s in build.Manifest.load(built).shards]
 
 
 def test_concurrency_slot_set_up_by_many_flow_runs_at_once(prefect_stack):

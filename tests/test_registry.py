@@ -229,7 +229,7 @@ def test_the_training_dataset_is_an_input_of_the_run_and_tied_to_the_model(mlflo
     """Lineage: the registered model's run lists its training dataset (name, digest = the manifest id,
     source = the hub repo at the recorded commit, config and split), and the logged model carries a metric
     tied to that dataset, so models:/<name>/<version> -> dataset -> source files is traceable."""
-    from gptcore.shard_format import Manifest
+    from gptcore.data.shard_format import Manifest
     from tests.test_train_utils import make_dataset
 
     ds = make_dataset(tmp_path / "ds")

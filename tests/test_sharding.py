@@ -14,9 +14,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from gptcore import sharding, sources
 from gptcore.config import load_config
-from gptcore.shard_format import Manifest, read_shard
+from gptcore.data import build, sources
+from gptcore.data.shard_format import Manifest, read_shard
 from gptcore.tokenizer import EOT, get_encoding
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,8 +44,8 @@ def expected_tokens(texts) -> np.ndarray:
 
 def test_shards_hold_every_document_preceded_by_eot():
     cfg = cfg_of()
-    m = sharding.run(cfg, workers=2)
-    out = sharding.dataset_dir(cfg)
+    m = build.run(cfg, workers=2)
+    out = build.dataset_dir(cfg)
     texts = pq.read_table(sources.BUILTIN, columns=["text"]).column("text").to_pylist()[:8]
     want = expected_tokens(texts)
     got = np.concatenate([np.asarray(read_shard(out / s.name)) for s in m.shards])
@@ -57,98 +57,98 @@ def test_shards_hold_every_document_preceded_by_eot():
     assert m.shards[1].source_range["tokens"] == [20000, 40000]
     last_doc = m.shards[-1].source_range["docs"][1]
     assert last_doc == 7
-    assert not list((out / sharding.PIECES).glob("*.bin"))  # work files cleaned up
+    assert not list((out / build.PIECES).glob("*.bin"))  # work files cleaned up
     assert Manifest.load(out).id == m.id
 
 
 def test_numpy_encoding_path_matches_encode_ordinary():
     tricky = ["", "hello <|endoftext|> world", "  spaces\n\n\ttabs ", "naïve café 東京 🙂", "a" * 5000]
-    got = sharding.encode_documents(tricky, threads=2)
+    got = build.encode_documents(tricky, threads=2)
     assert np.array_equal(got, expected_tokens(tricky))
 
 
 def test_output_identical_for_any_worker_count_and_completion_order():
     a = cfg_of("data.dataset_name=one")
-    sharding.run(a, workers=1)
+    build.run(a, workers=1)
     b = cfg_of("data.dataset_name=two")
-    sharding.run(b, workers=3)
+    build.run(b, workers=3)
     c = cfg_of("data.dataset_name=one")  # same name -> same file names; pieces done in reverse order
-    c.data.dataset_dir = str(sharding.pipeline_home() / "reverse")
-    pieces = sharding.plan_pieces(c, sources.fetch(c))
+    c.data.dataset_dir = str(build.pipeline_home() / "reverse")
+    pieces = build.plan_pieces(c, sources.fetch(c))
     assert len(pieces) >= 3
     for p in reversed(pieces):
-        sharding.tokenize_piece(c, p, threads=1)
-    mc = sharding.ShardCutter(c, pieces).finish()
-    one = shard_bytes(sharding.dataset_dir(a))
-    assert one == shard_bytes(sharding.dataset_dir(c))
-    assert list(one.values()) == list(shard_bytes(sharding.dataset_dir(b)).values())
-    assert Manifest.load(sharding.dataset_dir(a)).id == mc.id
+        build.tokenize_piece(c, p, threads=1)
+    mc = build.ShardCutter(c, pieces).finish()
+    one = shard_bytes(build.dataset_dir(a))
+    assert one == shard_bytes(build.dataset_dir(c))
+    assert list(one.values()) == list(shard_bytes(build.dataset_dir(b)).values())
+    assert Manifest.load(build.dataset_dir(a)).id == mc.id
 
 
 def test_shards_are_cut_while_later_pieces_are_still_tokenizing():
     """ShardCutter writes a shard as soon as the pieces before its end are done (cutting overlaps
     tokenizing), with the same bytes as cutting after everything."""
     ref = cfg_of()
-    sharding.run(ref, workers=1)
+    build.run(ref, workers=1)
     cfg = cfg_of()
-    cfg.data.dataset_dir = str(sharding.pipeline_home() / "streamed")
-    out = sharding.dataset_dir(cfg)
-    pieces = sharding.plan_pieces(cfg, sources.fetch(cfg))
-    cutter = sharding.ShardCutter(cfg, pieces, pieces)
+    cfg.data.dataset_dir = str(build.pipeline_home() / "streamed")
+    out = build.dataset_dir(cfg)
+    pieces = build.plan_pieces(cfg, sources.fetch(cfg))
+    cutter = build.ShardCutter(cfg, pieces, pieces)
     for p in pieces[:-1]:
-        sharding.tokenize_piece(cfg, p, threads=1)
+        build.tokenize_piece(cfg, p, threads=1)
         cutter.piece_done(p.index)
     early = shard_bytes(out)
     assert len(early) >= 2 and not (out / "manifest.json").exists()  # before the last piece exists
     # a piece's token file goes as soon as the shard holding its last token is written (disk ~1x, not 2x)
-    kept = {p.name for p in (out / sharding.PIECES).glob("*.bin")}
+    kept = {p.name for p in (out / build.PIECES).glob("*.bin")}
     assert "piece_000000.bin" not in kept and f"piece_{pieces[-2].index:06d}.bin" in kept
-    sharding.tokenize_piece(cfg, pieces[-1], threads=1)
+    build.tokenize_piece(cfg, pieces[-1], threads=1)
     cutter.piece_done(pieces[-1].index)
     m = cutter.finish()
     final = shard_bytes(out)
-    assert final == shard_bytes(sharding.dataset_dir(ref)) and all(final[k] == v for k, v in early.items())
-    assert m.id == Manifest.load(sharding.dataset_dir(ref)).id
+    assert final == shard_bytes(build.dataset_dir(ref)) and all(final[k] == v for k, v in early.items())
+    assert m.id == Manifest.load(build.dataset_dir(ref)).id
 
 
 def test_a_damaged_piece_from_an_earlier_run_is_caught_before_it_is_cut():
     """Pieces left by an earlier (killed) run are re-hashed before use: a flipped byte stops the cut with
     a ShardError naming the file, its record goes, and the next run re-tokenizes it."""
     ref = cfg_of()
-    sharding.run(ref, workers=1)
+    build.run(ref, workers=1)
     cfg = cfg_of()
-    cfg.data.dataset_dir = str(sharding.pipeline_home() / "damaged")
-    pieces = sharding.plan_pieces(cfg, sources.fetch(cfg))
+    cfg.data.dataset_dir = str(build.pipeline_home() / "damaged")
+    pieces = build.plan_pieces(cfg, sources.fetch(cfg))
     for p in pieces:
-        sharding.tokenize_piece(cfg, p, threads=1)  # "the earlier run", killed before cutting
-    bad = sharding.dataset_dir(cfg) / sharding.PIECES / "piece_000001.bin"
+        build.tokenize_piece(cfg, p, threads=1)  # "the earlier run", killed before cutting
+    bad = build.dataset_dir(cfg) / build.PIECES / "piece_000001.bin"
     data = bytearray(bad.read_bytes())
     data[-3] ^= 0xFF  # same length: only the hash can tell
     bad.write_bytes(bytes(data))
-    with pytest.raises(sharding.ShardError, match="piece_000001.bin is missing or corrupt"):
-        sharding.ShardCutter(cfg, pieces).finish()
+    with pytest.raises(build.ShardError, match="piece_000001.bin is missing or corrupt"):
+        build.ShardCutter(cfg, pieces).finish()
     assert not bad.with_suffix(".json").exists()
-    sharding.run(cfg, workers=1)
-    assert shard_bytes(sharding.dataset_dir(cfg)) == shard_bytes(sharding.dataset_dir(ref))
+    build.run(cfg, workers=1)
+    assert shard_bytes(build.dataset_dir(cfg)) == shard_bytes(build.dataset_dir(ref))
 
 
 def test_second_run_does_no_work_and_is_fast():
     cfg = cfg_of()
-    sharding.run(cfg, workers=1)
-    out = sharding.dataset_dir(cfg)
+    build.run(cfg, workers=1)
+    out = build.dataset_dir(cfg)
     before = {p.name: p.stat().st_mtime_ns for p in out.iterdir() if p.is_file()}
     t0 = time.perf_counter()
-    m = sharding.run(cfg, workers=1)
+    m = build.run(cfg, workers=1)
     assert time.perf_counter() - t0 < 1.0
     assert {p.name: p.stat().st_mtime_ns for p in out.iterdir() if p.is_file()} == before
-    assert sharding.why_incomplete(cfg) is None and sharding.why_incomplete(cfg, full=True) is None
-    assert sharding.pieces_to_tokenize(cfg, sharding.plan_pieces(cfg, sources.fetch(cfg))) == []
+    assert build.why_incomplete(cfg) is None and build.why_incomplete(cfg, full=True) is None
+    assert build.pieces_to_tokenize(cfg, build.plan_pieces(cfg, sources.fetch(cfg))) == []
     assert m.id == Manifest.load(out).id
 
 
 def _cli(cfg_overrides, home, **kw):
     env = {**os.environ, "GPTPIPE_HOME": str(home), "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-m", "gptcore.sharding", "micro", *cfg_overrides], cwd=ROOT,
+    return subprocess.Popen([sys.executable, "-m", "gptcore.data.build", "micro", *cfg_overrides], cwd=ROOT,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
 
@@ -214,8 +214,8 @@ def test_two_builds_of_one_dataset_at_once_both_succeed(home, uninterrupted):
 
 def test_corrupt_and_truncated_shards_are_detected_and_only_they_rebuilt():
     cfg = cfg_of()
-    m = sharding.run(cfg, workers=1)
-    out = sharding.dataset_dir(cfg)
+    m = build.run(cfg, workers=1)
+    out = build.dataset_dir(cfg)
     good = shard_bytes(out)
     victim, flipped = out / m.shards[3].name, out / m.shards[5].name
     victim.write_bytes(victim.read_bytes()[:-100])  # truncated
@@ -226,9 +226,9 @@ def test_corrupt_and_truncated_shards_are_detected_and_only_they_rebuilt():
         read_shard(victim)
     assert Manifest.load(out).verify(out) == [victim.name]
     assert Manifest.load(out).verify(out, full=True) == [victim.name, flipped.name]
-    assert sharding.why_incomplete(cfg) is not None
+    assert build.why_incomplete(cfg) is not None
     mtimes = {p.name: p.stat().st_mtime_ns for p in out.glob("*.bin")}
-    sharding.run(cfg, workers=1, full_verify=True)
+    build.run(cfg, workers=1, full_verify=True)
     assert shard_bytes(out) == good
     rewritten = {n for n, t in mtimes.items() if (out / n).stat().st_mtime_ns != t}
     assert rewritten == {victim.name, flipped.name}
@@ -243,27 +243,27 @@ def test_a_shard_damaged_in_place_is_rebuilt_by_the_next_plain_run(monkeypatch):
     from gptcore import files
 
     cfg = cfg_of()
-    m = sharding.run(cfg, workers=1)
-    out = sharding.dataset_dir(cfg)
+    m = build.run(cfg, workers=1)
+    out = build.dataset_dir(cfg)
     good = shard_bytes(out)
     hashed = []
     real = files.file_sha256
     monkeypatch.setattr(files, "file_sha256", lambda p: hashed.append(Path(p).name) or real(p))
-    assert sharding.why_incomplete(cfg) is None and hashed == []
+    assert build.why_incomplete(cfg) is None and hashed == []
     flipped = out / m.shards[5].name
     data = bytearray(flipped.read_bytes())
     data[2000] ^= 0xFF
     flipped.write_bytes(bytes(data))
-    why = sharding.why_incomplete(cfg)
+    why = build.why_incomplete(cfg)
     assert why is not None and flipped.name in why and hashed == [flipped.name]
-    sharding.run(cfg, workers=1)
-    assert shard_bytes(out) == good and sharding.why_incomplete(cfg) is None
+    build.run(cfg, workers=1)
+    assert shard_bytes(out) == good and build.why_incomplete(cfg) is None
 
 
 def test_different_spec_cannot_overwrite_a_dataset():
-    sharding.run(cfg_of("data.dataset_name=ds"), workers=1)
-    with pytest.raises(sharding.DataError, match="different dataset"):
-        sharding.run(cfg_of("data.dataset_name=ds", "data.max_docs=6"), workers=1)
+    build.run(cfg_of("data.dataset_name=ds"), workers=1)
+    with pytest.raises(build.DataError, match="different dataset"):
+        build.run(cfg_of("data.dataset_name=ds", "data.max_docs=6"), workers=1)
 
 
 # --- local sources and bad inputs ---------------------------------------------------------------
@@ -278,33 +278,33 @@ def test_local_mixed_directory(tmp_path):
     (src / "notes.md").write_text("ignored")
     cfg = load_config("micro", [f"data.source={src}", "data.text_column=content", "data.shard_tokens=20000",
                                 "data.piece_bytes=20000"])
-    m = sharding.run(cfg, workers=2)
-    got = np.concatenate([np.asarray(read_shard(sharding.dataset_dir(cfg) / s.name)) for s in m.shards])
+    m = build.run(cfg, workers=2)
+    got = np.concatenate([np.asarray(read_shard(build.dataset_dir(cfg) / s.name)) for s in m.shards])
     assert np.array_equal(got, expected_tokens(texts[:5]))
     assert [f["name"] for f in m.source["files"]] == ["a.parquet", "b.jsonl", "sub/c.txt"]
     # max_docs cuts in the middle of the jsonl file
     cfg3 = load_config("micro", [f"data.source={src}", "data.text_column=content", "data.shard_tokens=20000",
                                  "data.max_docs=3"])
-    m3 = sharding.run(cfg3, workers=1)
-    got3 = np.concatenate([np.asarray(read_shard(sharding.dataset_dir(cfg3) / s.name)) for s in m3.shards])
+    m3 = build.run(cfg3, workers=1)
+    got3 = np.concatenate([np.asarray(read_shard(build.dataset_dir(cfg3) / s.name)) for s in m3.shards])
     assert np.array_equal(got3, expected_tokens(texts[:3]))
 
 
-def _bad(tmp_path, make, match, *ov, exc=(sources.SourceError, sharding.DataError)):
+def _bad(tmp_path, make, match, *ov, exc=(sources.SourceError, build.DataError)):
     src = tmp_path / "bad"
     src.mkdir(exist_ok=True)
     make(src)
     cfg = load_config("micro", [f"data.source={src}", "data.shard_tokens=20000", *ov])
     with pytest.raises(exc, match=match):
-        sharding.run(cfg, workers=1)
-    out = sharding.dataset_dir(cfg)
+        build.run(cfg, workers=1)
+    out = build.dataset_dir(cfg)
     assert not (out / "manifest.json").exists() and not list(out.glob("*.bin"))  # nothing half-written
 
 
 def test_bad_inputs_fail_clearly(tmp_path, monkeypatch):
     cfg = load_config("micro", [f"data.source={tmp_path}/missing", "data.shard_tokens=20000"])
     with pytest.raises(sources.SourceError, match="does not exist"):
-        sharding.run(cfg)
+        build.run(cfg)
     _bad(tmp_path, lambda d: (d / "x.md").write_text("hi"), "no .parquet, .jsonl or .txt")
     _bad(tmp_path, lambda d: (d / "e.jsonl").write_text(""), "empty")
     _bad(tmp_path, lambda d: (d / "c.parquet").write_bytes(b"not parquet at all" * 10), "cannot read parquet")
@@ -336,17 +336,17 @@ def test_token_ids_beyond_uint16_rejected(monkeypatch):
     big = __import__("tiktoken").Encoding(name="wide", pat_str=r"\S+|\s+",
                                           mergeable_ranks={bytes([i]): 70000 + i for i in range(256)},
                                           special_tokens={})
-    monkeypatch.setattr(sharding, "get_encoding", lambda: big)  # a tokenizer whose ids exceed uint16
-    with pytest.raises(sharding.DataError, match="does not fit uint16"):
-        sharding.encode_documents(["abc"], threads=1)
+    monkeypatch.setattr(build, "get_encoding", lambda: big)  # a tokenizer whose ids exceed uint16
+    with pytest.raises(build.DataError, match="does not fit uint16"):
+        build.encode_documents(["abc"], threads=1)
 
 
 def test_not_enough_disk(monkeypatch):
-    monkeypatch.setattr(sharding, "free_disk", lambda path: 1000)  # a nearly full disk
+    monkeypatch.setattr(build, "free_disk", lambda path: 1000)  # a nearly full disk
     cfg = cfg_of()
-    with pytest.raises(sharding.DataError, match="not enough free disk"):
-        sharding.run(cfg)
-    assert not sharding.dataset_dir(cfg).exists()
+    with pytest.raises(build.DataError, match="not enough free disk"):
+        build.run(cfg)
+    assert not build.dataset_dir(cfg).exists()
 
 
 def test_a_full_disk_while_writing_is_a_clear_error_and_the_next_run_finishes(home, tmp_path):
@@ -365,7 +365,18 @@ def test_a_full_disk_while_writing_is_a_clear_error_and_the_next_run_finishes(ho
     assert [ln for ln in err.splitlines() if ln.startswith("error:")][0].startswith("error: cannot write")
     assert "Traceback" not in err and not list(home.rglob(".*.tmp-*"))
     assert _cli(ov, home).wait(timeout=120) == 0
-    assert sharding.why_incomplete(cfg_of(), full=True) is None
+    assert build.why_incomplete(cfg_of(), full=True) is None
+
+
+def test_the_old_command_name_still_runs_the_builder(tmp_path):
+    """`python -m gptcore.sharding` (documented before the data room became gptcore/data/) is an alias of
+    `python -m gptcore.data.build` for one release."""
+    env = {**os.environ, "GPTPIPE_HOME": str(tmp_path / "h")}
+    old = subprocess.run([sys.executable, "-m", "gptcore.sharding", "--help"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)
+    new = subprocess.run([sys.executable, "-m", "gptcore.data.build", "--help"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert old.returncode == new.returncode == 0 and old.stdout == new.stdout and "--full-verify" in new.stdout
 
 
 def test_cli_exit_codes(tmp_path):

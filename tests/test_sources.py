@@ -10,9 +10,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from gptcore import sharding, sources
 from gptcore.config import load_config
-from gptcore.shard_format import read_shard
+from gptcore.data import build, sources
+from gptcore.data.shard_format import read_shard
 from gptcore.tokenizer import EOT, get_encoding
 from tests.hub_standin import parquet_bytes
 
@@ -85,12 +85,12 @@ def test_hub_download_verified_idempotent_and_tokenized(hub):
     (src / sources.LISTING).write_text('{"id": "x", "files": [')
     assert [f.sha256 for f in sources.load_listing(sources.fetch(cfg))[1]] == [f.sha256 for f in files]
 
-    m = sharding.run(cfg, workers=1)
-    got = np.concatenate([np.asarray(read_shard(sharding.dataset_dir(cfg) / s.name)) for s in m.shards])
+    m = build.run(cfg, workers=1)
+    got = np.concatenate([np.asarray(read_shard(build.dataset_dir(cfg) / s.name)) for s in m.shards])
     enc = get_encoding()
     want = [t for text in hub.texts for t in [EOT, *enc.encode_ordinary(text)]]
     assert np.array_equal(got, np.array(want, dtype=np.uint16))
-    assert sharding.dataset_dir(cfg).name == "fineweb-edu-sample-10BT-20K"
+    assert build.dataset_dir(cfg).name == "fineweb-edu-sample-10BT-20K"
     assert [f["sha256"] for f in m.source["files"]] == [f.sha256 for f in files]
 
 
@@ -98,7 +98,7 @@ def test_hub_checksum_mismatch_is_never_accepted(hub):
     hub.corrupt.add("sample/10BT/001_00000.parquet")
     with pytest.raises(sources.SourceError, match="does not match the hub"):
         sources.fetch(hf_cfg())
-    src = sharding.pipeline_home() / "raw" / sources.source_id(hf_cfg())
+    src = build.pipeline_home() / "raw" / sources.source_id(hf_cfg())
     doc, files = sources.load_listing(src)
     assert not doc["complete"] and [f.name for f in files] == ["sample/10BT/000_00000.parquet"]
     assert not (src / "files" / "sample/10BT/001_00000.parquet").exists()
@@ -121,7 +121,7 @@ def test_hub_not_enough_disk(hub, monkeypatch):
     monkeypatch.setattr(sources, "free_disk", lambda path: 1000)
     with pytest.raises(sources.SourceError, match="not enough free disk to download"):
         sources.fetch(hf_cfg())
-    assert not list((sharding.pipeline_home() / "raw").rglob("*.parquet"))
+    assert not list((build.pipeline_home() / "raw").rglob("*.parquet"))
 
 
 def test_hub_missing_repo_says_what_to_do(hub):

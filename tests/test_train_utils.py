@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from gptcore.data.shard_format import Manifest, ShardInfo, write_shard
 from gptcore.metrics import read_metrics
-from gptcore.shard_format import Manifest, ShardInfo, write_shard
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""The token shard format and the dataset manifest (the on-disk format; gptcore.sharding makes datasets
+"""The token shard format and the dataset manifest (the on-disk format; gptcore.data.build makes datasets
 in it): the one reader and writer everyone uses.
 
 A shard is llm.c's layout, so shards interoperate with llm.c and modded-nanogpt:

@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from gptcore.data.shard_format import Manifest, ShardError, read_shard
 from gptcore.files import cached_sha256, read_json, write_json
-from gptcore.shard_format import Manifest, ShardError, read_shard
 
 
 def open_dataset(dataset_dir: Path) -> Manifest:
@@ -56,7 +56,7 @@ def verify_hashes(dataset_dir: Path, manifest: Manifest, cache: Path) -> None:
         path = Path(dataset_dir) / s.name
         if cached_sha256(path, fresh, s.name) != s.sha256:
             raise ShardError(f"shard {path} does not match its sha256 in the manifest (damaged or half-copied): "
-                             f"nothing was trained on it. Repair it with `python -m gptcore.sharding <preset> "
+                             f"nothing was trained on it. Repair it with `python -m gptcore.data.build <preset> "
                              f"--full-verify` (re-cuts only the damaged shards), then run again")
     if fresh != known:
         write_json(cache, fresh)

@@ -38,7 +38,7 @@ import pyarrow.parquet as pq
 from gptcore.config import DataConfig, RunConfig, pipeline_home
 from gptcore.files import atomic_write_bytes, file_sha256, free_disk, read_json, write_json
 
-BUILTIN = Path(__file__).parent / "assets" / "corpus" / "shakespeare.parquet"
+BUILTIN = Path(__file__).parents[1] / "assets" / "corpus" / "shakespeare.parquet"
 BUILTIN_SHA256 = "2db4ec02cd015044806362430773d64ca4be9030c573aa55d0afe047b3e76c7c"
 LISTING = "source.json"
 KINDS = {".parquet": "parquet", ".jsonl": "jsonl", ".txt": "txt"}
@@ -100,7 +100,7 @@ def fetch(cfg: RunConfig) -> Path:
 def load_listing(source_dir: Path) -> tuple[dict, list[SourceFile]]:
     path = Path(source_dir) / LISTING
     if not path.is_file():
-        raise SourceError(f"{path} does not exist: run the download stage (gptcore.sources.fetch) first")
+        raise SourceError(f"{path} does not exist: run the download stage (gptcore.data.sources.fetch) first")
     doc = json.loads(path.read_text())
     return doc, [SourceFile(**f) for f in doc["files"]]
 
