@@ -109,10 +109,11 @@ def training_dataset(dataset_dir: str | Path):
 
         source = HuggingFaceDatasetSource(hub["repo"], config_name=hub.get("config") or None,
                                           split=hub.get("split"), revision=hub.get("commit"))
-    else:
-        from mlflow.data.artifact_dataset_sources import LocalArtifactDatasetSource
+    else:  # MLflow registers its local-file source class at import time (no module attribute to import)
+        from mlflow.data.dataset_source_registry import get_registered_sources
 
-        source = LocalArtifactDatasetSource(str(m.source.get("source") or dataset_dir))
+        local = next(s for s in get_registered_sources() if s._get_source_type() == "local")
+        source = local(str(m.source.get("source") or dataset_dir))
     return MetaDataset(source=source, name=Path(dataset_dir).name, digest=m.id)
 
 

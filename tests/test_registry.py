@@ -257,3 +257,12 @@ def test_the_training_dataset_is_an_input_of_the_run_and_tied_to_the_model(mlflo
     assert tied and (tied[0].dataset_name, tied[0].dataset_digest) == ("ds", m.id)
     register.register_checkpoint(ck, model_name="lineage", tracking_uri=uri, hf=False)  # again: no new input
     assert len(mlc.get_run(lm.source_run_id).inputs.dataset_inputs) == 1
+
+    local_ds = make_dataset(tmp_path / "local-ds")  # a local source: its path is the source
+    run_dir = tmp_path / "lineage-local"
+    ck = save_ckpt(run_dir, 4, 9.2, seed=5)
+    (run_dir / run_files.RUN_FILE).write_text(json.dumps({"run_name": "lineage-local", "dataset_dir": str(local_ds)}))
+    r = register.register_checkpoint(ck, model_name="lineage-local", tracking_uri=uri, hf=False)
+    d = mlc.get_run(mlc.get_logged_model(r["model_id"]).source_run_id).inputs.dataset_inputs[0].dataset
+    assert (d.digest, d.source_type, json.loads(d.source)["uri"]) == (Manifest.load(local_ds).id, "local",
+                                                                       str(local_ds))
