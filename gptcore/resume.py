@@ -27,7 +27,7 @@ from gptcore.model import GPT
 from gptcore.run_files import DONE_FILE, RUN_FILE, latest, run_dir_for
 from gptcore.runlock import RunLock
 
-SHARD_HASHES = "shard_hashes.json"  # the shards' verified sha256s, by (size, mtime, inode): no re-hash on restart
+SHARD_HASHES = "shard_hashes.json"  # the trainer's copy of the shards' verified sha256s, in the run dir
 
 
 class RunError(RuntimeError):

@@ -119,20 +119,6 @@ CHECKED = ("manifest, every shard's header, size and sha256 (re-hashed only when
            "and the source files' fingerprints (sha256 per size and mtime); --full-verify: re-hash every shard")
 
 
-def verify_shards(out: Path, m: Manifest, rehash_all: bool = False) -> list[str]:
-    """The shards that are missing or whose bytes do not hash to the manifest's sha256, the trainer's way:
-    through the dataset's hash cache (shard_hashes.json), so only files whose size, mtime or inode changed
-    are re-hashed (`rehash_all`: every one). The cache is kept when the directory is writable."""
-    path = out / SHARD_HASHES
-    known = {} if rehash_all else read_json(path, {})
-    hashes = dict(known)
-    bad = m.verify(out, full=True, hashes=hashes)
-    if hashes != known:
-        with suppress(OSError):  # a read-only dataset dir is checked all the same, only not remembered
-            write_json(path, hashes)
-    return bad
-
-
 def remember_hashes(out: Path, m: Manifest) -> None:
     """Seed the hash cache with the shards just written (their sha256s were computed while writing)."""
     hashes = {}
@@ -156,7 +142,7 @@ def why_incomplete(cfg: RunConfig, full: bool = False) -> str | None:
     if (m.shard_tokens, s.get("source"), s.get("text_column"), s.get("max_docs")) != (
             d.shard_tokens, d.source, d.text_column, d.max_docs):
         return "the manifest was made with other data settings"
-    bad = verify_shards(dataset_dir(cfg), m, rehash_all=full)
+    bad = m.verify_hashes(dataset_dir(cfg), dataset_dir(cfg) / SHARD_HASHES, rehash_all=full)
     if bad:
         return f"shards missing or damaged: {', '.join(bad[:5])}"
     return sources.source_kind(cfg).changed(cfg, s, listing_path(cfg).parent)

@@ -24,7 +24,6 @@ import numpy as np
 import torch
 
 from gptcore.data.shard_format import Manifest, ShardError, read_shard
-from gptcore.files import cached_sha256, read_json, write_json
 
 
 def open_dataset(dataset_dir: Path) -> Manifest:
@@ -47,19 +46,14 @@ def open_dataset(dataset_dir: Path) -> Manifest:
 
 
 def verify_hashes(dataset_dir: Path, manifest: Manifest, cache: Path) -> None:
-    """Check every shard's sha256 against the manifest; ShardError names the first that differs and the
-    repair. Hashes are remembered in `cache` by (size, mtime, inode), so a nightly restart re-hashes only
-    files that changed (a 10B-token dataset is ~20 GB; the cost of a cold hash is in docs/data.md)."""
-    known = read_json(cache, {})
-    fresh = {s.name: known.get(s.name) for s in manifest.shards}
-    for s in manifest.shards:
-        path = Path(dataset_dir) / s.name
-        if cached_sha256(path, fresh, s.name) != s.sha256:
-            raise ShardError(f"shard {path} does not match its sha256 in the manifest (damaged or half-copied): "
-                             f"nothing was trained on it. Repair it with `python -m gptcore.data.build <preset> "
-                             f"--full-verify` (re-cuts only the damaged shards), then run again")
-    if fresh != known:
-        write_json(cache, fresh)
+    """Check every shard's sha256 against the manifest (Manifest.verify_hashes: re-hashed only when a file
+    changed, so a nightly restart of a ~20 GB dataset costs stats); ShardError names the first that differs
+    and the repair."""
+    bad = manifest.verify_hashes(Path(dataset_dir), cache)
+    if bad:
+        raise ShardError(f"shard {Path(dataset_dir) / bad[0]} does not match its sha256 in the manifest (damaged or "
+                         "half-copied): nothing was trained on it. Repair it with `python -m gptcore.data.build "
+                         "<preset> --full-verify` (re-cuts only the damaged shards), then run again")
 
 
 class ShardLoader:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from contextlib import suppress
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -167,4 +168,17 @@ class Manifest:
                     bad.append(s.name)
             except (ShardError, OSError):
                 bad.append(s.name)
+        return bad
+
+    def verify_hashes(self, directory: Path, cache: Path, rehash_all: bool = False) -> list[str]:
+        """Names of shards that are missing or whose bytes do not hash to their sha256 here, re-hashing only
+        files whose size, mtime or inode changed since `cache` (a JSON file, kept for this manifest's shards
+        when the directory is writable) last saw them; `rehash_all`: every file. The one cached check: the
+        trainer's before its first step, and the data stage's skip decision."""
+        known = {} if rehash_all else read_json(cache, {})
+        hashes = {s.name: known.get(s.name) for s in self.shards}
+        bad = self.verify(directory, full=True, hashes=hashes)
+        if hashes != known:
+            with suppress(OSError):  # a read-only directory is checked all the same, only not remembered
+                write_json(cache, hashes)
         return bad
