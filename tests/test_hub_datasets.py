@@ -120,3 +120,30 @@ def test_a_smoke_run_reads_only_the_documents_it_needs(standin):
     assert [f.name for f in files] == ["data/train-00000-of-00001.parquet"]
     assert files[0].prefix_of == hashlib.sha256(data).hexdigest() and files[0].size < len(data) / 10
     assert m.source["hf"]["documents"] == "the first 30" and m.source["max_docs"] == 30
+
+
+def test_compressed_and_json_array_files_are_read_as_datasets_reads_them(standin):
+    """A repository without YAML configs holding gzip'd JSON Lines for train and a JSON array for
+    validation: `datasets` infers both splits; each split's documents (and only those) are tokenized, and
+    a smoke run streams the first documents of the compressed file, decompressing as it reads."""
+    import gzip
+
+    train = docs("train", 6)
+    files = {"README.md": b"# compressed\n",
+             "data/train-00000-of-00002.jsonl.gz": gzip.compress(
+                 "".join(json.dumps({"text": t}) + "\n" for t in train[:4]).encode()),
+             "data/train-00001-of-00002.jsonl.gz": gzip.compress(
+                 "".join(json.dumps({"text": t}) + "\n" for t in train[4:]).encode()),
+             "data/validation-00000-of-00001.json": json.dumps([{"text": t} for t in docs("val", 3)]).encode()}
+    standin.publish(SPLITS, files)
+    got, _ = tokens_of(hub_cfg(SPLITS))
+    assert np.array_equal(got, expected(train))
+    assert [f.kind for f in sources.load_listing(sources.raw_dir(hub_cfg(SPLITS)))[1]] == ["jsonl.gz"] * 2
+    got, _ = tokens_of(hub_cfg(SPLITS, "data.hf_split=validation"))
+    assert np.array_equal(got, expected(docs("val", 3)))
+    smoke = hub_cfg(SPLITS, "data.max_docs=3")
+    got, _ = tokens_of(smoke)
+    assert np.array_equal(got, expected(train[:3]))
+    _, listed = sources.load_listing(sources.raw_dir(smoke))
+    assert [(f.name, f.path, f.kind) for f in listed] == [
+        ("data/train-00000-of-00002.jsonl.gz", "prefix/data/train-00000-of-00002.jsonl", "jsonl")]

@@ -305,7 +305,8 @@ def test_bad_inputs_fail_clearly(tmp_path, monkeypatch):
     cfg = load_config("micro", [f"data.source={tmp_path}/missing", "data.shard_tokens=20000"])
     with pytest.raises(sources.SourceError, match="does not exist"):
         build.run(cfg)
-    _bad(tmp_path, lambda d: (d / "x.md").write_text("hi"), "no .parquet, .jsonl or .txt")
+    _bad(tmp_path, lambda d: (d / "x.md").write_text("hi"),
+         r"holds no .parquet, .jsonl, .json, .txt \(json, jsonl and txt also as .gz")
     _bad(tmp_path, lambda d: (d / "e.jsonl").write_text(""), "empty")
     _bad(tmp_path, lambda d: (d / "c.parquet").write_bytes(b"not parquet at all" * 10), "cannot read parquet")
     _bad(tmp_path, lambda d: pq.write_table(pa.table({"body": ["x"]}), d / "c.parquet"),

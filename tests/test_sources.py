@@ -175,3 +175,48 @@ def test_a_symlinked_file_in_the_source_directory_is_listed_by_its_name_there(tm
     (tmp_path / "d" / "link.jsonl").symlink_to(tmp_path / "elsewhere" / "real.jsonl")
     [f] = sources.local_files(str(tmp_path / "d"))
     assert f.name == "link.jsonl" and f.path == str((tmp_path / "elsewhere" / "real.jsonl").resolve())
+
+
+def test_a_local_source_in_every_readable_format(tmp_path):
+    """One table of formats (gptcore/data/formats.py): parquet, JSON Lines, a JSON array, JSON Lines in a
+    .json file, txt, and json/jsonl/txt compressed with gzip, bz2 or xz all yield their documents, in path
+    order; a file of another format is not listed."""
+    import bz2
+    import gzip
+    import json
+    import lzma
+
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from gptcore.data import build
+    from gptcore.data.shard_format import read_shard
+    from gptcore.tokenizer import EOT, get_encoding
+
+    texts = [f"document {i}: " + "lorem ipsum dolor " * (50 + i) for i in range(16)]
+    lines = lambda ts: "".join(json.dumps({"text": t, "id": 1}) + "\n" for t in ts).encode()  # noqa: E731
+    src = tmp_path / "mixed"
+    src.mkdir()
+    pq.write_table(pa.table({"text": texts[0:2]}), src / "a.parquet")
+    (src / "b.jsonl").write_bytes(lines(texts[2:4]))
+    (src / "c.json").write_text(json.dumps([{"text": t} for t in texts[4:6]]))
+    (src / "d.json").write_bytes(lines(texts[6:8]))
+    (src / "e.txt").write_text(texts[8])
+    (src / "f.jsonl.gz").write_bytes(gzip.compress(lines(texts[9:11])))
+    (src / "g.json.bz2").write_bytes(bz2.compress(json.dumps([{"text": t} for t in texts[11:13]]).encode()))
+    (src / "h.jsonl.xz").write_bytes(lzma.compress(lines(texts[13:15])))
+    (src / "i.txt.gz").write_bytes(gzip.compress(texts[15].encode()))
+    (src / "j.csv").write_text("text\nnot read\n")
+    cfg = load_config("micro", [f"data.source={src}", "data.shard_tokens=2048"])
+    m = build.run(cfg, workers=1)
+    assert [f.kind for f in sources.load_listing(sources.raw_dir(cfg))[1]] == [
+        "parquet", "jsonl", "json", "json", "txt", "jsonl.gz", "json.bz2", "jsonl.xz", "txt.gz"]
+    got = np.concatenate([np.asarray(read_shard(build.dataset_dir(cfg) / s.name)) for s in m.shards])
+    enc = get_encoding()
+    want = np.array([t for text in texts for t in [EOT, *enc.encode_ordinary(text)]], dtype=np.uint16)
+    assert np.array_equal(got, want)
+    capped = load_config("micro", [f"data.source={src}", "data.shard_tokens=1024", "data.max_docs=12"])
+    got = np.concatenate([np.asarray(read_shard(build.dataset_dir(capped) / s.name))
+                          for s in build.run(capped, workers=1).shards])
+    assert np.array_equal(got, want[: len([t for text in texts[:12] for t in [EOT, *enc.encode_ordinary(text)]])])

@@ -24,7 +24,6 @@ from __future__ import annotations
 import copy
 import functools
 import hashlib
-import itertools
 import json
 import os
 import shutil
@@ -39,7 +38,7 @@ import numpy as np
 from tqdm import tqdm
 
 from gptcore.config import RunConfig, pipeline_home
-from gptcore.data import sources
+from gptcore.data import formats, sources
 from gptcore.data.shard_format import MANIFEST, Manifest, ShardError, ShardInfo, read_shard, write_shard_chunks
 from gptcore.files import (
     atomic_write_bytes,
@@ -67,11 +66,11 @@ class DataError(RuntimeError):
 class Piece:
     index: int
     path: str  # source file, absolute
-    kind: str  # parquet | jsonl | txt
+    kind: str  # formats.kind_of (parquet, jsonl, json.gz, txt, ...)
     name: str  # the file's stable name (lineage)
     file_id: str  # sha256 of the file's content: a changed file invalidates its pieces
-    start: int  # parquet: first row group; jsonl: byte offset; txt: 0
-    stop: int  # parquet: end row group (exclusive); jsonl: end byte offset; txt: file size
+    start: int  # parquet: first row group; uncompressed JSON Lines: byte offset; else 0
+    stop: int  # parquet: end row group (exclusive); uncompressed JSON Lines: end byte offset; else file size
     limit: int = -1  # documents to take (data.max_docs cap), -1 = all
     est_bytes: int = 0  # approximate text bytes (progress bars, disk estimate)
 
@@ -166,22 +165,8 @@ def plan_pieces(cfg: RunConfig, source_dir: Path) -> list[Piece]:
         if not f.sha256:
             raise DataError(f"source file {path} has no fingerprint in {sources.LISTING}; re-run the "
                             "download stage")
-        ranges = []  # (start, stop, docs or -1 if unknown, est_bytes)
-        if f.kind == "parquet":
-            meta = sources.parquet_text_column(path, d.text_column).metadata
-            start, rows, nbytes = 0, 0, 0
-            for g in range(meta.num_row_groups):
-                rg = meta.row_group(g)
-                rows, nbytes = rows + rg.num_rows, nbytes + rg.total_byte_size
-                if nbytes >= d.piece_bytes or g == meta.num_row_groups - 1:
-                    ranges.append((start, g + 1, rows, nbytes))
-                    start, rows, nbytes = g + 1, 0, 0
-        elif f.kind == "jsonl":
-            cuts = sources.jsonl_boundaries(path, d.piece_bytes)
-            for a, b in itertools.pairwise(cuts):
-                ranges.append((a, b, sum(1 for _ in sources.jsonl_lines(path, a, b)) if docs_left > 0 else -1, b - a))
-        else:
-            ranges.append((0, f.size, 1, f.size))
+        fmt, opener, compressed = formats.file_format(f.kind)
+        ranges = fmt.ranges(path, opener, compressed, d.piece_bytes, d.text_column, docs_left > 0)
         for start, stop, ndocs, nbytes in ranges:
             if docs_left == 0:
                 break
@@ -268,7 +253,7 @@ def tokenize_piece(cfg: RunConfig, piece: Piece, threads: int | None = None) -> 
         return rec["tokens"]
     threads = threads or worker_threads(cfg)
     chunks, docs, replaced = [], 0, []
-    for texts in sources.read_texts(piece.path, piece.kind, piece.start, piece.stop, cfg.data.text_column,
+    for texts in formats.read_texts(piece.path, piece.kind, piece.start, piece.stop, cfg.data.text_column,
                                     piece.limit, strict_utf8=cfg.data.strict_utf8, replaced=replaced):
         chunks.append(encode_documents(texts, threads))
         docs += len(texts)

@@ -2,7 +2,7 @@
 
     source_dir = fetch(cfg)              # local dir holding source.json (+ downloaded files); idempotent
     files = load_listing(source_dir)     # the verified source files, in document order
-    for texts in read_texts(path, kind, start, stop, text_column): ...   # streaming batches of documents
+    for texts in read_texts(path, kind, start, stop, text_column): ...   # documents (formats.py)
 
 `data.source` selects the source kind (SOURCE_KINDS at the end of this module: one entry per kind, with
 how it is named, fetched and checked for changes; anything else is a local path or glob):
@@ -13,11 +13,11 @@ how it is named, fetched and checked for changes; anything else is a local path 
               names); those files are fetched one by one into <home>/raw/<source_id>/ and verified
               against the hub's size and sha256. The commit is recorded; a branch that moved is a changed
               source. HF_TOKEN and HF_ENDPOINT are honoured (HF_ENDPOINT also when set after import)
-  other       a local directory or glob of .parquet / .jsonl / .txt files (used in place, not copied),
+  other       a local directory or glob of files in a format formats.py reads (used in place, not copied),
               each fingerprinted (size, mtime, sha256; re-hashed only when size or mtime changed), so a
               changed, added or removed file is noticed and the dataset rebuilt from it
 
-Documents: a parquet row or a jsonl line (its `data.text_column` field), or a whole .txt file.
+Documents and file formats (parquet, JSON Lines / JSON arrays, txt, compressed or not): formats.py.
 """
 
 from __future__ import annotations
@@ -32,31 +32,20 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-
 from gptcore.config import DataConfig, RunConfig, pipeline_home
-from gptcore.files import atomic_write_bytes, file_sha256, free_disk, read_json, write_json
+from gptcore.data.formats import COMPRESSIONS, FORMATS, SourceError, kind_of, read_texts, readable_suffixes
+from gptcore.files import file_sha256, free_disk, read_json, write_json
 
 BUILTIN = Path(__file__).parents[1] / "assets" / "corpus" / "shakespeare.parquet"
 BUILTIN_SHA256 = "2db4ec02cd015044806362430773d64ca4be9030c573aa55d0afe047b3e76c7c"
 LISTING = "source.json"
-KINDS = {".parquet": "parquet", ".jsonl": "jsonl", ".txt": "txt"}
-
-
-def kind_of(path: str | Path) -> str | None:
-    """The reader a file takes, by its name: parquet | jsonl | txt; None for a format not read here."""
-    return KINDS.get(Path(path).suffix)
-
-
-class SourceError(RuntimeError):
-    """The source is missing, empty, unreadable or lacks the text column; the message says the fix."""
+__all__ = ["SourceError", "fetch", "kind_of", "load_listing", "read_texts", "source_kind"]
 
 
 @dataclass
 class SourceFile:
     path: str  # absolute path of a local file; for hub/builtin files, relative to the source dir
-    kind: str  # parquet | jsonl | txt
+    kind: str  # formats.kind_of: a format's name + compression suffix (parquet, jsonl, json.gz, txt, ...)
     size: int
     sha256: str = ""  # content hash (hub: checked against the hub's; local: hashed once per size+mtime)
     mtime_ns: int = 0
@@ -156,10 +145,10 @@ def local_files(spec: str, previous: list[SourceFile] = (), fingerprint: bool = 
         paths, root = [path], path.parent
     else:
         raise SourceError(f"data.source={spec!r} does not exist; use 'builtin', 'hf', or an existing "
-                          "directory / glob of .parquet, .jsonl or .txt files")
+                          f"directory / glob of {readable_suffixes()} files")
     paths = [p.absolute() for p in paths if p.is_file() and kind_of(p)]
     if not paths:
-        raise SourceError(f"data.source={spec!r} holds no .parquet, .jsonl or .txt files; point it at a "
+        raise SourceError(f"data.source={spec!r} holds no {readable_suffixes()} files; point it at a "
                           "directory or glob that matches some")
     # names relative to the source directory; for a glob, to its matches' common folder, so two files with
     # one base name in different folders keep apart (their fingerprints would otherwise collide)
@@ -255,9 +244,10 @@ def _fetch_hub(cfg: RunConfig, source_dir: Path) -> list[SourceFile]:
 def _read_hub_prefix(cfg: RunConfig, source_dir: Path, remote: list[_Remote], commit: str, endpoint: str,
                      token: str | None) -> list[SourceFile]:
     """The first data.max_docs documents of the split, read with range requests (huggingface_hub's
-    HfFileSystem: a parquet file's footer, then row group after row group; a jsonl file line by line) and
-    written as local prefix files (`prefix/<path>`), so a 1,000-document smoke run of a 2 GB parquet file
-    moves megabytes. Each prefix file is recorded with its own sha256 and the remote file's (`prefix_of`)."""
+    HfFileSystem: a parquet file's footer, then row group after row group; a JSON Lines file line by line,
+    decompressed as it streams) and written as local prefix files (`prefix/<path>`, uncompressed), so a
+    1,000-document smoke run of a 2 GB parquet file moves megabytes. Each prefix file is recorded with its
+    own sha256 and the remote file's (`prefix_of`)."""
     from huggingface_hub import HfFileSystem
 
     d = cfg.data
@@ -266,41 +256,20 @@ def _read_hub_prefix(cfg: RunConfig, source_dir: Path, remote: list[_Remote], co
     for entry in remote:
         if left <= 0:
             break
-        local = Path(source_dir) / "prefix" / entry.path
+        # a compressed file's prefix is written decompressed: its name loses the compression suffix
+        compression = Path(entry.path).suffix if Path(entry.path).suffix in COMPRESSIONS else ""
+        local = Path(source_dir) / "prefix" / entry.path.removesuffix(compression)
+        fmt = FORMATS[Path(local.name).suffix]
         with fs.open(f"datasets/{d.hf_repo}@{commit}/{entry.path}", "rb", block_size=1 << 16) as remote_file:
-            taken = _write_prefix(remote_file, local, kind_of(entry.path), left, d.text_column)
+            text = COMPRESSIONS[compression](remote_file) if compression else remote_file
+            taken = fmt.copy_prefix(text, local, left, d.text_column)
         left -= taken
         st = local.stat()
-        files.append(SourceFile(path=str(local.relative_to(source_dir)), kind=kind_of(entry.path), size=st.st_size,
+        files.append(SourceFile(path=str(local.relative_to(source_dir)), kind=kind_of(local), size=st.st_size,
                                 sha256=file_sha256(local), mtime_ns=st.st_mtime_ns, name=entry.path,
                                 prefix_of=entry.sha256))
         _save_listing(source_dir, cfg, files, complete=False, commit=commit)
     return files
-
-
-def _write_prefix(remote_file, local: Path, kind: str, want: int, text_column: str) -> int:
-    """Copy the first `want` documents of an open remote file to `local` (atomically); returns how many."""
-    if kind == "parquet":
-        pf = parquet_text_column(remote_file, text_column)
-        tables, n = [], 0
-        for g in range(pf.num_row_groups):  # each read fetches only that row group's byte range
-            tables.append(pf.read_row_group(g, columns=[text_column]))
-            n += tables[-1].num_rows
-            if n >= want:
-                break
-        table = pa.concat_tables(tables).slice(0, want)
-        sink = pa.BufferOutputStream()
-        pq.write_table(table, sink)
-        atomic_write_bytes(local, [sink.getvalue().to_pybytes()])
-        return table.num_rows
-    lines = []
-    for line in remote_file:  # jsonl: buffered reads of block_size; txt: one document, read whole
-        if kind == "txt" or line.strip():
-            lines.append(line)
-        if kind == "jsonl" and len(lines) >= want:
-            break
-    atomic_write_bytes(local, lines)
-    return 1 if kind == "txt" else len(lines)
 
 
 def hub_head(cfg: RunConfig) -> str | None:
@@ -365,7 +334,7 @@ def hub_data_files(api, cfg: RunConfig, commit: str, token: str | None) -> list[
     unreadable = [p for p in paths if kind_of(p) is None]
     if unreadable:
         raise SourceError(f"{d.hf_repo} split {d.hf_split!r} has files this pipeline cannot read "
-                          f"({unreadable[:3]}; it reads {', '.join(KINDS)}); convert them, or point "
+                          f"({unreadable[:3]}; it reads {readable_suffixes()}); convert them, or point "
                           "data.source at a local copy in one of those formats")
     infos = {i.path: i for i in api.get_paths_info(d.hf_repo, paths, revision=commit, repo_type="dataset")}
     return [_Remote(p, infos[p].lfs.size if infos[p].lfs else infos[p].size,
@@ -387,125 +356,6 @@ def _download_one(get, source_dir: Path, entry: _Remote) -> SourceFile:
                           "again")
     return SourceFile(path=str(local.relative_to(source_dir)), kind=kind_of(entry.path), size=st.st_size,
                       sha256=sha, mtime_ns=st.st_mtime_ns, name=entry.path)
-
-
-# --- reading documents (streaming) ----------------------------------------------------------------
-
-def parquet_text_column(path: Path, text_column: str) -> pq.ParquetFile:
-    """Open a parquet file and check it has a string text column, with errors that name the fix."""
-    try:
-        pf = pq.ParquetFile(path)
-    except (OSError, pa.ArrowException) as e:
-        raise SourceError(f"cannot read parquet file {path}: {e}. It is corrupt or not parquet; delete or "
-                          "replace it (a hub file is re-downloaded on the next run)") from e
-    schema = pf.schema_arrow
-    if text_column not in schema.names:
-        raise SourceError(f"{path} has no column {text_column!r} (columns: {schema.names}); set "
-                          f"data.text_column to the one holding the text")
-    typ = schema.field(text_column).type
-    if not (pa.types.is_string(typ) or pa.types.is_large_string(typ)):
-        raise SourceError(f"column {text_column!r} of {path} is {typ}, not text; set data.text_column")
-    return pf
-
-
-def decode_txt(data: bytes, path: Path, strict: bool) -> tuple[str, int]:
-    """A .txt file's text and how many invalid UTF-8 sequences were replaced by U+FFFD (SourceError
-    instead, with `strict`)."""
-    try:
-        return data.decode("utf-8"), 0
-    except UnicodeDecodeError as e:
-        if strict:
-            raise SourceError(f"{path} is not valid UTF-8 (first bad byte at offset {e.start}); convert it to "
-                              "UTF-8, or set data.strict_utf8=false to replace invalid bytes") from None
-    text = data.decode("utf-8", errors="replace")
-    return text, text.count("\ufffd") - data.count("\ufffd".encode())
-
-
-def read_texts(path: Path, kind: str, start: int, stop: int, text_column: str, limit: int = -1,
-               batch_docs: int = 512, strict_utf8: bool = False, replaced: list | None = None):
-    """Yield lists of document texts from one piece of a `kind` file: parquet row groups [start, stop),
-    jsonl bytes [start, stop) (line-aligned), or a whole txt file. At most `limit` documents (-1 = all).
-    Memory stays at about one batch. A txt file's replaced invalid UTF-8 sequences are appended to
-    `replaced`."""
-    path = Path(path)
-    left = limit if limit >= 0 else float("inf")
-    try:
-        if kind == "parquet":
-            pf = parquet_text_column(path, text_column)
-            for rb in pf.iter_batches(batch_size=batch_docs, row_groups=range(start, stop),
-                                      columns=[text_column], use_threads=False):
-                texts = [t or "" for t in rb.column(0).to_pylist()]
-                yield texts[: int(min(len(texts), left))]
-                left -= len(texts)
-                if left <= 0:
-                    return
-        elif kind == "jsonl":
-            yield from _read_jsonl(path, start, stop, text_column, left, batch_docs)
-        elif left > 0:
-            text, n_bad = decode_txt(path.read_bytes(), path, strict_utf8)
-            if replaced is not None:
-                replaced.append(n_bad)
-            yield [text]
-    except OSError as e:
-        raise SourceError(f"cannot read source file {path}: {e}; check it exists and is readable") from e
-
-
-def _read_jsonl(path: Path, start: int, stop: int, text_column: str, left, batch_docs: int):
-    batch = []
-    for at, line in jsonl_lines(path, start, stop):
-        if left <= 0:
-            break
-        try:
-            doc = json.loads(line)
-        except ValueError as e:
-            raise SourceError(f"{path} at byte {at}: not valid JSON ({e}); fix or remove that line") from e
-        if not isinstance(doc, dict) or text_column not in doc:
-            keys = list(doc) if isinstance(doc, dict) else type(doc).__name__
-            raise SourceError(f"{path} at byte {at}: no field {text_column!r} (has {keys}); set "
-                              "data.text_column to the field holding the text")
-        text = doc[text_column]
-        if text is not None and not isinstance(text, str):
-            raise SourceError(f"{path}, line at byte {at}: field {text_column!r} is a "
-                              f"{type(text).__name__}, not a string; fix that line or set data.text_column")
-        if text and b"\\u" in line:  # only a JSON escape can make a lone surrogate
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError:
-                raise SourceError(f"{path}, line at byte {at}: field {text_column!r} holds a lone UTF-16 "
-                                  "surrogate escape (e.g. \\ud800), which is not text; fix that line"
-                                  ) from None
-        batch.append(text or "")
-        left -= 1
-        if len(batch) == batch_docs:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
-
-
-def jsonl_lines(path: Path, start: int, stop: int):
-    """(byte offset, line) of each non-blank line (= document) in a line-aligned jsonl byte range."""
-    with open(path, "rb") as fh:
-        fh.seek(start)
-        pos = start
-        while pos < stop and (line := fh.readline()):
-            at, pos = pos, pos + len(line)
-            if line.strip():
-                yield at, line
-
-
-def jsonl_boundaries(path: Path, piece_bytes: int) -> list[int]:
-    """Line-aligned byte offsets cutting a jsonl file into ~piece_bytes ranges (deterministic)."""
-    size = path.stat().st_size
-    cuts = [0]
-    with open(path, "rb") as fh:
-        while cuts[-1] + piece_bytes < size:
-            fh.seek(cuts[-1] + piece_bytes)
-            fh.readline()  # move to the start of the next line
-            if fh.tell() >= size:
-                break
-            cuts.append(fh.tell())
-    return cuts + [size]
 
 
 # --- the source kinds: one entry each; a new kind of data.source is one entry here ----------------
