@@ -164,6 +164,7 @@ class TrainConfig:
     loss: str = "auto"  # auto (fused on CPU, plain on CUDA) | fused | plain: gptcore/loss.py
     ddp_bf16_grads: bool = False  # DDP all-reduces gradients in bf16 (halves traffic across nodes)
     run_dir: str = ""  # where the run lives; "" = <home>/runs/<run_name>
+    system_metrics_interval: float = 10.0  # s between MLflow system-metric samples (CPU, memory, GPU); 0 = off
 
     def validate(self) -> None:
         choices = {"device": ("auto", "cpu", "cuda"), "dtype": ("auto", "float32", "bfloat16", "float16"),
@@ -178,6 +179,8 @@ class TrainConfig:
                 raise ConfigError(f"train.{name} must be positive, got {getattr(self, name)}")
         if self.max_minutes < 0:
             raise ConfigError("train.max_minutes must be >= 0 (0 = no time budget)")
+        if self.system_metrics_interval < 0:
+            raise ConfigError("train.system_metrics_interval must be >= 0 seconds (0 = no system metrics)")
 
 
 @dataclass

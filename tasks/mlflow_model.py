@@ -10,19 +10,28 @@ safetensors and mlflow are installed, without this repository.
     m.predict(["Hello, I'm a language model,"], params={"max_new_tokens": 32, "seed": 0})
     -> ["Hello, I'm a language model, ..."]            (prompt + continuation, one per prompt)
 
-Inputs: a list of strings, a string, or a DataFrame with a `prompt` column. Params: max_new_tokens,
-temperature (0 = greedy), top_k (0 = off), seed; sampling uses its own seeded generator, so equal
-inputs give equal outputs.
+Inputs: a list of strings, a string, or a DataFrame with a `prompt` column. Params: max_new_tokens
+(>= 1), temperature (>= 0; 0 = greedy), top_k (>= 0; 0 = off), seed; sampling uses its own seeded
+generator, so equal inputs give equal outputs. Anything else is refused with an MlflowException naming
+the fix, which `mlflow models serve` answers with HTTP 400. Served, the same three forms are:
+
+    {"inputs": ["Hello, I'm a language model,"], "params": {"max_new_tokens": 16}}
+    {"dataframe_records": [{"prompt": "Hello, I'm a language model,"}]}
+    {"dataframe_split": {"columns": ["prompt"], "data": [["Hello, I'm a language model,"]]}}
+-> {"predictions": ["Hello, I'm a language model, ..."]}
 """
 
 from __future__ import annotations
 
 import mlflow
+from mlflow.exceptions import MlflowException
 from mlflow.models import set_model
 from mlflow.models.signature import ModelSignature
+from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
 from mlflow.types import ColSpec, ParamSchema, ParamSpec, Schema
 
 DEFAULT_PARAMS = {"max_new_tokens": 32, "temperature": 1.0, "top_k": 50, "seed": 0}
+INPUT_EXAMPLE = (["Hello, I'm a language model,"], {"max_new_tokens": 16})  # logged with the model
 
 SIGNATURE = ModelSignature(
     inputs=Schema([ColSpec("string")]),
@@ -32,12 +41,38 @@ SIGNATURE = ModelSignature(
 )
 
 
+def _bad_request(message: str) -> MlflowException:
+    return MlflowException(message, error_code=INVALID_PARAMETER_VALUE)  # HTTP 400 from the scoring server
+
+
 def _prompts(model_input) -> list[str]:
     if isinstance(model_input, str):
         return [model_input]
-    if hasattr(model_input, "columns"):  # pandas DataFrame: its `prompt` column, else the first
-        model_input = model_input["prompt" if "prompt" in model_input.columns else model_input.columns[0]].tolist()
-    return [str(p) for p in model_input]
+    if hasattr(model_input, "columns"):  # pandas DataFrame: its `prompt` column, or the one column of a list
+        columns = [str(c) for c in model_input.columns]
+        if "prompt" in columns:
+            model_input = model_input["prompt"]
+        elif len(columns) == 1 and columns[0] == "0":
+            model_input = model_input.iloc[:, 0]
+        else:
+            raise _bad_request(f"the input has columns {columns}, not 'prompt'; send "
+                               '{"dataframe_records": [{"prompt": "..."}]} or {"inputs": ["..."]}')
+        model_input = model_input.tolist()
+    prompts = list(model_input)
+    wrong = [p for p in prompts if not isinstance(p, str)]
+    if wrong:
+        raise _bad_request(f"prompts must be strings, got {type(wrong[0]).__name__} {wrong[0]!r}; quote it")
+    return prompts
+
+
+def _params(params: dict | None) -> dict:
+    p = {**DEFAULT_PARAMS, **(params or {})}
+    if int(p["max_new_tokens"]) < 1:
+        raise _bad_request(f"params.max_new_tokens={p['max_new_tokens']}; use a positive number of tokens")
+    if float(p["temperature"]) < 0 or int(p["top_k"]) < 0:
+        raise _bad_request(f"params.temperature={p['temperature']}, params.top_k={p['top_k']}; both must be "
+                           ">= 0 (temperature 0 = greedy, top_k 0 = off)")
+    return p
 
 
 class GPTTextGenerator(mlflow.pyfunc.PythonModel):
@@ -53,7 +88,10 @@ class GPTTextGenerator(mlflow.pyfunc.PythonModel):
 
         ids = encode(prompt)
         if not ids:
-            raise ValueError("empty prompt: give at least one character of text to continue")
+            raise _bad_request("empty prompt: give at least one character of text to continue")
+        if max_new_tokens >= self.model.config.block_size:
+            raise _bad_request(f"params.max_new_tokens={max_new_tokens}; this model's context is "
+                               f"{self.model.config.block_size} tokens: ask for fewer")
         # A prompt longer than the context keeps its tail (the part the model can see).
         keep = max(1, self.model.config.block_size - max_new_tokens)
         head, ids = ids[:-keep], ids[-keep:]
@@ -64,7 +102,7 @@ class GPTTextGenerator(mlflow.pyfunc.PythonModel):
     # No type hints on purpose: MLflow would infer a signature from them that replaces SIGNATURE and
     # drops its params schema (so it warns once at import; harmless).
     def predict(self, context, model_input, params=None):
-        p = {**DEFAULT_PARAMS, **(params or {})}
+        p = _params(params)
         return [self.generate(prompt, int(p["max_new_tokens"]), float(p["temperature"]), int(p["top_k"]),
                               int(p["seed"])) for prompt in _prompts(model_input)]
 

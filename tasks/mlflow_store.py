@@ -91,10 +91,12 @@ def find_or_create_run(mlc, run_name: str, identity_hash: str, experiment: str =
     return mlc.create_run(exp_id, run_name=run_name, tags={TAG_RUN_NAME: run_name, TAG_IDENTITY: identity_hash})
 
 
-def training_dataset(dataset_dir: str | Path):
-    """The MLflow dataset a run trained on: name = the dataset directory's, digest = its manifest id (the
-    id every shard, checkpoint and model version carries), source = the hub repo at the recorded commit
-    (config, split) or the local path. None when the directory holds no readable manifest."""
+def datasets_of(dataset_dir: str | Path) -> dict:
+    """The MLflow datasets of a tokenized dataset directory: {"training": ..., "validation": ...} (empty when
+    it holds no readable manifest). Both have the source of the manifest (the hub repo at the recorded
+    commit, config and split, or the local path) and its id as digest, the id every shard, checkpoint and
+    model version carries; the validation dataset is the held-out shard of that manifest, named
+    `<dataset>/val`."""
     from mlflow.data.meta_dataset import MetaDataset
 
     from gptcore.data.shard_format import Manifest, ShardError
@@ -102,7 +104,7 @@ def training_dataset(dataset_dir: str | Path):
     try:
         m = Manifest.load(Path(dataset_dir))
     except ShardError:
-        return None
+        return {}
     hub = m.source.get("hf")
     if hub:
         from mlflow.data.huggingface_dataset_source import HuggingFaceDatasetSource
@@ -114,20 +116,22 @@ def training_dataset(dataset_dir: str | Path):
 
         local = next(s for s in get_registered_sources() if s._get_source_type() == "local")
         source = local(str(m.source.get("source") or dataset_dir))
-    return MetaDataset(source=source, name=Path(dataset_dir).name, digest=m.id)
+    name = Path(dataset_dir).name
+    return {"training": MetaDataset(source=source, name=name, digest=m.id),
+            "validation": MetaDataset(source=source, name=f"{name}/val", digest=m.id)}
 
 
-def log_training_dataset(mlc, run_id: str, dataset_dir: str | Path) -> bool:
-    """Record the run's training dataset as an MLflow dataset input (the run page's "Datasets used");
-    MLflow keeps one input per (run, dataset), so calling it on every invocation adds nothing."""
+def log_datasets(mlc, run_id: str, dataset_dir: str | Path) -> dict:
+    """Record the run's training and validation datasets as MLflow dataset inputs (the run page's "Datasets
+    used", with their context); MLflow keeps one input per (run, dataset, context), so calling it on every
+    invocation adds nothing. Returns datasets_of(dataset_dir)."""
     from mlflow.entities import DatasetInput, InputTag
 
-    ds = training_dataset(dataset_dir)
-    if ds is None:
-        return False
-    training = [InputTag("mlflow.data.context", "training")]
-    mlc.log_inputs(run_id, datasets=[DatasetInput(ds._to_mlflow_entity(), training)])
-    return True
+    found = datasets_of(dataset_dir)
+    if found:
+        mlc.log_inputs(run_id, datasets=[DatasetInput(ds._to_mlflow_entity(), [InputTag("mlflow.data.context", ctx)])
+                                         for ctx, ds in found.items()])
+    return found
 
 
 def as_params(config: dict) -> dict[str, str]:

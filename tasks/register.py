@@ -7,16 +7,21 @@ What a registration does:
 - logs a LoggedModel (MLflow 3: models live outside run artifacts, `models:/<model_id>`) linked to the
   training run's MLflow run (the one tasks.tracking ships metrics into): the pyfunc text generator of
   tasks/mlflow_model.py with the checkpoint's weights, plus the Hugging Face export under `hf/`;
+- records the checkpoint's measurements as **metrics of the logged model** (MLflow 3's model metrics, what
+  the UI's Models tab sorts and charts by): `val/loss` (tied to the validation dataset), `hellaswag/acc`,
+  `hellaswag/acc_norm`, `train/step` and `train/tokens_seen` (tied to the training dataset);
 - creates a version of the registered model `<preset>` (e.g. `gpt2-124m`: one stable model, never one
-  per run) from it, tagged with step, tokens_seen, val_loss, hellaswag, manifest id, config hash, code
+  per run) from it, tagged with what identifies it: step, manifest id, config hash, run name, code
   version, flow run id, the weights' sha256 and the recipe (optimizer, schedule), all set in the creating
   call;
-- moves the aliases: `best` only when the version's val loss beats the current holder's. "latest" is
-  MLflow's own `models:/<name>/latest` (newest version; MLflow reserves `latest` as an alias name, so
+- moves the aliases: `best` to the version with the lowest `val/loss` metric (tasks.leaderboard.best_version:
+  ties go to the older version, no finite val loss is never best). "latest" is MLflow's own
+  `models:/<name>/latest` (newest version; MLflow reserves `latest` as an alias name, so
   `resolve_model_uri` maps `@latest` to it).
 
 Idempotent: a checkpoint already registered (same `checkpoint_sha256` tag) returns the existing
-version, and the alias step runs again, so a retry after a partial failure converges.
+version, logs the measurements it lacks (e.g. HellaSwag from a later evaluation), and the alias step runs
+again, so a retry after a partial failure converges.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from importlib import metadata
 from pathlib import Path
 
@@ -37,6 +43,7 @@ from prefect.cache_policies import NO_CACHE
 from gptcore.files import file_sha256, read_json
 from gptcore.run_files import EVAL_FILE, RUN_FILE, CheckpointError, read_meta, val_loss_of
 from tasks import mlflow_store as store
+from tasks.leaderboard import best_version, leaderboard
 
 log = logging.getLogger("gptpipe.register")
 
@@ -67,19 +74,25 @@ def _requirements() -> list[str]:
     return out
 
 
-def _version_tags(ckpt_dir: Path, meta: dict, sha: str, flow_run_id: str | None) -> dict[str, str]:
-    # val loss and HellaSwag: <ckpt>/eval.json (the trainer's evaluation after the checkpoint, or the
-    # evaluate stage's), else what meta.json recorded (checkpoints written before eval.json existed)
+def checkpoint_metrics(ckpt_dir: Path, meta: dict) -> dict[str, float]:
+    """The checkpoint's measurements, as metrics of its logged model. val loss and HellaSwag come from
+    <ckpt>/eval.json (the trainer's evaluation after the checkpoint, or the evaluate stage's), else from
+    what meta.json recorded (checkpoints written before eval.json existed). A non-finite val loss (a
+    diverged run) is left out, so such a version is never `best`."""
     val, hs = val_loss_of(ckpt_dir, meta), meta.get("hellaswag") or {}
     ev = read_json(ckpt_dir / EVAL_FILE, {})
     if isinstance(ev.get("hellaswag"), dict) and ev["hellaswag"].get("acc") is not None:
         hs = ev["hellaswag"]
+    values = {"val/loss": val, "hellaswag/acc": hs.get("acc"), "hellaswag/acc_norm": hs.get("acc_norm"),
+              "train/step": meta["step"], "train/tokens_seen": meta.get("tokens_seen")}
+    return {k: float(v) for k, v in values.items() if v is not None}
+
+
+def _version_tags(ckpt_dir: Path, meta: dict, sha: str, flow_run_id: str | None) -> dict[str, str]:
+    """What identifies the version (measurements are metrics: checkpoint_metrics)."""
     optim = (meta.get("config") or {}).get("optim") or {}
     tags = {
-        "step": meta["step"], "tokens_seen": meta.get("tokens_seen"),
-        "val_loss": val,  # finite or None: a diverged (NaN) run must never become `best`
-        "hellaswag_acc": hs.get("acc"), "hellaswag_acc_norm": hs.get("acc_norm"), "hellaswag_n": hs.get("n"),
-        "manifest_id": meta.get("manifest_id"), "config_hash": meta.get("identity_hash"),
+        "step": meta["step"], "manifest_id": meta.get("manifest_id"), "config_hash": meta.get("identity_hash"),
         "run_name": meta.get("run_name"), "code_version": store.code_version(),
         "flow_run_id": flow_run_id, "checkpoint_sha256": sha, "checkpoint": str(ckpt_dir.resolve()),
         # the recipe, so versions trained either way stay comparable in the registry
@@ -135,7 +148,7 @@ def _log_model(mlc, uri: str, ckpt_dir: Path, meta: dict, name: str, tags: dict,
     from mlflow.entities import LoggedModelOutput
 
     from gptcore.checkpoint import load_model
-    from tasks.mlflow_model import SIGNATURE
+    from tasks.mlflow_model import INPUT_EXAMPLE, SIGNATURE
 
     run = store.find_or_create_run(mlc, meta["run_name"], meta["identity_hash"], experiment).info
     store.use_store(uri)  # the fluent log_model below resolves the store from it
@@ -151,11 +164,12 @@ def _log_model(mlc, uri: str, ckpt_dir: Path, meta: dict, name: str, tags: dict,
                 shutil.copy2(ckpt_dir / f, ck / f)
             mlflow.pyfunc.log_model(
                 name=name, python_model=str(MODEL_FILE), artifacts={"checkpoint": str(ck)},
-                code_paths=[str(GPTCORE_DIR)], signature=SIGNATURE, pip_requirements=_requirements(),
+                code_paths=[str(GPTCORE_DIR)], signature=SIGNATURE, input_example=INPUT_EXAMPLE,
+                pip_requirements=_requirements(),
                 model_id=lm.model_id, step=int(meta["step"]))
             # the run lists the model among its outputs, at the checkpoint's step
             mlc.log_outputs(run.run_id, [LoggedModelOutput(lm.model_id, step=int(meta["step"]))])
-            _link_dataset(mlc, run.run_id, lm.model_id, ckpt_dir, meta)
+            _log_metrics(mlc, run.run_id, lm.model_id, ckpt_dir, meta)
             if hf:
                 from gptcore.hf import export_hf
 
@@ -169,34 +183,41 @@ def _log_model(mlc, uri: str, ckpt_dir: Path, meta: dict, name: str, tags: dict,
     return lm.model_id, run.run_id
 
 
-def _link_dataset(mlc, run_id: str, model_id: str, ckpt_dir: Path, meta: dict) -> None:
-    """Lineage on the model: the tokens it was trained on, as a metric of the logged model tied to its
-    training dataset (name + manifest digest), so models:/<name>/<version> -> dataset -> source (hub
-    repo@commit or local path) is traceable in the UI; the run lists the dataset as its input too."""
+def _log_metrics(mlc, run_id: str, model_id: str, ckpt_dir: Path, meta: dict, have: set[str] = frozenset()):
+    """The checkpoint's measurements as metrics of its logged model (those not in `have`), in one batch,
+    at the checkpoint's step. Lineage rides along: `val/loss` is tied to the validation dataset and
+    `train/tokens_seen` to the training dataset (name + manifest digest), and the run lists both as its
+    inputs, so models:/<name>/<version> -> dataset -> source (hub repo@commit or local path) is traceable
+    in the UI."""
+    from mlflow.entities import Metric
+
     dataset_dir = read_json(ckpt_dir.parent.parent / RUN_FILE, {}).get("dataset_dir")  # the trainer's record
-    ds = store.training_dataset(dataset_dir) if dataset_dir else None
-    if ds is None:
+    datasets = store.log_datasets(mlc, run_id, dataset_dir) if dataset_dir else {}
+    if not datasets:
         log.warning("no manifest in %s: the model version carries no dataset lineage", dataset_dir)
-        return
-    store.log_training_dataset(mlc, run_id, dataset_dir)
-    mlc.log_metric(run_id, "train/tokens_seen", float(meta.get("tokens_seen") or 0), step=int(meta["step"]),
-                   model_id=model_id, dataset_name=ds.name, dataset_digest=ds.digest, synchronous=True)
+    tied = {"val/loss": datasets.get("validation"), "train/tokens_seen": datasets.get("training")}
+    step, now = int(meta["step"]), int(time.time() * 1000)
+    batch = [Metric(key, value, now, step, model_id=model_id,
+                    dataset_name=tied[key].name if tied.get(key) else None,
+                    dataset_digest=tied[key].digest if tied.get(key) else None)
+             for key, value in checkpoint_metrics(ckpt_dir, meta).items() if key not in have]
+    if batch:
+        mlc.log_batch(run_id, metrics=batch, synchronous=True)
 
 
-def _move_best(mlc, name: str, mv) -> None:
-    """Point `best` at mv if its val loss beats the current holder's (or there is no holder)."""
+def _move_best(mlc, name: str) -> None:
+    """Point `best` at the version with the lowest val loss (tasks.leaderboard.best_version)."""
     from mlflow.exceptions import MlflowException
 
-    if "val_loss" not in mv.tags:
+    best = best_version(leaderboard(name, mlc=mlc))
+    if best is None:
         return
     try:
-        holder = mlc.get_model_version_by_alias(name, BEST)
+        holder = mlc.get_model_version_by_alias(name, BEST).version
     except MlflowException:  # nobody holds it
         holder = None
-    if holder is not None and (holder.version == mv.version or (
-            "val_loss" in holder.tags and float(holder.tags["val_loss"]) <= float(mv.tags["val_loss"]))):
-        return  # it holds `best` already, or a version at least as good does
-    mlc.set_registered_model_alias(name, BEST, mv.version)
+    if holder != best:
+        mlc.set_registered_model_alias(name, BEST, best)
 
 
 def register_checkpoint(ckpt_dir: str | Path, model_name: str | None = None, tracking_uri: str | None = None,
@@ -227,6 +248,9 @@ def register_checkpoint(ckpt_dir: str | Path, model_name: str | None = None, tra
             if k not in mv.tags:
                 mlc.set_model_version_tag(name, mv.version, k, v)
         mv = mlc.get_model_version(name, mv.version)
+        if mv.model_id and mv.run_id:
+            have = {m.key for m in mlc.get_logged_model(mv.model_id).metrics or []}
+            _log_metrics(mlc, mv.run_id, mv.model_id, ckpt_dir, meta, have)
     else:
         model_id, run_id = _log_model(mlc, uri, ckpt_dir, meta, name, tags, hf, experiment)
         # the sha256 tag (the idempotency key) arrives with the version in one call
@@ -236,7 +260,7 @@ def register_checkpoint(ckpt_dir: str | Path, model_name: str | None = None, tra
         created = mv.version == mine.version
         if created:
             log.info("registered %s as %s version %s", ckpt_dir, name, mv.version)
-    _move_best(mlc, name, mv)
+    _move_best(mlc, name)
     return _describe(mlc, name, mv.version, created, uri)
 
 

@@ -17,6 +17,14 @@ Nothing lost, nothing duplicated:
   already stored: MLflow's SQL store keys metrics by (run, key, step, timestamp, value) and skips
   such copies (tests/test_tracking.py checks this against a real server).
 
+System metrics: with `system_metrics_interval` > 0 (the train task passes `train.system_metrics_interval`,
+default 10 s; 0 = off), the shipper also runs MLflow's SystemMetricsMonitor on the run, in its own thread:
+`system/cpu_utilization_percentage`, `system/system_memory_usage_megabytes`, disk and network, and per GPU
+utilisation, memory and power when nvidia-ml-py finds NVIDIA GPUs (`pip install -e ".[gpu]"`). The monitor
+samples the machine the train task runs on (torchrun's ranks are its children). Training never waits for
+it; during an MLflow outage its samples are dropped (they are not in metrics.jsonl, so nothing the shipper
+owns is lost) and the shipper restarts it, continuing its step count, once the server answers again.
+
 One MLflow run per training run identity (tags `gptpipe.run_name` + `gptpipe.identity_hash`, in
 experiment `gpt2-pretrain`): a resumed or nightly-continued run logs into the same MLflow run, steps
 continuing.
@@ -30,6 +38,7 @@ import logging
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 from gptcore.config import from_dict
@@ -84,7 +93,7 @@ class Shipper:
 
     def __init__(self, run_dir: str | Path, tracking_uri: str | None = None, experiment: str = store.EXPERIMENT,
                  flow_run_id: str | None = None, interval: float = 5.0,
-                 max_backoff: float = 30.0):
+                 max_backoff: float = 30.0, system_metrics_interval: float = 0.0):
         self.run_dir = Path(run_dir)
         self.uri = tracking_uri or store.tracking_uri()
         self.experiment = experiment
@@ -99,6 +108,8 @@ class Shipper:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._final_ok = False
+        self.system_metrics_interval = system_metrics_interval  # seconds between samples; 0 = off
+        self._monitor = None  # mlflow's SystemMetricsMonitor, while it runs
 
     # cursor: {"tracking_uri", "run_id", "offset"}; another server means starting over at offset 0
     def _load_cursor(self) -> dict:
@@ -144,7 +155,7 @@ class Shipper:
         mlc.log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()], synchronous=True)
         mlc.log_dict(run_id, ident["config"], "config.json")
         if ident.get("dataset_dir"):  # lineage: the run page lists the dataset (manifest id, hub repo@commit)
-            store.log_training_dataset(mlc, run_id, ident["dataset_dir"])
+            store.log_datasets(mlc, run_id, ident["dataset_dir"])
         if run.info.status != "RUNNING" and not (self.run_dir / DONE_FILE).exists():
             mlc.update_run(run_id, status="RUNNING")  # a resumed run is running again
         cur["run_id"] = self.run_id = run_id
@@ -212,10 +223,36 @@ class Shipper:
         while not self._stop.is_set():
             if self._try_ship(final=False):
                 backoff = self.interval
+                self._keep_monitoring()
             else:
                 backoff = min(backoff * 2, max(self.max_backoff, self.interval))
             self._stop.wait(backoff)
         self._final_ok = self._try_ship(final=True)
+
+    def _keep_monitoring(self) -> None:
+        """(Re)start the system-metrics monitor: it ends itself when it cannot reach the server."""
+        if not self.system_metrics_interval or self.run_id is None:
+            return
+        if self._monitor is not None and self._monitor._process is not None and self._monitor._process.is_alive():
+            return
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        try:
+            self._monitor = SystemMetricsMonitor(self.run_id, sampling_interval=self.system_metrics_interval,
+                                                 resume_logging=True, tracking_uri=self.uri)
+            self._monitor.start()
+        except Exception as e:  # noqa: BLE001 -- system metrics are a view, never a reason to stop
+            log.warning("system metrics are off for this run (%s: %s)", type(e).__name__, e)
+            self.system_metrics_interval = 0.0
+
+    def _stop_monitoring(self, timeout: float) -> None:
+        """Stop the monitor and flush its last samples, waiting at most `timeout` seconds (a dead server)."""
+        monitor, self._monitor = self._monitor, None
+        if monitor is None:
+            return
+        done = threading.Thread(target=monitor.finish, name="system-metrics-finish", daemon=True)
+        done.start()
+        done.join(timeout)
 
     def _try_ship(self, final: bool) -> bool:
         try:
@@ -238,7 +275,9 @@ class Shipper:
         if self._thread is None:
             return self._try_ship(final=True)
         self._stop.set()
+        started = time.monotonic()
         self._thread.join(timeout)
+        self._stop_monitoring(max(1.0, min(10.0, timeout - (time.monotonic() - started))))
         if self._thread.is_alive():
             log.warning("MLflow shipping did not finish within %.0fs (%s); the rest stays in %s and is "
                         "sent by the next shipper", timeout, self.last_error or "server slow",

@@ -176,7 +176,8 @@ def train_task(preset: str, overrides: dict | None, run_name: str, nproc: int, w
         if tracking:
             from tasks.tracking import Shipper
 
-            shipper = Shipper(run_dir, flow_run_id=flow_run_id).start()
+            shipper = Shipper(run_dir, flow_run_id=flow_run_id,
+                              system_metrics_interval=cfg.train.system_metrics_interval).start()
         start = time.time()
         # the trainer's lock record names this flow run, so a second trainer's error points at it
         env = dict(os.environ, GPTPIPE_LAUNCHED_BY=json.dumps({"flow_run_id": str(flow_run_id),

@@ -62,9 +62,11 @@ def test_register_versions_tags_aliases_idempotent(mlflow_server, ckpts, monkeyp
     assert r1["aliases"] == ["best", "latest"]
     meta = run_files.read_meta(a)
     mv = mlc.get_model_version("micro", "1")
-    assert mv.tags["step"] == "5" and mv.tags["tokens_seen"] == str(meta["tokens_seen"])
-    assert float(mv.tags["val_loss"]) == 9.0
-    assert (mv.tags["hellaswag_acc"], mv.tags["hellaswag_acc_norm"]) == ("0.25", "0.26")
+    assert mv.tags["step"] == "5"  # identity stays a tag; measurements are metrics of the logged model
+    assert not {"val_loss", "tokens_seen", "hellaswag_acc", "hellaswag_acc_norm"} & set(mv.tags)
+    measured = {m.key: (m.value, m.step) for m in mlc.get_logged_model(r1["model_id"]).metrics}
+    assert measured == {"val/loss": (9.0, 5), "hellaswag/acc": (0.25, 5), "hellaswag/acc_norm": (0.26, 5),
+                        "train/step": (5.0, 5), "train/tokens_seen": (float(meta["tokens_seen"]), 5)}
     assert mv.tags["manifest_id"] == "manifest-xyz" and mv.tags["config_hash"] == meta["identity_hash"]
     assert mv.tags["code_version"] == "test-commit" and mv.tags["flow_run_id"] == "flow-1"
     assert mv.tags["checkpoint_sha256"] == meta["model_sha256"]
@@ -83,12 +85,13 @@ def test_register_versions_tags_aliases_idempotent(mlflow_server, ckpts, monkeyp
 
     assert register.registered_version(a, tracking_uri=uri)["version"] == "1"
     assert register.registered_version(b, tracking_uri=uri) is None
-    # the same checkpoint again: the existing version, nothing new; a later eval.json fills in tags
+    # the same checkpoint again: the existing version, nothing new; what was recorded stays
     (a / "eval.json").write_text(json.dumps({"val_loss": 9.1, "hellaswag": {"acc": 0.3, "acc_norm": 0.31}}))
     again = register.register_checkpoint(a, tracking_uri=uri, flow_run_id="flow-2", hf=HAVE_HF)
     assert (again["version"], again["created"]) == ("1", False)
     assert len(mlc.search_model_versions("name = 'micro'")) == 1
-    assert again["tags"]["flow_run_id"] == "flow-1"  # what was recorded stays
+    assert again["tags"]["flow_run_id"] == "flow-1"
+    assert len(mlc.get_logged_model(r1["model_id"]).metrics) == 5
 
     # worse val loss (other run, same preset -> same registered model): latest moves, best stays
     r2 = register.register_checkpoint(b, tracking_uri=uri, hf=HAVE_HF)
@@ -106,7 +109,8 @@ def test_register_versions_tags_aliases_idempotent(mlflow_server, ckpts, monkeyp
     # a diverged run (val loss NaN) never becomes best
     d = save_ckpt(c.parent.parent, 20, float("nan"), seed=4)
     r4 = register.register_checkpoint(d, tracking_uri=uri, hf=False)
-    assert (r4["version"], r4["aliases"]) == ("4", ["latest"]) and "val_loss" not in r4["tags"]
+    assert (r4["version"], r4["aliases"]) == ("4", ["latest"])
+    assert "val/loss" not in {m.key for m in mlc.get_logged_model(r4["model_id"]).metrics}
     assert mlc.get_model_version_by_alias("micro", "best").version == "3"
     assert [m.name for m in mlc.search_registered_models()] == ["micro"]  # never one model per run
 
@@ -247,22 +251,67 @@ def test_the_training_dataset_is_an_input_of_the_run_and_tied_to_the_model(mlflo
     r = register.register_checkpoint(ck, model_name="lineage", tracking_uri=uri, hf=False)
     lm = mlc.get_logged_model(r["model_id"])
     inputs = mlc.get_run(lm.source_run_id).inputs.dataset_inputs
-    assert len(inputs) == 1
-    d = inputs[0].dataset
+    context = {[t.value for t in i.tags if t.key == "mlflow.data.context"][0]: i.dataset for i in inputs}
+    assert sorted(context) == ["training", "validation"]
+    d = context["training"]
     assert (d.name, d.digest, d.source_type) == ("ds", m.id, "hugging_face")
+    assert (context["validation"].name, context["validation"].digest) == ("ds/val", m.id)
     source = json.loads(d.source)
     assert (source["path"], source["revision"], source["split"]) == ("someone/corpus", commit, "train")
-    assert [t.value for t in inputs[0].tags if t.key == "mlflow.data.context"] == ["training"]
-    tied = [x for x in lm.metrics if x.key == "train/tokens_seen"]
-    assert tied and (tied[0].dataset_name, tied[0].dataset_digest) == ("ds", m.id)
+    tied = {x.key: (x.dataset_name, x.dataset_digest) for x in lm.metrics}
+    assert tied["train/tokens_seen"] == ("ds", m.id) and tied["val/loss"] == ("ds/val", m.id)
     register.register_checkpoint(ck, model_name="lineage", tracking_uri=uri, hf=False)  # again: no new input
-    assert len(mlc.get_run(lm.source_run_id).inputs.dataset_inputs) == 1
+    assert len(mlc.get_run(lm.source_run_id).inputs.dataset_inputs) == 2
 
     local_ds = make_dataset(tmp_path / "local-ds")  # a local source: its path is the source
     run_dir = tmp_path / "lineage-local"
     ck = save_ckpt(run_dir, 4, 9.2, seed=5)
     (run_dir / run_files.RUN_FILE).write_text(json.dumps({"run_name": "lineage-local", "dataset_dir": str(local_ds)}))
     r = register.register_checkpoint(ck, model_name="lineage-local", tracking_uri=uri, hf=False)
-    d = mlc.get_run(mlc.get_logged_model(r["model_id"]).source_run_id).inputs.dataset_inputs[0].dataset
+    d = next(i.dataset for i in mlc.get_run(mlc.get_logged_model(r["model_id"]).source_run_id).inputs.dataset_inputs
+             if i.dataset.name == "local-ds")
     assert (d.digest, d.source_type, json.loads(d.source)["uri"]) == (Manifest.load(local_ds).id, "local",
                                                                        str(local_ds))
+
+
+def test_models_compare_by_their_metrics_and_the_leaderboard(mlflow_server, tmp_path, capsys):  # noqa: F811
+    """Two registrations with different val losses: the logged models carry the values as metrics,
+    search_logged_models orders them by val loss, `best` is the lower, a tie keeps the older version, and
+    the pandas leaderboard (and its CLI, CSV included) has one row per version with the right values."""
+    import pandas as pd
+
+    from tasks import leaderboard
+
+    uri = mlflow_server.uri
+    mlc = MlflowClient(uri, registry_uri=uri)
+    worse = save_ckpt(tmp_path / "board", 10, 7.5, seed=11, hellaswag={"acc": 0.3, "acc_norm": 0.32, "n": 20})
+    better = save_ckpt(tmp_path / "board", 20, 7.25, seed=12)
+    r1 = register.register_checkpoint(worse, model_name="board", tracking_uri=uri, hf=False)
+    assert r1["aliases"] == ["best", "latest"]
+    r2 = register.register_checkpoint(better, model_name="board", tracking_uri=uri, hf=False)
+    assert r2["aliases"] == ["best", "latest"] and mlc.get_model_version_by_alias("board", "best").version == "2"
+    exp = mlc.get_logged_model(r1["model_id"]).experiment_id
+    ranked = mlc.search_logged_models([exp], filter_string="name = 'board'",
+                                      order_by=[{"field_name": "metrics.val/loss", "ascending": True}])
+    assert [lm.model_id for lm in ranked] == [r2["model_id"], r1["model_id"]]
+    tie = save_ckpt(tmp_path / "board", 30, 7.25, seed=13)  # as good as version 2: best stays on 2
+    assert register.register_checkpoint(tie, model_name="board", tracking_uri=uri, hf=False)["aliases"] == ["latest"]
+
+    board = leaderboard.leaderboard("board", uri)
+    assert list(board["version"]) == [1, 2, 3] and list(board.columns) == leaderboard.COLUMNS
+    assert list(board["val_loss"]) == [7.5, 7.25, 7.25] and list(board["step"]) == [10, 20, 30]
+    assert list(board["aliases"]) == ["", "best", "latest"]
+    assert board.loc[0, "hellaswag_acc"] == 0.3 and pd.isna(board.loc[1, "hellaswag_acc"])
+    tokens = load_config("micro").train.total_batch_tokens
+    assert list(board["tokens_seen"]) == [10 * tokens, 20 * tokens, 30 * tokens]
+    assert set(board["optimizer"]) == {"adamw"} and set(board["run_name"]) == {"board"}
+    assert list(board["run_id"]) == [r1["run_id"]] * 3 and board.loc[1, "model_id"] == r2["model_id"]
+    assert leaderboard.best_version(board) == "2"
+
+    out = tmp_path / "board.csv"
+    assert leaderboard.main(["board", "--tracking-uri", uri, "--csv", str(out), "--sort", "val_loss"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.splitlines()[0].split()[:5] == ["version", "aliases", "step", "tokens_seen", "val_loss"]
+    assert list(pd.read_csv(out)["version"]) == [2, 3, 1]
+    assert leaderboard.main(["nobody", "--tracking-uri", uri]) == 2
+    assert "has no versions" in capsys.readouterr().err

@@ -1,0 +1,166 @@
+"""The registered model's versions side by side, as a pandas DataFrame: the table users compare in.
+
+    python -m tasks.leaderboard [tiny-cpu] [--csv board.csv] [--sort val_loss]
+    leaderboard("tiny-cpu") -> DataFrame, one row per version:
+        version, aliases, step, tokens_seen, val_loss, hellaswag_acc, hellaswag_acc_norm, optimizer,
+        schedule, run_name, run_id, manifest_id, model_id, created
+
+Measurements (val loss, HellaSwag, step, tokens) are the metrics of each version's LoggedModel (what the
+MLflow UI's Models tab sorts by); identity (recipe, manifest id, run) comes from the version's tags. Two
+searches build it (model versions, then the logged models of that name), however many versions there
+are. `best_version` reads the same table, so the alias and the board cannot disagree. The flow publishes
+the board as a Prefect table artifact after it registers a checkpoint (`publish_leaderboard`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import sys
+from pathlib import Path
+
+import pandas as pd
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from tasks import mlflow_store as store
+
+# metric of the logged model -> leaderboard column
+METRICS = {"val/loss": "val_loss", "hellaswag/acc": "hellaswag_acc", "hellaswag/acc_norm": "hellaswag_acc_norm",
+           "train/step": "step", "train/tokens_seen": "tokens_seen"}
+TAGS = ("optimizer", "schedule", "run_name", "manifest_id")
+COLUMNS = ["version", "aliases", "step", "tokens_seen", "val_loss", "hellaswag_acc", "hellaswag_acc_norm",
+           "optimizer", "schedule", "run_name", "run_id", "manifest_id", "model_id", "created"]
+
+
+def _model_id(mv) -> str:
+    return mv.model_id or (mv.source or "").removeprefix("models:/")
+
+
+def _latest_values(metrics) -> dict[str, float]:
+    """{key: value} at each key's last step (the checkpoint's own step: one value per key in practice)."""
+    out: dict[str, tuple] = {}
+    for m in metrics or []:
+        if m.key not in out or (m.step, m.timestamp) >= out[m.key][0]:
+            out[m.key] = ((m.step, m.timestamp), m.value)
+    return {k: v for k, (_, v) in out.items()}
+
+
+def _logged_model_metrics(mlc, name: str, model_ids: set[str]) -> dict[str, dict[str, float]]:
+    """{model_id: {metric: value}} for the logged models named `name`, through search_logged_models."""
+    exp_ids = [e.experiment_id for e in mlc.search_experiments()]
+    found, token = {}, None
+    while exp_ids:
+        page = mlc.search_logged_models(exp_ids, filter_string=f"name = '{name}'", max_results=100,
+                                        page_token=token)
+        found.update({lm.model_id: _latest_values(lm.metrics) for lm in page if lm.model_id in model_ids})
+        token = page.token
+        if not token:
+            break
+    for missing in model_ids - found.keys():  # e.g. a logged model in an experiment the search cannot see
+        try:
+            found[missing] = _latest_values(mlc.get_logged_model(missing).metrics)
+        except Exception:  # noqa: BLE001 -- deleted or unreadable: its row has no measurements
+            found[missing] = {}
+    return found
+
+
+def _legacy(tags: dict, column: str) -> float | None:
+    """Versions registered before measurements were metrics carried them as tags of the column's name."""
+    try:
+        return float(tags[column])
+    except (KeyError, ValueError):
+        return None
+
+
+def leaderboard(name: str, tracking_uri: str | None = None, mlc=None) -> pd.DataFrame:
+    """One row per version of registered model `name` (empty, with the columns, when it has none)."""
+    mlc = mlc or store.client(tracking_uri)
+    versions = list(mlc.search_model_versions(f"name = '{name}'"))
+    measured = _logged_model_metrics(mlc, name, {_model_id(mv) for mv in versions}) if versions else {}
+    newest = max((int(mv.version) for mv in versions), default=None)
+    rows = []
+    for mv in versions:
+        values = measured.get(_model_id(mv), {})
+        row = {"version": int(mv.version),
+               "aliases": ",".join(sorted(mv.aliases) + (["latest"] if int(mv.version) == newest else [])),
+               "run_id": mv.run_id, "model_id": _model_id(mv),
+               "created": pd.Timestamp(mv.creation_timestamp, unit="ms", tz="UTC")}
+        for key, column in METRICS.items():
+            value = values.get(key, _legacy(mv.tags, column))
+            row[column] = value if value is not None and math.isfinite(value) else None
+        row.update({t: mv.tags.get(t) for t in TAGS})
+        rows.append(row)
+    df = pd.DataFrame(rows, columns=COLUMNS)
+    df = df.astype({"step": "Int64", "tokens_seen": "Int64", "val_loss": "Float64", "hellaswag_acc": "Float64",
+                    "hellaswag_acc_norm": "Float64"})
+    return df.sort_values("version", ignore_index=True)
+
+
+def best_version(board: pd.DataFrame) -> str | None:
+    """The version `best` belongs on: the lowest val loss; a tie goes to the older version (so
+    re-registering never moves the alias); versions without a finite val loss are never best."""
+    scored = board[board["val_loss"].notna()]
+    if scored.empty:
+        return None
+    return str(scored.sort_values(["val_loss", "version"]).iloc[0]["version"])
+
+
+def records(board: pd.DataFrame) -> list[dict]:
+    """JSON-safe rows (missing values as None, times as ISO strings): a Prefect table, a REST reply."""
+    out = board.assign(created=board["created"].map(lambda t: t.isoformat(timespec="seconds")))
+    return [{k: (None if pd.isna(v) else v.item() if hasattr(v, "item") else v) for k, v in row.items()}
+            for row in out.astype(object).to_dict("records")]
+
+
+def artifact_key(name: str) -> str:
+    return "leaderboard-" + re.sub(r"[^a-z0-9-]+", "-", name.lower()).strip("-")
+
+
+@task(name="leaderboard", cache_policy=NO_CACHE)
+def publish_leaderboard(name: str, tracking_uri: str | None = None) -> list[dict]:
+    """The leaderboard of `name` as a Prefect table artifact (key leaderboard-<name>); returns its rows."""
+    from prefect.artifacts import create_table_artifact
+
+    rows = records(leaderboard(name, tracking_uri))
+    create_table_artifact(rows, key=artifact_key(name),
+                          description=f"Registered versions of {name}: val loss, HellaSwag, step, tokens, recipe "
+                                      "(`python -m tasks.leaderboard " + name + "`)")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="Print a registered model's versions as a table.")
+    p.add_argument("model", nargs="?", default="tiny-cpu", help="registered model name (default tiny-cpu)")
+    p.add_argument("--csv", default=None, help="also write the table to this CSV file")
+    p.add_argument("--sort", default="version", choices=COLUMNS, help="sort by this column (default version)")
+    p.add_argument("--tracking-uri", default=None, help="default: $MLFLOW_TRACKING_URI or the embedded store")
+    args = p.parse_args(argv)
+    from mlflow.exceptions import MlflowException
+
+    try:
+        board = leaderboard(args.model, args.tracking_uri)
+    except MlflowException as e:
+        print(f"error: the MLflow tracking server {args.tracking_uri or store.tracking_uri()} failed: {e}. Check "
+              "that it is running (MLFLOW_TRACKING_URI or --tracking-uri)", file=sys.stderr)
+        return 2
+    if board.empty:
+        print(f"error: registered model {args.model!r} has no versions at {args.tracking_uri or store.tracking_uri()};"
+              " name one that exists (python -m tasks.leaderboard <model>) or register a checkpoint first",
+              file=sys.stderr)
+        return 2
+    board = board.sort_values(args.sort, ignore_index=True, na_position="last")
+    with pd.option_context("display.width", 200, "display.max_columns", None):
+        print(board.drop(columns=["run_id", "model_id"]).to_string(index=False))
+    if args.csv:
+        tmp = Path(f"{args.csv}.tmp{os.getpid()}")
+        board.to_csv(tmp, index=False)
+        os.replace(tmp, args.csv)  # never a half-written CSV
+        print(f"wrote {args.csv}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
