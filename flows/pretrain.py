@@ -228,6 +228,9 @@ def register_stage(ckpt: str, name: str, stage: Stages) -> dict:
 
     reg = register_task(ckpt, name, flow_run_id=flow_run.get_id())
     stage("register", "ran", f"{reg['model_uri']}")
+    from tasks.leaderboard import publish_leaderboard
+
+    publish_leaderboard(name)  # the model's versions side by side, as a table artifact
     return reg
 
 

@@ -6,9 +6,9 @@
         schedule, run_name, run_id, manifest_id, model_id, created
 
 Measurements (val loss, HellaSwag, step, tokens) are the metrics of each version's LoggedModel (what the
-MLflow UI's Models tab sorts by); identity (recipe, manifest id, run) comes from the version's tags. Two
-searches build it (model versions, then the logged models of that name), however many versions there
-are. `best_version` reads the same table, so the alias and the board cannot disagree. The flow publishes
+MLflow UI's Models tab sorts by); identity (recipe, manifest id, run) comes from the version's tags. Three
+calls build it (the model's versions, its aliases, the logged models of that name), however many
+versions there are. `best_version` reads the same table, so the alias and the board cannot disagree. The flow publishes
 the board as a Prefect table artifact after it registers a checkpoint (`publish_leaderboard`).
 """
 
@@ -81,11 +81,15 @@ def leaderboard(name: str, tracking_uri: str | None = None, mlc=None) -> pd.Data
     versions = list(mlc.search_model_versions(f"name = '{name}'"))
     measured = _logged_model_metrics(mlc, name, {_model_id(mv) for mv in versions}) if versions else {}
     newest = max((int(mv.version) for mv in versions), default=None)
+    aliases: dict[int, list[str]] = {}  # searched versions do not carry their aliases; the model does
+    for alias, version in (mlc.get_registered_model(name).aliases if versions else {}).items():
+        aliases.setdefault(int(version), []).append(alias)
     rows = []
     for mv in versions:
         values = measured.get(_model_id(mv), {})
         row = {"version": int(mv.version),
-               "aliases": ",".join(sorted(mv.aliases) + (["latest"] if int(mv.version) == newest else [])),
+               "aliases": ",".join(sorted(aliases.get(int(mv.version), []))
+                                   + (["latest"] if int(mv.version) == newest else [])),
                "run_id": mv.run_id, "model_id": _model_id(mv),
                "created": pd.Timestamp(mv.creation_timestamp, unit="ms", tz="UTC")}
         for key, column in METRICS.items():

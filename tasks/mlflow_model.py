@@ -29,12 +29,15 @@ from mlflow.models import set_model
 from mlflow.models.signature import ModelSignature
 from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
 from mlflow.types import ColSpec, ParamSchema, ParamSpec, Schema
+from mlflow.types.schema import AnyType
 
 DEFAULT_PARAMS = {"max_new_tokens": 32, "temperature": 1.0, "top_k": 50, "seed": 0}
 INPUT_EXAMPLE = (["Hello, I'm a language model,"], {"max_new_tokens": 16})  # logged with the model
 
+# The input column is declared Any, not string: MLflow's schema enforcement would turn {"inputs": [123]}
+# into the prompt "123" (so a client's bug would get made-up text back); _prompts refuses non-strings.
 SIGNATURE = ModelSignature(
-    inputs=Schema([ColSpec("string")]),
+    inputs=Schema([ColSpec(AnyType())]),
     outputs=Schema([ColSpec("string")]),
     params=ParamSchema([ParamSpec(name, "double" if isinstance(default, float) else "long", default)
                         for name, default in DEFAULT_PARAMS.items()]),

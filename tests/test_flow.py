@@ -72,8 +72,12 @@ def test_end_to_end_then_rerun_is_a_no_op(prefect_stack):
     assert f"{prefect_stack.mlflow_uri}/#/models/micro-e2e/versions/1" in arts["e2e-mlflow"]
     assert summary["sample"] in arts["e2e-sample"]
     assert arts["e2e-training"] == 100  # the train task's progress artifact reached the end
+    board = arts["leaderboard-micro-e2e"]  # the registered versions, side by side (tasks/leaderboard.py)
+    assert [(r["version"], r["aliases"], r["step"]) for r in board] == [(1, "best,latest", 8)]
+    assert board[0]["val_loss"] == pytest.approx(summary["val_loss"], rel=1e-6)
+    assert board[0]["hellaswag_acc_norm"] == pytest.approx(summary["hellaswag"]["acc_norm"])
     ran = task_runs(fr.id)
-    for prefix in ("download", "train e2e", "register micro-e2e step 8", "sample"):
+    for prefix in ("download", "train e2e", "register micro-e2e step 8", "leaderboard", "sample"):
         assert [n for n in started(ran, prefix) if ran[n] == "Completed"], (prefix, ran)
     # MLflow: the version holds this checkpoint, and the shipper sent the training curve
     mlc = MlflowClient(prefect_stack.mlflow_uri, registry_uri=prefect_stack.mlflow_uri)

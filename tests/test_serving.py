@@ -36,7 +36,9 @@ def served(mlflow_server, tmp_path):  # noqa: F811
     ck = save_ckpt(tmp_path / "served", 8, 8.5, seed=21)
     reg = register.register_checkpoint(ck, model_name="served", tracking_uri=mlflow_server.uri, hf=False)
     port = free_port()
-    env = dict(os.environ, MLFLOW_TRACKING_URI=mlflow_server.uri, OMP_NUM_THREADS="1")
+    # the scoring server execs `uvicorn` from PATH: this environment's, as an activated venv has it
+    env = dict(os.environ, MLFLOW_TRACKING_URI=mlflow_server.uri, OMP_NUM_THREADS="1",
+               PATH=os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]))
     log = tmp_path / "serve.log"
     proc = subprocess.Popen([sys.executable, "-m", "mlflow", "models", "serve", "-m", "models:/served@best",
                              "--env-manager", "local", "--host", "127.0.0.1", "--port", str(port),
@@ -65,14 +67,16 @@ def served(mlflow_server, tmp_path):  # noqa: F811
             proc.wait()
 
 
-def test_the_best_model_serves_text_and_refuses_bad_payloads(served):
+def test_the_best_model_serves_text_and_refuses_bad_payloads(served, monkeypatch):
     base, reg, uri = served
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)  # resolves the logged model's mlflow-artifacts: location
     url = f"{base}/invocations"
     # the logged model carries its input example and the serving payload made from it
     mlc = MlflowClient(uri)
     files = {f.path for f in mlc.list_logged_model_artifacts(reg["model_id"])}
     assert {"input_example.json", "serving_input_example.json"} <= files, files
-    example = json.loads(mlflow.artifacts.load_text(f"models:/{reg['model_id']}/serving_input_example.json"))
+    location = mlc.get_logged_model(reg["model_id"]).artifact_location
+    example = json.loads(mlflow.artifacts.load_text(f"{location}/serving_input_example.json"))
     forms = [
         example,  # what the README's curl sends
         {"inputs": [PROMPT, "The meaning of life is"], "params": {"max_new_tokens": 5}},

@@ -164,7 +164,9 @@ def test_ship_values_steps_params_artifacts_and_no_duplicates(mlflow_server, tmp
 
 def test_training_run_survives_server_restart(mlflow_server, tmp_path):  # noqa: F811
     """The real trainer runs while the tracking server is killed and restarted: training goes on, the
-    shipper pauses and catches up, and MLflow ends up with every metric of metrics.jsonl exactly once."""
+    shipper pauses and catches up, and MLflow ends up with every metric of metrics.jsonl exactly once.
+    System metrics (CPU, memory) are recorded in the same run, before the outage and again after it, their
+    steps continuing."""
     ds = make_dataset(tmp_path / "ds")
     rd = tmp_path / "runs" / "restart"
     cmd = python_cmd(["micro", f"data.dataset_dir={ds}", f"train.run_dir={rd}", "train.micro_batch=2",
@@ -172,7 +174,7 @@ def test_training_run_survives_server_restart(mlflow_server, tmp_path):  # noqa:
                       "train.checkpoint_interval=100000", "optim.warmup_steps=10",
                       "eval.eval_interval=10", "eval.sample_interval=10", "eval.val_tokens=128"])
     proc = start(cmd, tmp_path, tmp_path / "train.log")
-    shipper = tracking.Shipper(rd, mlflow_server.uri, interval=0.2, max_backoff=1.0)
+    shipper = tracking.Shipper(rd, mlflow_server.uri, interval=0.2, max_backoff=1.0, system_metrics_interval=0.5)
     shipper.start()
     try:
         deadline = time.monotonic() + 120
@@ -180,6 +182,10 @@ def test_training_run_survives_server_restart(mlflow_server, tmp_path):  # noqa:
             assert proc.poll() is None, (tmp_path / "train.log").read_text()[-2000:]
             time.sleep(0.1)
         assert shipper.shipped >= 20, shipper.last_error
+        mlc = MlflowClient(mlflow_server.uri)
+        while not mlc.get_metric_history(shipper.run_id, "system/cpu_utilization_percentage"):
+            assert time.monotonic() < deadline, "no system metrics before the outage"
+            time.sleep(0.2)
         mlflow_server.stop(kill=True)  # a crash, not a graceful shutdown
         deadline = time.monotonic() + 30
         while shipper.last_error is None and time.monotonic() < deadline:
@@ -191,6 +197,7 @@ def test_training_run_survives_server_restart(mlflow_server, tmp_path):  # noqa:
         assert shipper.shipped == shipped  # ...and nothing was acknowledged meanwhile
     finally:
         mlflow_server.start()
+    restarted_ms = time.time() * 1000
     # training went on during the outage, unaffected
     assert proc.poll() is None and len(read_metrics(rd / "metrics.jsonl")) > lines_at_outage
     proc.send_signal(signal.SIGTERM)  # the trainer checkpoints and exits 0
@@ -198,16 +205,24 @@ def test_training_run_survives_server_restart(mlflow_server, tmp_path):  # noqa:
     deadline = time.monotonic() + 120
     while (shipper.pending_bytes() > 0 or shipper.last_error) and time.monotonic() < deadline:
         time.sleep(0.2)
+    mlc = MlflowClient(mlflow_server.uri, registry_uri=mlflow_server.uri)
+    while not any(m.timestamp > restarted_ms for m in
+                  mlc.get_metric_history(shipper.run_id, "system/cpu_utilization_percentage")):
+        assert time.monotonic() < deadline, "system metrics did not resume after the outage"
+        time.sleep(0.2)
     assert shipper.stop() is True and shipper.pending_bytes() == 0
 
     written = read_metrics(rd / "metrics.jsonl")
     assert len([r for r in written if r["kind"] == "eval"]) >= 1
-    mlc = MlflowClient(mlflow_server.uri, registry_uri=mlflow_server.uri)
     keys = {k for r in written if r["kind"] != "sample" for k, v in r.items()
             if k not in ("step", "time", "kind") and isinstance(v, int | float)}
     assert {"train/loss", "train/lr", "train/grad_norm", "val/loss"} <= keys
     for key in sorted(keys):
         assert history(mlc, shipper.run_id, key) == expected(written, key), key
+    cpu = mlc.get_metric_history(shipper.run_id, "system/cpu_utilization_percentage")
+    steps = [m.step for m in sorted(cpu, key=lambda m: m.timestamp)]
+    assert steps == sorted(set(steps)), steps  # the restarted monitor continues the step count
+    assert mlc.get_metric_history(shipper.run_id, "system/system_memory_usage_megabytes")
     samples = {a.path for a in mlc.list_artifacts(shipper.run_id, "samples")}
     assert samples == {f"samples/step_{r['step']:08d}.txt" for r in written if r["kind"] == "sample"}
 
@@ -265,3 +280,23 @@ def test_a_cursor_of_the_wrong_shape_starts_over_instead_of_breaking_the_shipper
     s = tracking.Shipper(tmp_path, tracking_uri=uri)
     assert s._load_cursor() == {"tracking_uri": uri, "run_id": None, "offset": 0}
     assert s.pending_bytes() == 0
+
+
+def test_system_metrics_switch_off(mlflow_server, tmp_path):  # noqa: F811
+    """train.system_metrics_interval=0 (what the train task passes the shipper) records none; a negative
+    interval is a config error."""
+    from gptcore.config import ConfigError
+
+    with pytest.raises(ConfigError, match="system_metrics_interval must be >= 0"):
+        load_config("micro", ["train.system_metrics_interval=-1"])
+    assert load_config("micro", ["train.system_metrics_interval=0"]).train.system_metrics_interval == 0
+    rd = make_run_dir(tmp_path, "no-system-metrics")
+    append(rd, records(range(1, 5)))
+    shipper = tracking.Shipper(rd, mlflow_server.uri, interval=0.1, system_metrics_interval=0).start()
+    deadline = time.monotonic() + 30
+    while shipper.shipped < 4 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(1.0)  # several shipping rounds: none of them starts a monitor
+    assert shipper.stop() is True and shipper._monitor is None
+    run = MlflowClient(mlflow_server.uri).get_run(shipper.run_id)
+    assert "train/loss" in run.data.metrics and not [k for k in run.data.metrics if k.startswith("system/")]
