@@ -30,6 +30,7 @@ from pathlib import Path
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
+from prefect.states import Completed
 
 from gptcore.config import ConfigError, RunConfig, load_config
 from gptcore.files import read_json, write_json
@@ -138,15 +139,25 @@ def mlflow_links(reg: dict | None, run_name: str) -> str:
     return "\n".join(lines) or "no MLflow run yet"
 
 
+@task(name="skipped", cache_policy=NO_CACHE)
+def skipped_task(reason: str) -> None:
+    """A stage with nothing to do: a task run that completes at once, its reason in the state message."""
+    return Completed(name="Skipped", message=f"skipped: {reason}")
+
+
 class Stages:
-    """What each stage did ("ran" / "skipped" and why): logged as it happens, and an artifact at the end."""
+    """What each stage did ("ran" / "skipped" and why): logged as it happens, and an artifact at the end.
+    A skipped stage still appears in the flow run's graph as a task run (state "Skipped", message = why),
+    so every flow run of a deployment shows the same stages in the UI."""
 
     def __init__(self, log):
         self.log, self.rows = log, []
 
-    def __call__(self, name: str, status: str, detail: str = "") -> None:
+    def __call__(self, name: str, status: str, detail: str = "", task_run_name: str = "") -> None:
         self.rows.append({"stage": name, "status": status, "detail": detail})
         self.log.info("stage %s: %s %s", name, status, detail)
+        if status == "skipped":
+            skipped_task.with_options(name=name, task_run_name=task_run_name or name)(detail)
 
 
 def data_stage(cfg: RunConfig, stage: Stages, dask_address: str = "") -> tuple[str, dict]:
@@ -180,7 +191,7 @@ def train_stage(cfg: RunConfig, preset: str, overrides: dict | None, nproc: int,
     run_dir, ident = run_dir_for(cfg), cfg.identity_hash()
     state = run_state(run_dir, ident)
     if state["done"]:
-        stage("train", "skipped", f"{run_dir} is DONE at step {state['step']}")
+        stage("train", "skipped", f"{run_dir} is DONE at step {state['step']}", f"train {cfg.run_name}")
         return state
     # nproc=0 (one per GPU, else 1 on CPU) is resolved only here: counting GPUs imports torch, which a re-run
     # that skips everything should not pay for
@@ -202,8 +213,10 @@ def evaluate_stage(ckpt: str, cfg: RunConfig, stage: Stages) -> dict:
     # (`python -m tasks.evaluate` scores HellaSwag later)
     result = stored_evaluation(ckpt, cfg, val=True, retry_skipped=False)
     if result is not None:  # the trainer's own evaluation at the last step usually is this one
+        from tasks.progress import step_label
+
         by = "the trainer, after the checkpoint" if result.get("by") == "trainer" else "an earlier run"
-        stage("evaluate", "skipped", f"{ckpt}/eval.json exists (evaluated by {by})")
+        stage("evaluate", "skipped", f"{ckpt}/eval.json exists (evaluated by {by})", f"evaluate {step_label(ckpt)}")
     else:
         result = evaluate_checkpoint(ckpt, cfg.to_dict())
         stage("evaluate", "ran", f"val loss {result.get('val_loss')}")
@@ -222,7 +235,9 @@ def register_stage(ckpt: str, name: str, stage: Stages) -> dict:
 
     reg = registered_version(ckpt, name)
     if reg is not None:
-        stage("register", "skipped", f"{reg['model_uri']} holds this checkpoint")
+        from tasks.progress import step_label
+
+        stage("register", "skipped", f"{reg['model_uri']} holds this checkpoint", f"register {name} {step_label(ckpt)}")
         return reg
     from prefect.runtime import flow_run
 

@@ -227,6 +227,7 @@ class Stack:
         self.worker.stop()
         self.ensure_pool()
         env = dict(self.env(), **self.extra_env,
+                   GPTPIPE_CODE_DIR=self.extra_env.get("GPTPIPE_CODE_DIR", str(REPO)),  # the deployments' pull step
                    PREFECT_WORKER_QUERY_SECONDS="2",  # pick a scheduled run up within seconds
                    PREFECT_WORKER_HEARTBEAT_SECONDS="10")
         self.worker.spawn([sys.executable, "-m", "prefect", "worker", "start", "--pool", self.pool,

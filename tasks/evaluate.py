@@ -26,6 +26,7 @@ from gptcore.config import RunConfig, TrainConfig, from_dict
 from gptcore.files import read_json, write_json
 from gptcore.run_files import EVAL_FILE, META_FILE, checkpoint_of, eval_settings, read_meta
 from gptcore.runlock import RunLock
+from tasks.progress import step_label
 
 EVAL_LOCK = "eval.lock"  # held while a checkpoint is being evaluated
 EVAL_WAIT_SECONDS = 3600.0  # a second evaluation of the same checkpoint waits this long for the first
@@ -81,11 +82,6 @@ def _run_name() -> str:
     return f"evaluate {step_label(task_run.parameters['target'])}"
 
 
-def step_label(path: str | Path) -> str:
-    name = Path(path).name
-    return f"step {int(name[5:])}" if name.startswith("step_") and name[5:].isdigit() else name
-
-
 @task(name="evaluate", task_run_name=_run_name)
 def evaluate_checkpoint(target: str, cfg_dict: dict | None = None, val: bool = True,
                         device: str = "auto") -> dict:
@@ -102,7 +98,7 @@ def fetch_registered(model_uri: str, dst: Path, tracking_uri: str | None = None)
     import mlflow
 
     from tasks import mlflow_store as store
-    from tasks.register import resolve_model_uri
+    from tasks.mlflow_store import resolve_model_uri
 
     store.use_store(tracking_uri)
     path = Path(mlflow.artifacts.download_artifacts(artifact_uri=f"{resolve_model_uri(model_uri)}/artifacts/"

@@ -15,7 +15,7 @@ import sys
 
 from tasks import mlflow_store as store
 from tasks.mlflow_model import DEFAULT_PARAMS
-from tasks.register import resolve_model_uri
+from tasks.mlflow_store import resolve_model_uri
 
 
 def load(model_uri: str, tracking_uri: str | None = None):

@@ -32,6 +32,13 @@ TAG_FLOW_RUN = "gptpipe.prefect_flow_run_id"
 
 # --- where MLflow lives --------------------------------------------------------------------------
 
+def resolve_model_uri(uri: str) -> str:
+    """`models:/name@latest` -> `models:/name/latest` (MLflow reserves the alias name `latest`)."""
+    if uri.startswith("models:/") and uri.lower().endswith("@latest"):
+        return uri[: -len("@latest")] + "/latest"
+    return uri
+
+
 def tracking_uri() -> str:
     """MLFLOW_TRACKING_URI if set (a local `mlflow server`, or a team server), else the embedded
     SQLite store under the pipeline home."""

@@ -158,3 +158,9 @@ class PieceProgress:
         if self.done == self.todo or time.time() - self.last >= self.every:
             self.last = time.time()
             self.artifact.set(100.0 * self.done / max(self.todo, 1), self.describe())
+
+
+def step_label(path: str | Path) -> str:
+    """"step 120" for a checkpoint dir step_00000120, else the directory's name: short, for task-run names."""
+    name = Path(path).name
+    return f"step {int(name[5:])}" if name.startswith("step_") and name[5:].isdigit() else name

@@ -44,6 +44,7 @@ from gptcore.files import file_sha256, read_json
 from gptcore.run_files import EVAL_FILE, RUN_FILE, CheckpointError, read_meta, val_loss_of
 from tasks import mlflow_store as store
 from tasks.leaderboard import best_version, leaderboard
+from tasks.mlflow_store import resolve_model_uri  # noqa: F401 -- re-exported: tasks.register.resolve_model_uri
 
 log = logging.getLogger("gptpipe.register")
 
@@ -54,13 +55,6 @@ GPTCORE_DIR = Path(__file__).resolve().parent.parent / "gptcore"
 
 class RegistryError(RuntimeError):
     """A checkpoint that cannot be registered; the message names the problem and the fix."""
-
-
-def resolve_model_uri(uri: str) -> str:
-    """`models:/name@latest` -> `models:/name/latest` (MLflow reserves the alias name `latest`)."""
-    if uri.startswith("models:/") and uri.lower().endswith("@latest"):
-        return uri[: -len("@latest")] + "/latest"
-    return uri
 
 
 def _requirements() -> list[str]:
@@ -323,7 +317,7 @@ def _run_name() -> str:
     """"register tiny-cpu step 120": short, for the flow-run graph."""
     from prefect.runtime import task_run
 
-    from tasks.evaluate import step_label
+    from tasks.progress import step_label
 
     p = task_run.parameters
     return f"register {p.get('model_name') or ''} {step_label(p['ckpt_dir'])}".replace("  ", " ")

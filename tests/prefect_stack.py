@@ -91,6 +91,16 @@ def task_runs(flow_run_id) -> dict[str, str]:
     return {tr.name: tr.state.name for tr in trs if tr.state is not None}
 
 
+def task_run_states(flow_run_id) -> dict[str, tuple[str, str, str]]:
+    """task run name -> (state type, state name, state message), for the flow run's own tasks."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as c:
+        trs = c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    return {tr.name: (tr.state.type.value, tr.state.name, tr.state.message or "") for tr in trs if tr.state}
+
+
 def artifacts(flow_run_id) -> dict[str, object]:
     """artifact key -> data (tables decoded) for one flow run."""
     import json

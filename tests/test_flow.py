@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.prefect_stack import artifacts, flow_logs, run_deployment_and_wait, task_runs, wait_final
+from tests.prefect_stack import artifacts, flow_logs, run_deployment_and_wait, task_run_states, task_runs, wait_final
 
 pytestmark = pytest.mark.slow
 HELLASWAG = Path(__file__).parent / "fixtures" / "hellaswag_mini.jsonl"
@@ -97,7 +97,11 @@ def test_end_to_end_then_rerun_is_a_no_op(prefect_stack):
     s2 = {r["key"]: json.loads(r["value"]) for r in artifacts(fr2.id)["pretrain-summary"]}
     assert s2["stages"] == {s: "skipped" for s in ("data", "train", "evaluate", "register", "sample")}
     assert s2["model_version"] == "models:/micro-e2e/1" and s2["val_loss"] == summary["val_loss"]
-    assert not task_runs(fr2.id), "a finished flow re-run must not run any stage task"
+    # every stage is still a task run in the UI's graph: completed at once, "Skipped", with the reason
+    skipped = task_run_states(fr2.id)
+    assert sorted(skipped) == ["data", "evaluate step 8", "register micro-e2e step 8", "sample", "train e2e"], skipped
+    assert all(t == "COMPLETED" and n == "Skipped" and m.startswith("skipped: ") for t, n, m in skipped.values())
+    assert "train tokens" in skipped["data"][2] and "is DONE at step 8" in skipped["train e2e"][2]
     assert fr2.total_run_time.total_seconds() < 30, fr2.total_run_time
     after = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file() and p.name != "train.lock"}
     assert after == before, "the re-run changed files in the run directory"
