@@ -20,10 +20,10 @@ $(STAMP): pyproject.toml constraints.txt
 install: $(STAMP)
 
 demo: install
-	$(PY) -m flows.demo
+	$(PY) -m devstack.demo
 
 stop: install
-	$(PY) -m flows.demo --stop
+	$(PY) -m devstack.demo --stop
 
 test: install
 	$(PY) -m pytest -q

@@ -26,8 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from flows.demo import deploy
-from flows.services import Stack
+from devstack.demo import deploy
+from devstack.services import Stack
 
 PARAMS = {"preset": "micro", "model_name": "micro-bench",
           "overrides": {"train.max_steps": 4, "train.run_name": "bench-rerun", "train.checkpoint_interval": 4,

@@ -112,7 +112,7 @@ def losses(run: Path) -> dict[int, float]:
 
 def kill_session(proc: subprocess.Popen) -> None:
     """SIGKILL torchrun and its workers (they run in their own sessions: walk /proc for descendants)."""
-    from tasks.processes import tree_of
+    from integrations.processes import tree_of
 
     for pid in tree_of(proc.pid):
         try:

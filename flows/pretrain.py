@@ -17,7 +17,7 @@ continues where it stopped:
 
 Tasks exchange paths and config dicts, never arrays. For the UI the flow publishes artifacts: the shard
 table, the eval table, links to the MLflow run and model version, the sample text, and a summary table
-(`pretrain-summary`, read back by `python -m flows.demo`).
+(`pretrain-summary`, read back by `python -m devstack.demo`).
 """
 
 from __future__ import annotations
@@ -33,16 +33,16 @@ from prefect.cache_policies import NO_CACHE
 from prefect.states import Completed
 
 from gptcore.config import ConfigError, RunConfig, load_config
-from gptcore.files import read_json, write_json
+from gptcore.files import read_json
 from gptcore.run_files import read_meta, run_dir_for, run_state
-from tasks.progress import artifact_key
+from integrations.progress import artifact_key
+from tasks.generate import SAMPLE_FILE
 from tasks.train import train_task
 
 # pydantic notes that the parameter name `register` shadows a BaseModel method; harmless for validation
 warnings.filterwarnings("ignore", message='Field name "register"')
 
 SUMMARY_KEY = "pretrain-summary"
-SAMPLE_FILE = "sample.json"
 
 
 # --- config, checked before any work -------------------------------------------------------------------
@@ -89,32 +89,10 @@ def dask_runner(address: str):
 
 # --- stages ----------------------------------------------------------------------------------------
 
-@task(name="sample", cache_policy=NO_CACHE)
-def sample_task(ckpt: str, model_uri: str | None, prompt: str, max_new_tokens: int) -> dict:
-    """Generate text from the registered model version (or straight from the checkpoint when nothing was
-    registered); stored in <checkpoint>/sample.json."""
-    params = {"max_new_tokens": max_new_tokens, "seed": 0}  # the rest: the pyfunc's DEFAULT_PARAMS
-    if model_uri:
-        from tasks.generate import load
-
-        text = load(model_uri).predict([prompt], params=params)[0]
-    else:  # the same generator, straight from the checkpoint
-        from gptcore.checkpoint import load_model
-        from tasks.mlflow_model import GPTTextGenerator
-
-        gen = GPTTextGenerator()
-        gen.model, gen.meta = load_model(Path(ckpt))
-        text = gen.predict(None, [prompt], params)[0]
-    out = {"model_uri": model_uri, "checkpoint": ckpt, "prompt": prompt, "max_new_tokens": max_new_tokens,
-           "text": text}
-    write_json(Path(ckpt) / SAMPLE_FILE, out)
-    return out
-
-
 def mlflow_links(reg: dict | None, run_name: str) -> str:
     """Markdown links to the MLflow run and model version (when MLflow is a server with a UI); read over
     REST, so a re-run that changes nothing does not import mlflow."""
-    from tasks import mlflow_store as store
+    from integrations import mlflow_store as store
 
     uri = store.tracking_uri()
     if not uri.startswith("http"):
@@ -213,7 +191,7 @@ def evaluate_stage(ckpt: str, cfg: RunConfig, stage: Stages) -> dict:
     # (`python -m tasks.evaluate` scores HellaSwag later)
     result = stored_evaluation(ckpt, cfg, val=True, retry_skipped=False)
     if result is not None:  # the trainer's own evaluation at the last step usually is this one
-        from tasks.progress import step_label
+        from integrations.progress import step_label
 
         by = "the trainer, after the checkpoint" if result.get("by") == "trainer" else "an earlier run"
         stage("evaluate", "skipped", f"{ckpt}/eval.json exists (evaluated by {by})", f"evaluate {step_label(ckpt)}")
@@ -235,7 +213,7 @@ def register_stage(ckpt: str, name: str, stage: Stages) -> dict:
 
     reg = registered_version(ckpt, name)
     if reg is not None:
-        from tasks.progress import step_label
+        from integrations.progress import step_label
 
         stage("register", "skipped", f"{reg['model_uri']} holds this checkpoint", f"register {name} {step_label(ckpt)}")
         return reg
@@ -256,6 +234,8 @@ def sample_stage(ckpt: str, model_uri: str | None, cfg: RunConfig, stage: Stages
     if [sample.get(k) for k in ("model_uri", "prompt", "max_new_tokens")] == [model_uri, prompt, n_new]:
         stage("sample", "skipped", f"{ckpt}/{SAMPLE_FILE} exists")
     else:
+        from tasks.generate import sample_task
+
         sample = sample_task(ckpt, model_uri, prompt, n_new)
         stage("sample", "ran", "")
     create_markdown_artifact(f"### Sample from {model_uri or ckpt}\n\n```\n{sample['text']}\n```",

@@ -26,7 +26,7 @@ from gptcore.config import RunConfig, TrainConfig, from_dict
 from gptcore.files import read_json, write_json
 from gptcore.run_files import EVAL_FILE, META_FILE, checkpoint_of, eval_settings, read_meta
 from gptcore.runlock import RunLock
-from tasks.progress import step_label
+from integrations.progress import step_label
 
 EVAL_LOCK = "eval.lock"  # held while a checkpoint is being evaluated
 EVAL_WAIT_SECONDS = 3600.0  # a second evaluation of the same checkpoint waits this long for the first
@@ -97,8 +97,8 @@ def fetch_registered(model_uri: str, dst: Path, tracking_uri: str | None = None)
     dir (model.safetensors + meta.json, the layout tasks/register.py logs)."""
     import mlflow
 
-    from tasks import mlflow_store as store
-    from tasks.mlflow_store import resolve_model_uri
+    from integrations import mlflow_store as store
+    from integrations.mlflow_store import resolve_model_uri
 
     store.use_store(tracking_uri)
     path = Path(mlflow.artifacts.download_artifacts(artifact_uri=f"{resolve_model_uri(model_uri)}/artifacts/"

@@ -25,7 +25,7 @@ import pandas as pd
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from tasks import mlflow_store as store
+from integrations import mlflow_store as store
 
 # metric of the logged model -> leaderboard column
 METRICS = {"val/loss": "val_loss", "hellaswag/acc": "hellaswag_acc", "hellaswag/acc_norm": "hellaswag_acc_norm",

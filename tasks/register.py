@@ -5,7 +5,7 @@
 
 What a registration does:
 - logs a LoggedModel (MLflow 3: models live outside run artifacts, `models:/<model_id>`) linked to the
-  training run's MLflow run (the one tasks.tracking ships metrics into): the pyfunc text generator of
+  training run's MLflow run (the one integrations.tracking ships metrics into): the pyfunc text generator of
   tasks/mlflow_model.py with the checkpoint's weights, plus the Hugging Face export under `hf/`;
 - records the checkpoint's measurements as **metrics of the logged model** (MLflow 3's model metrics, what
   the UI's Models tab sorts and charts by): `val/loss` (tied to the validation dataset), `hellaswag/acc`,
@@ -42,14 +42,14 @@ from prefect.cache_policies import NO_CACHE
 
 from gptcore.files import file_sha256, read_json
 from gptcore.run_files import EVAL_FILE, RUN_FILE, CheckpointError, read_meta, val_loss_of
-from tasks import mlflow_store as store
+from integrations import mlflow_store as store
+from integrations.mlflow_store import resolve_model_uri  # noqa: F401 -- re-exported: tasks.register.resolve_model_uri
 from tasks.leaderboard import best_version, leaderboard
-from tasks.mlflow_store import resolve_model_uri  # noqa: F401 -- re-exported: tasks.register.resolve_model_uri
 
 log = logging.getLogger("gptpipe.register")
 
 BEST = "best"
-MODEL_FILE = Path(__file__).with_name("mlflow_model.py")
+MODEL_FILE = Path(__file__).resolve().parent.parent / "integrations" / "mlflow_model.py"
 GPTCORE_DIR = Path(__file__).resolve().parent.parent / "gptcore"
 
 
@@ -142,7 +142,7 @@ def _log_model(mlc, uri: str, ckpt_dir: Path, meta: dict, name: str, tags: dict,
     from mlflow.entities import LoggedModelOutput
 
     from gptcore.checkpoint import load_model
-    from tasks.mlflow_model import INPUT_EXAMPLE, SIGNATURE
+    from integrations.mlflow_model import INPUT_EXAMPLE, SIGNATURE
 
     run = store.find_or_create_run(mlc, meta["run_name"], meta["identity_hash"], experiment).info
     store.use_store(uri)  # the fluent log_model below resolves the store from it
@@ -317,7 +317,7 @@ def _run_name() -> str:
     """"register tiny-cpu step 120": short, for the flow-run graph."""
     from prefect.runtime import task_run
 
-    from tasks.progress import step_label
+    from integrations.progress import step_label
 
     p = task_run.parameters
     return f"register {p.get('model_name') or ''} {step_label(p['ckpt_dir'])}".replace("  ", " ")

@@ -23,8 +23,8 @@ from prefect.utilities.annotations import unmapped
 
 from gptcore.config import RunConfig
 from gptcore.data import build
+from integrations.progress import PieceProgress
 from tasks.download import as_config
-from tasks.progress import PieceProgress
 
 
 @task(name="tokenize-piece", retries=1, cache_policy=NO_CACHE)

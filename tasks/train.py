@@ -15,7 +15,7 @@ What the launcher guarantees:
   lease expired, or someone runs torchrun by hand.
 - torchrun gets --shutdown-timeout SHUTDOWN_SECONDS, and this task waits longer than that before its
   SIGKILL, so a SIGTERM (cancel, preemption) always ends with a complete stop checkpoint.
-- While training, tasks.tracking.Shipper ships metrics.jsonl to MLflow from a background thread.
+- While training, integrations.tracking.Shipper ships metrics.jsonl to MLflow from a background thread.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from prefect.cache_policies import NO_CACHE
 
 from gptcore.config import flatten, load_config
 from gptcore.run_files import run_dir_for, run_state
-from tasks import processes
+from integrations import processes
 
 TRAIN_LOG = "train.log"  # the trainer's stdout/stderr, appended per invocation
 # SIGTERM -> SIGKILL, for torchrun's workers: time for a 124M stop checkpoint (1.5 GB with optimizer state)
@@ -146,7 +146,7 @@ def train_task(preset: str, overrides: dict | None, run_name: str, nproc: int, w
     gptcore.run_files.run_dir_for(cfg) to max_steps or its time budget; returns the run's state."""
     from prefect.runtime import flow_run
 
-    from tasks.progress import TrainProgress
+    from integrations.progress import TrainProgress
 
     log = get_run_logger()
     cfg = load_config(preset, overrides, world_size=nproc)
@@ -174,7 +174,7 @@ def train_task(preset: str, overrides: dict | None, run_name: str, nproc: int, w
                  f"resuming from step {resumed_from}" if resumed_from is not None else "starting", nproc)
         shipper = None
         if tracking:
-            from tasks.tracking import Shipper
+            from integrations.tracking import Shipper
 
             shipper = Shipper(run_dir, flow_run_id=flow_run_id,
                               system_metrics_interval=cfg.train.system_metrics_interval).start()

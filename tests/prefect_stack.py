@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from flows.demo import deploy
-from flows.services import Stack
+from devstack.demo import deploy
+from devstack.services import Stack
 
 
 @pytest.fixture(scope="session")

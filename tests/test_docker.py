@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flows.services import LEASE_STORAGE
+from devstack.services import LEASE_STORAGE
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKER = ROOT / "docker"

@@ -1,4 +1,4 @@
-"""flows.services.Service: the pid bookkeeping the demo and the tests rely on to start, reuse and stop
+"""devstack.services.Service: the pid bookkeeping the demo and the tests rely on to start, reuse and stop
 background servers and workers (no servers needed here: a `sleep` stands in)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import signal
 import sys
 import time
 
-from flows.services import Service
+from devstack.services import Service
 
 
 def test_killed_service_is_not_alive_and_restarts(tmp_path):

@@ -12,8 +12,8 @@ from mlflow import MlflowClient
 
 from gptcore.config import load_config
 from gptcore.metrics import read_metrics
-from tasks import mlflow_store as store
-from tasks import tracking
+from integrations import mlflow_store as store
+from integrations import tracking
 from tests.mlflow_server import free_port, mlflow_server  # noqa: F401  (fixture)
 from tests.test_train_utils import make_dataset, python_cmd, start
 
@@ -30,7 +30,7 @@ def fast_failures(monkeypatch):
 
 
 def ship(run_dir, uri=None, flow_run_id=None) -> dict:
-    """Ship once, as `python -m tasks.tracking <run_dir>` does."""
+    """Ship once, as `python -m integrations.tracking <run_dir>` does."""
     s = tracking.Shipper(run_dir, uri, flow_run_id=flow_run_id)
     s.ship_once(final=True)
     return {"run_id": s.run_id, "shipped": s.shipped}

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gptcore.files import read_json, write_json
-from tasks.processes import start_time, stop_tree, tree_of
+from integrations.processes import start_time, stop_tree, tree_of
 
 REPO = Path(__file__).resolve().parent.parent
 CPU_POOL = "cpu-pool"

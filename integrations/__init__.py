@@ -1,0 +1,8 @@
+"""How the pipeline's stages talk to the systems around them; libraries, not stages:
+
+    mlflow_store.py   where MLflow lives (server or embedded SQLite), runs by identity, dataset inputs, REST reads
+    tracking.py       the metric shipper: metrics.jsonl -> MLflow, never blocking training; system metrics
+    mlflow_model.py   the registered model's pyfunc (logged as code with each model version)
+    progress.py       Prefect progress artifacts and artifact keys
+    processes.py      process trees from /proc (the train task's torchrun and its ranks)
+"""
