@@ -37,14 +37,14 @@ def deploy(stack: Stack, force: bool = False) -> bool:
     Skipped when the same yaml + flow source were already deployed to this server. True if deployed."""
     from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.settings import temporary_settings
 
     # what the deployments were made from: the yaml, the flow's source, the server
     h = hashlib.sha256(PREFECT_FILE.read_bytes() + (REPO / "flows" / "pretrain.py").read_bytes()).hexdigest()
     stamp = {"sha256": h, "api_url": stack.prefect_api_url}
     stamp_file = stack.state_dir / "deployed.json"
     if not force and read_json(stamp_file) == stamp:
-        with temporary_settings({PREFECT_API_URL: stack.prefect_api_url}), get_client(sync_client=True) as c:
+        with temporary_settings(stack.prefect_settings()), get_client(sync_client=True) as c:
             try:
                 c.read_deployment_by_name(DEPLOYMENT)
                 return False
@@ -167,9 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     done = deploy(stack)
     print(f"{'deployed' if done else 'already deployed:'} {PREFECT_FILE.relative_to(REPO)}; running "
           f"{args.deployment} through the server", flush=True)
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.settings import temporary_settings
 
-    with temporary_settings({PREFECT_API_URL: stack.prefect_api_url}):  # prefect read its env at import
+    with temporary_settings(stack.prefect_settings()):  # prefect read its env at import
         fr = run_and_follow(args.deployment, params, args.timeout)
         if not fr.state.is_completed():
             print(f"\nerror: flow run {fr.name} ended {fr.state.name}: {fr.state.message}\n"

@@ -13,7 +13,9 @@ is only signalled when its recorded start time still matches (a recycled pid is 
 
 from __future__ import annotations
 
+import base64
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -49,9 +51,13 @@ def free_port(preferred: int = 0) -> int:
         return s.getsockname()[1]
 
 
-def http_ok(url: str, timeout: float = 2.0) -> bool:
+def http_ok(url: str, timeout: float = 2.0, auth: str | None = None) -> bool:
+    """GET url answers 200 (`auth`: "user:password", sent as HTTP basic auth)."""
+    req = urllib.request.Request(url)
+    if auth:
+        req.add_header("Authorization", "Basic " + base64.b64encode(auth.encode()).decode())
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status == 200
     except OSError:
         return False
@@ -113,6 +119,25 @@ class Service:
 
 
 @dataclass
+class Auth:
+    """Credentials for a stack other machines can reach: Prefect's basic auth ("user:password", the server's
+    PREFECT_SERVER_API_AUTH_STRING and every client's PREFECT_API_AUTH_STRING) and MLflow's basic-auth app
+    (an admin, and the user the worker and its flow runs log as)."""
+    prefect: str
+    mlflow_admin_password: str
+    mlflow_worker_password: str
+    mlflow_admin: str = "admin"
+    mlflow_worker: str = "worker"
+
+    def __post_init__(self):
+        if ":" not in self.prefect.strip(":"):
+            raise ValueError("the Prefect auth string must be user:password")
+        if min(len(self.mlflow_admin_password), len(self.mlflow_worker_password)) < 12:
+            raise ValueError("MLflow passwords must have at least 12 characters (its basic-auth app refuses "
+                             "shorter ones); generate them with `openssl rand -hex 16`")
+
+
+@dataclass
 class Stack:
     """Prefect server + process pool worker + MLflow server for one pipeline home."""
     home: Path
@@ -121,6 +146,7 @@ class Stack:
     pool: str = CPU_POOL
     ui: bool = True  # serve the Prefect UI (the tests turn it off)
     extra_env: dict = field(default_factory=dict)  # for the worker (e.g. OMP_NUM_THREADS in tests)
+    auth: Auth | None = None  # None: no authentication (the demo, on loopback)
 
     def __post_init__(self):
         self.home = Path(self.home).resolve()
@@ -155,17 +181,29 @@ class Stack:
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
             "MLFLOW_TRACKING_URI": self.mlflow_uri,
             "PYTHONUNBUFFERED": "1",
+            **({"PREFECT_API_AUTH_STRING": self.auth.prefect, "MLFLOW_TRACKING_USERNAME": self.auth.mlflow_worker,
+                "MLFLOW_TRACKING_PASSWORD": self.auth.mlflow_worker_password} if self.auth else {}),
         }
+
+    def prefect_settings(self) -> dict:
+        """Prefect settings for a client of this stack in this process (temporary_settings)."""
+        from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL
+
+        return {PREFECT_API_URL: self.prefect_api_url,
+                **({PREFECT_API_AUTH_STRING: self.auth.prefect} if self.auth else {})}
 
     def _health_url(self, server: Service) -> str:
         return f"{self.prefect_api_url if server is self.prefect else self.mlflow_uri}/health"
 
+    def _health_auth(self, server: Service) -> str | None:
+        return self.auth.prefect if self.auth and server is self.prefect else None
+
     def _healthy(self, server: Service) -> bool:
-        return server.alive() and http_ok(self._health_url(server))
+        return server.alive() and http_ok(self._health_url(server), auth=self._health_auth(server))
 
     def _wait(self, server: Service, timeout: float) -> None:
         end = time.monotonic() + timeout
-        while not http_ok(self._health_url(server)):
+        while not http_ok(self._health_url(server), auth=self._health_auth(server)):
             if not server.alive():
                 raise server.error("exited during start-up")
             if time.monotonic() > end:
@@ -182,7 +220,12 @@ class Stack:
             root.mkdir(parents=True, exist_ok=True)
             env = dict(self.env(), OMP_NUM_THREADS="1")
             del env["MLFLOW_TRACKING_URI"]
-            self.mlflow.spawn([sys.executable, "-m", "mlflow", "server",
+            auth_app = []
+            if self.auth:  # MLflow's basic-auth app: users in <home>/mlflow/basic_auth.db
+                env.update(MLFLOW_AUTH_CONFIG_PATH=str(self._mlflow_auth_config(root)),
+                           MLFLOW_FLASK_SERVER_SECRET_KEY=secrets.token_hex(16))
+                auth_app = ["--app-name", "basic-auth"]
+            self.mlflow.spawn([sys.executable, "-m", "mlflow", "server", *auth_app,
                                "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
                                "--artifacts-destination", str(root / "artifacts"),
                                "--host", "127.0.0.1", "--port", str(self.mlflow_port), "--workers", "1"],
@@ -200,21 +243,43 @@ class Stack:
                        # slots (in memory they are lost and the slots stay taken for ever)
                        PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE=LEASE_STORAGE)
             del env["PREFECT_API_URL"]
+            if self.auth:
+                env["PREFECT_SERVER_API_AUTH_STRING"] = self.auth.prefect
             self.prefect.spawn([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
                                 "--port", str(self.prefect_port)], env, port=self.prefect_port)
         self._wait(self.mlflow, timeout)
         self._wait(self.prefect, timeout)
+        if self.auth:
+            from integrations.mlflow_store import ensure_user
+
+            a = self.auth
+            ensure_user(self.mlflow_uri, (a.mlflow_admin, a.mlflow_admin_password), a.mlflow_worker,
+                        a.mlflow_worker_password)
         self.start_worker()
         return self
+
+    def _mlflow_auth_config(self, root: Path) -> Path:
+        """MLflow's basic-auth settings: every signed-in user may create and edit (the worker logs runs and
+        registers models); anonymous requests get 401. The admin is created on the first start."""
+        a = self.auth
+        path = self.state_dir / "mlflow-auth.ini"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds the admin password
+        with os.fdopen(fd, "w") as f:
+            f.write("[mlflow]\ndefault_permission = EDIT\n"
+                    f"database_uri = sqlite:///{root / 'basic_auth.db'}\n"
+                    f"admin_username = {a.mlflow_admin}\nadmin_password = {a.mlflow_admin_password}\n"
+                    "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
+        return path
 
     def ensure_pool(self, name: str | None = None) -> None:
         """Create the process work pool `name` (default: this stack's) unless it exists."""
         from prefect.client.orchestration import get_client
         from prefect.client.schemas.actions import WorkPoolCreate
         from prefect.exceptions import ObjectAlreadyExists
-        from prefect.settings import PREFECT_API_URL, temporary_settings
+        from prefect.settings import temporary_settings
 
-        with temporary_settings({PREFECT_API_URL: self.prefect_api_url}), get_client(sync_client=True) as c:
+        with temporary_settings(self.prefect_settings()), get_client(sync_client=True) as c:
             try:
                 c.create_work_pool(WorkPoolCreate(name=name or self.pool, type="process"))
             except ObjectAlreadyExists:

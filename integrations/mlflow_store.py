@@ -199,3 +199,21 @@ def rest_read(uri: str, endpoint: str, params: dict | None = None, body: dict | 
     except (OSError, ValueError) as e:
         raise RestUnavailable(f"{url}: {e}") from e
 
+
+def ensure_user(uri: str, admin: tuple[str, str], username: str, password: str) -> None:
+    """Create `username` on an MLflow server running the basic-auth app (as `admin`: (name, password)), or
+    set its password if it exists: idempotent, for a stack's start-up (devstack, the compose stack)."""
+    def call(method: str, endpoint: str, body: dict) -> None:
+        req = urllib.request.Request(f"{uri.rstrip('/')}/api/2.0/mlflow/{endpoint}", data=json.dumps(body).encode(),
+                                     method=method, headers={"Content-Type": "application/json"})
+        req.add_header("Authorization", "Basic " + base64.b64encode(":".join(admin).encode()).decode())
+        with urllib.request.urlopen(req, timeout=30):
+            pass
+
+    try:
+        call("POST", "users/create", {"username": username, "password": password})
+    except urllib.error.HTTPError as e:
+        if "RESOURCE_ALREADY_EXISTS" not in e.read().decode(errors="replace"):
+            raise RuntimeError(f"cannot create MLflow user {username!r} at {uri}: HTTP {e.code}; check the admin "
+                               "credentials (MLFLOW_ADMIN_PASSWORD)") from e
+        call("PATCH", "users/update-password", {"username": username, "password": password})
