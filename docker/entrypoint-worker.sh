@@ -19,6 +19,8 @@ run() {
     if [ "${DRY_RUN:-0}" = 1 ]; then printf '+'; printf ' %q' "$@"; printf '\n'; else "$@"; fi
 }
 
+# Prefect's basic auth (an exposed compose stack): clients send PREFECT_API_AUTH_STRING
+if [ -n "${PREFECT_AUTH_STRING:-}" ]; then export PREFECT_API_AUTH_STRING="$PREFECT_AUTH_STRING"; fi
 api=${PREFECT_API_URL:-}
 [ -n "$api" ] || die "PREFECT_API_URL is not set; set it to the server's API, e.g. http://prefect-server:4200/api"
 pool=${WORK_POOL:-gpu-pool}
@@ -31,11 +33,13 @@ py=${PYTHON:-python}
 # 1. the API answers /health with 200 (python, because the image has no curl)
 log "waiting up to ${wait_s}s for the Prefect API at $api"
 if ! "$py" - "${api%/}/health" "$wait_s" <<'EOF'
-import sys, time, urllib.request
+import base64, os, sys, time, urllib.request
 url, deadline = sys.argv[1], time.monotonic() + float(sys.argv[2])
+auth = os.environ.get("PREFECT_API_AUTH_STRING")
+headers = {"Authorization": "Basic " + base64.b64encode(auth.encode()).decode()} if auth else {}
 while True:
     try:
-        with urllib.request.urlopen(url, timeout=5) as r:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=5) as r:
             if r.status == 200:
                 sys.exit(0)
     except OSError:

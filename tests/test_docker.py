@@ -122,9 +122,11 @@ def test_compose_stack(tmp_path):
     assert r.returncode == 0, r.stderr
     cfg = json.loads(r.stdout)
     svc = cfg["services"]
-    assert set(svc) == {"postgres", "prefect-server", "mlflow", "worker"}  # trainer is profile-only
+    # trainer is profile-only; exposure-check and mlflow-users run once and exit
+    assert set(svc) == {"exposure-check", "postgres", "prefect-server", "mlflow", "mlflow-users", "worker"}
     for name, s in svc.items():
-        assert s.get("healthcheck", {}).get("test"), f"{name} has no healthcheck"
+        if name not in ("exposure-check", "mlflow-users"):
+            assert s.get("healthcheck", {}).get("test"), f"{name} has no healthcheck"
         for p in s.get("ports", []):  # nothing listens beyond this machine by default
             assert p["host_ip"] == "127.0.0.1", (name, p)
     assert "ports" not in svc["postgres"]
@@ -179,7 +181,10 @@ def test_compose_stack(tmp_path):
     assert {d: c["condition"] for d, c in w["depends_on"].items()} == {
         "prefect-server": "service_healthy",
         "mlflow": "service_healthy",
+        "mlflow-users": "service_completed_successfully",
     }
+    for server in ("prefect-server", "mlflow"):  # nothing listens before the exposure check passed
+        assert svc[server]["depends_on"]["exposure-check"]["condition"] == "service_completed_successfully"
 
 
 def test_compose_ports_and_gpus_are_configurable(tmp_path):
@@ -188,6 +193,9 @@ def test_compose_ports_and_gpus_are_configurable(tmp_path):
         "BIND_ADDRESS=0.0.0.0",
         "PREFECT_PORT=14200",
         "GPU_COUNT=2",
+        "PREFECT_AUTH_STRING=admin:0123456789abcdef",
+        "MLFLOW_ADMIN_PASSWORD=0123456789abcdef-admin",
+        "MLFLOW_WORKER_PASSWORD=0123456789abcdef-worker",
     ]
     r = compose_config(tmp_path, lines)
     assert r.returncode == 0, r.stderr
@@ -195,6 +203,30 @@ def test_compose_ports_and_gpus_are_configurable(tmp_path):
     ports = {p["published"]: p["host_ip"] for s in svc.values() for p in s.get("ports", [])}
     assert ports == {"14200": "0.0.0.0", "5000": "0.0.0.0"}
     assert svc["worker"]["deploy"]["resources"]["reservations"]["devices"][0]["count"] == 2
+
+
+@pytest.mark.parametrize("bind,creds,ok", [
+    ("127.0.0.1", {}, True),                  # loopback: no credentials needed (the default)
+    ("0.0.0.0", {}, False),                   # exposed without credentials: refused
+    ("192.168.1.20", {"PREFECT_AUTH_STRING": "admin:x" * 3, "MLFLOW_ADMIN_PASSWORD": "short",
+                      "MLFLOW_WORKER_PASSWORD": "0123456789abcdef"}, False),  # a password MLflow would refuse
+    ("0.0.0.0", {"PREFECT_AUTH_STRING": "admin:0123456789abcdef", "MLFLOW_ADMIN_PASSWORD": "0123456789abcdef",
+                 "MLFLOW_WORKER_PASSWORD": "fedcba9876543210"}, True),
+])
+def test_an_exposed_stack_needs_credentials(tmp_path, bind, creds, ok):
+    """The exposure-check service (docker/check-exposure.sh) that the servers wait for: compose starts
+    nothing that listens when it fails. With credentials the servers turn their authentication on."""
+    r = run(["bash", str(DOCKER / "check-exposure.sh")], env=clean_env(BIND_ADDRESS=bind, **creds))
+    assert (r.returncode == 0) == ok, r.stderr
+    if not ok:
+        assert r.stderr.startswith("error: BIND_ADDRESS=") and "docker/.env" in r.stderr
+    lines = [(DOCKER / ".env.example").read_text(), f"BIND_ADDRESS={bind}", *[f"{k}={v}" for k, v in creds.items()]]
+    svc = json.loads(compose_config(tmp_path, lines).stdout)["services"]
+    assert svc["exposure-check"]["environment"]["BIND_ADDRESS"] == bind
+    prefect_cmd, mlflow_cmd = " ".join(svc["prefect-server"]["command"]), " ".join(svc["mlflow"]["command"])
+    assert "PREFECT_SERVER_API_AUTH_STRING" in prefect_cmd and "--app-name basic-auth" in mlflow_cmd
+    assert svc["worker"]["environment"]["MLFLOW_TRACKING_USERNAME"] == "worker"
+    assert svc["worker"]["environment"]["MLFLOW_TRACKING_PASSWORD"] == creds.get("MLFLOW_WORKER_PASSWORD", "")
 
 
 def test_compose_refuses_to_start_without_a_password(tmp_path):
@@ -595,6 +627,8 @@ def test_k8s_template_renders_a_gpu_job(tmp_path):
     c = pod["containers"][0]
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 8 and c["image"] == jv["image"]
     assert {m["mountPath"] for m in c["volumeMounts"]} == {"/data", "/dev/shm"}
+    # credentials for servers with authentication on, from the Secret gpt2-auth when it exists
+    assert c["envFrom"] == [{"secretRef": {"name": "gpt2-auth", "optional": True}}]
     vols = {v["name"]: v for v in pod["volumes"]}
     assert vols["home"]["persistentVolumeClaim"]["claimName"] == "gpt2-home"
     assert vols["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "64Gi"}
