@@ -1,6 +1,6 @@
 """Register a checkpoint as a version of the preset's one registered model (MLflow 3 style).
 
-    register_checkpoint("var/runs/tiny-cpu/checkpoints/step_00000300")
+    register_checkpoint("var/runs/tiny-cpu/checkpoints/step_00000120")
     -> {"name": "tiny-cpu", "version": "3", "aliases": ["best", "latest"], "created": True, ...}
 
 What a registration does:
@@ -329,7 +329,7 @@ register_task = task(name="register", task_run_name=_run_name, retries=3, retry_
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Register a checkpoint in the MLflow model registry.")
-    p.add_argument("checkpoint", help="a checkpoint dir, e.g. var/runs/tiny-cpu/checkpoints/step_00000300")
+    p.add_argument("checkpoint", help="a checkpoint dir, e.g. var/runs/tiny-cpu/checkpoints/step_00000120")
     p.add_argument("--name", default=None, help="registered model name (default: the config preset)")
     p.add_argument("--tracking-uri", default=None, help="default: $MLFLOW_TRACKING_URI or the embedded store")
     p.add_argument("--flow-run-id", default=os.environ.get("PREFECT__FLOW_RUN_ID"))
