@@ -35,8 +35,8 @@ from prefect.states import Completed
 from gptcore.config import ConfigError, RunConfig, load_config
 from gptcore.files import read_json
 from gptcore.run_files import read_meta, run_dir_for, run_state
-from integrations.progress import artifact_key
-from tasks.generate import SAMPLE_FILE
+from integrations.progress import artifact_key, step_label
+from tasks.generate import SAMPLE_FILE, sample_task
 from tasks.train import train_task
 
 # pydantic notes that the parameter name `register` shadows a BaseModel method; harmless for validation
@@ -191,8 +191,6 @@ def evaluate_stage(ckpt: str, cfg: RunConfig, stage: Stages) -> dict:
     # (`python -m tasks.evaluate` scores HellaSwag later)
     result = stored_evaluation(ckpt, cfg, val=True, retry_skipped=False)
     if result is not None:  # the trainer's own evaluation at the last step usually is this one
-        from integrations.progress import step_label
-
         by = "the trainer, after the checkpoint" if result.get("by") == "trainer" else "an earlier run"
         stage("evaluate", "skipped", f"{ckpt}/eval.json exists (evaluated by {by})", f"evaluate {step_label(ckpt)}")
     else:
@@ -213,8 +211,6 @@ def register_stage(ckpt: str, name: str, stage: Stages) -> dict:
 
     reg = registered_version(ckpt, name)
     if reg is not None:
-        from integrations.progress import step_label
-
         stage("register", "skipped", f"{reg['model_uri']} holds this checkpoint", f"register {name} {step_label(ckpt)}")
         return reg
     from prefect.runtime import flow_run
@@ -234,8 +230,6 @@ def sample_stage(ckpt: str, model_uri: str | None, cfg: RunConfig, stage: Stages
     if [sample.get(k) for k in ("model_uri", "prompt", "max_new_tokens")] == [model_uri, prompt, n_new]:
         stage("sample", "skipped", f"{ckpt}/{SAMPLE_FILE} exists")
     else:
-        from tasks.generate import sample_task
-
         sample = sample_task(ckpt, model_uri, prompt, n_new)
         stage("sample", "ran", "")
     create_markdown_artifact(f"### Sample from {model_uri or ckpt}\n\n```\n{sample['text']}\n```",
