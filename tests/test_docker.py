@@ -676,3 +676,27 @@ def test_k8s_multinode_job_is_consistent_and_trains_the_nightly_run():
         nightly["parameters"]["preset"], override_args(nightly["parameters"]["overrides"]), world_size=8
     )
     assert (cfg.run_name, cfg.identity_hash()) == (ref.run_name, ref.identity_hash())
+
+
+@pytest.mark.parametrize("admin_password", ["", "0123456789abcdef"])
+def test_compose_mlflow_command_turns_basic_auth_on_with_an_admin_password(tmp_path, admin_password):
+    """The mlflow service's start script, as compose hands it to `sh -c` ($$ -> $), run with `mlflow`
+    replaced by echo: with MLFLOW_ADMIN_PASSWORD it writes the basic-auth config (admin from docker/.env,
+    EDIT for signed-in users) and starts the basic-auth app; without, the plain server."""
+    lines = [(DOCKER / ".env.example").read_text(), f"MLFLOW_ADMIN_PASSWORD={admin_password}"]
+    svc = json.loads(compose_config(tmp_path, lines).stdout)["services"]
+    ini = tmp_path / "basic_auth.ini"
+    script = (svc["mlflow"]["command"][2].replace("$$", "$").replace("/tmp/basic_auth.ini", str(ini))
+              .replace("exec mlflow server", "echo mlflow server"))
+    env = clean_env(**{k: str(v) for k, v in svc["mlflow"]["environment"].items()})
+    r = run(["sh", "-c", script], env=env)
+    assert r.returncode == 0, r.stderr
+    args = r.stdout.split()
+    assert args[:2] == ["mlflow", "server"] and ("--app-name" in args) == bool(admin_password)
+    if admin_password:
+        assert args[args.index("--app-name") + 1] == "basic-auth"
+        text = ini.read_text()
+        assert f"admin_password = {admin_password}\n" in text and "default_permission = EDIT\n" in text
+        assert oct(ini.stat().st_mode & 0o777) == "0o600"  # it holds the admin password
+    else:
+        assert not ini.exists()
