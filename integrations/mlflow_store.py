@@ -1,7 +1,8 @@
 """Where MLflow lives, and the lookups every stage shares (register, evaluate, generate, the flow, the
 metrics shipper in tasks/tracking.py).
 
-    tracking_uri()            $MLFLOW_TRACKING_URI, else the embedded SQLite store under the pipeline home
+    tracking_uri()            $MLFLOW_TRACKING_URI, else the `make demo` server of this pipeline home while it
+                              runs, else the embedded SQLite store under the pipeline home
     client(uri)               an MlflowClient for tracking and registry
     rest_read(uri, endpoint)  a read through MLflow's REST API without importing mlflow (a second or more):
                               the flow's skip decisions use it against a tracking server
@@ -21,6 +22,7 @@ import urllib.request
 from pathlib import Path
 
 from gptcore.config import flatten, pipeline_home
+from gptcore.files import read_json
 
 EXPERIMENT = "gpt2-pretrain"
 TAG_RUN_NAME = "gptpipe.run_name"
@@ -40,14 +42,29 @@ def resolve_model_uri(uri: str) -> str:
 
 
 def tracking_uri() -> str:
-    """MLFLOW_TRACKING_URI if set (a local `mlflow server`, or a team server), else the embedded
-    SQLite store under the pipeline home."""
+    """MLFLOW_TRACKING_URI if set (a local `mlflow server`, or a team server); else the MLflow server that
+    `make demo` runs for this pipeline home, while it runs (the models it stored have `mlflow-artifacts:`
+    locations only it can serve, so the documented commands must talk to it, not to its database); else
+    the embedded SQLite store under the pipeline home."""
     uri = os.environ.get("MLFLOW_TRACKING_URI")
     if uri:
         return uri
+    if local := local_server(pipeline_home()):
+        return local
     root = pipeline_home() / "mlflow"
     root.mkdir(parents=True, exist_ok=True)
     return f"sqlite:///{root / 'mlflow.db'}"
+
+
+def local_server(home: Path) -> str | None:
+    """The address of the MLflow server devstack runs for `home` (its state file
+    <home>/services/mlflow-server.json: pid, start time, port), or None when it is not running."""
+    from integrations.processes import start_time
+
+    st = read_json(Path(home) / "services" / "mlflow-server.json", {})
+    if not isinstance(st, dict) or not st.get("port") or not st.get("pid"):
+        return None
+    return f"http://127.0.0.1:{st['port']}" if start_time(st["pid"]) == st.get("start_time") else None
 
 
 def use_store(uri: str | None = None) -> None:

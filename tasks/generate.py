@@ -71,8 +71,9 @@ def main(argv: list[str] | None = None) -> int:
         model = load(args.model_uri, args.tracking_uri)
     except (MlflowException, OSError) as e:
         print(f"error: cannot load {args.model_uri}: {e}\nSee registered models and aliases in the "
-              "MLflow UI; register one with `python -m tasks.register <checkpoint>`.",
-              file=sys.stderr)
+              "MLflow UI; register one with `python -m tasks.register <checkpoint>`. A model stored through "
+              "an MLflow server is read through that server: `make demo` restarts the demo's, or set "
+              "MLFLOW_TRACKING_URI (or --tracking-uri) to yours.", file=sys.stderr)
         return 2
     params = {k: getattr(args, k) for k in DEFAULT_PARAMS}  # --max-new-tokens, --temperature, --top-k, --seed
     try:

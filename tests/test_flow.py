@@ -108,6 +108,13 @@ def test_end_to_end_then_rerun_is_a_no_op(prefect_stack):
     assert len(mlc.search_model_versions("name = 'micro-e2e'")) == 1
     print(f"re-run took {time.monotonic() - t0:.1f}s wall, {fr2.total_run_time} in the flow")
 
+    # the documented CLI after `make demo`, with no MLFLOW_TRACKING_URI: it finds the demo's MLflow server for
+    # this pipeline home (the model's artifacts are served by it) instead of reading its database directly
+    env = {k: v for k, v in prefect_stack.env().items() if k != "MLFLOW_TRACKING_URI"}
+    r = subprocess.run([sys.executable, "-m", "tasks.generate", "models:/micro-e2e@best", "--prompt", "Hello",
+                        "--max-new-tokens", "4"], env=env, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0 and r.stdout.startswith("Hello"), r.stderr[-2000:]
+
     # the skip decisions read files and MLflow's REST API: the flow process imports neither torch (~3 s)
     # nor mlflow (~1.3 s); this runs the real flow (nproc=0, i.e. "count the GPUs" unless skipped)
     probe = ("import json, sys\nfrom flows.pretrain import pretrain\n"
