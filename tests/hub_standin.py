@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.local_http import serve
+from tests.local_http import end_body, serve
 
 API = re.compile(r"^/api/datasets/(?P<repo>[^/]+/[^/]+)(?:/(?P<op>revision|tree|paths-info)/(?P<rev>[^/]+)"
                  r"(?:/(?P<path>.*))?)?$")
@@ -126,10 +126,7 @@ class Hub:
         h.send_response(code)
         for k, v in headers.items():
             h.send_header(k, v)
-        h.send_header("Content-Length", str(len(body)))
-        h.end_headers()
-        if not head:
-            h.wfile.write(body)
+        end_body(h, head, body)
 
     def close(self):
         self.server.shutdown()

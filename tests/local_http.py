@@ -27,3 +27,11 @@ def serve(handle) -> ThreadingHTTPServer:
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server
+
+
+def end_body(h, head: bool, body: bytes) -> None:
+    """Finish a response whose status and headers are sent: its length, then the body (not for HEAD)."""
+    h.send_header("Content-Length", str(len(body)))
+    h.end_headers()
+    if not head:
+        h.wfile.write(body)

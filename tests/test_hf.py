@@ -24,7 +24,7 @@ from gptcore.hf import (
 )
 from gptcore.model import GPT
 from gptcore.tokenizer import N_VOCAB
-from tests.local_http import serve
+from tests.local_http import end_body, serve
 
 SMALL = dict(n_layer=2, n_embd=64, n_head=4, n_positions=64, vocab_size=50257,
              resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -223,10 +223,7 @@ class ModelHub:
             h.send_response(404)
             known = any(path.startswith(f"/{r}/") for r in self.repos)
             h.send_header("X-Error-Code", "EntryNotFound" if known else "RepoNotFound")
-        h.send_header("Content-Length", str(len(body)))
-        h.end_headers()
-        if not head:
-            h.wfile.write(body)
+        end_body(h, head, body)
 
     def close(self):
         self.server.shutdown()
