@@ -5,8 +5,8 @@
 
 What a registration does:
 - logs a LoggedModel (MLflow 3: models live outside run artifacts, `models:/<model_id>`) linked to the
-  training run's MLflow run (the one integrations.tracking ships metrics into): the pyfunc text generator of
-  tasks/mlflow_model.py with the checkpoint's weights, plus the Hugging Face export under `hf/`;
+  training run's MLflow run (the one integrations.tracking ships metrics into): the pyfunc text generator
+  of integrations/mlflow_model.py with the checkpoint's weights, plus the Hugging Face export under `hf/`;
 - records the checkpoint's measurements as **metrics of the logged model** (MLflow 3's model metrics, what
   the UI's Models tab sorts and charts by): `val/loss` (tied to the validation dataset), `hellaswag/acc`,
   `hellaswag/acc_norm`, `train/step` and `train/tokens_seen` (tied to the training dataset);
@@ -201,16 +201,11 @@ def _log_metrics(mlc, run_id: str, model_id: str, ckpt_dir: Path, meta: dict, ha
 
 def _move_best(mlc, name: str) -> None:
     """Point `best` at the version with the lowest val loss (tasks.leaderboard.best_version)."""
-    from mlflow.exceptions import MlflowException
-
-    best = best_version(leaderboard(name, mlc=mlc))
-    if best is None:
-        return
-    try:
-        holder = mlc.get_model_version_by_alias(name, BEST).version
-    except MlflowException:  # nobody holds it
-        holder = None
-    if holder != best:
+    board = leaderboard(name, mlc=mlc)
+    best = best_version(board)
+    holder = next((str(v) for v, a in zip(board["version"], board["aliases"], strict=True) if BEST in a.split(",")),
+                  None)
+    if best is not None and holder != best:
         mlc.set_registered_model_alias(name, BEST, best)
 
 
