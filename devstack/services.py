@@ -13,7 +13,6 @@ is only signalled when its recorded start time still matches (a recycled pid is 
 
 from __future__ import annotations
 
-import base64
 import os
 import secrets
 import socket
@@ -25,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gptcore.files import read_json, write_json
+from integrations.mlflow_store import basic_auth
 from integrations.processes import start_time, stop_tree, tree_of
 
 REPO = Path(__file__).resolve().parent.parent
@@ -53,9 +53,7 @@ def free_port(preferred: int = 0) -> int:
 
 def http_ok(url: str, timeout: float = 2.0, auth: str | None = None) -> bool:
     """GET url answers 200 (`auth`: "user:password", sent as HTTP basic auth)."""
-    req = urllib.request.Request(url)
-    if auth:
-        req.add_header("Authorization", "Basic " + base64.b64encode(auth.encode()).decode())
+    req = urllib.request.Request(url, headers={"Authorization": basic_auth(auth)} if auth else {})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status == 200

@@ -1,5 +1,5 @@
 """Where MLflow lives, and the lookups every stage shares (register, evaluate, generate, the flow, the
-metrics shipper in tasks/tracking.py).
+metrics shipper in integrations/tracking.py).
 
     tracking_uri()            $MLFLOW_TRACKING_URI, else the `make demo` server of this pipeline home while it
                               runs, else the embedded SQLite store under the pipeline home
@@ -185,13 +185,18 @@ class RestUnavailable(RuntimeError):
     """The REST read did not work (not a server, unreachable, auth); callers fall back to the client."""
 
 
+def basic_auth(user_password: str) -> str:
+    """The Authorization header's value for HTTP basic auth as "user:password"."""
+    return "Basic " + base64.b64encode(user_password.encode()).decode()
+
+
 def _auth(req: urllib.request.Request) -> urllib.request.Request:
     """The credentials the MLflow client would send: MLFLOW_TRACKING_TOKEN, or USERNAME + PASSWORD."""
     if os.environ.get("MLFLOW_TRACKING_TOKEN"):
         req.add_header("Authorization", f"Bearer {os.environ['MLFLOW_TRACKING_TOKEN']}")
     elif os.environ.get("MLFLOW_TRACKING_USERNAME"):
         pair = f"{os.environ['MLFLOW_TRACKING_USERNAME']}:{os.environ.get('MLFLOW_TRACKING_PASSWORD', '')}"
-        req.add_header("Authorization", "Basic " + base64.b64encode(pair.encode()).decode())
+        req.add_header("Authorization", basic_auth(pair))
     return req
 
 
@@ -222,8 +227,8 @@ def ensure_user(uri: str, admin: tuple[str, str], username: str, password: str) 
     set its password if it exists: idempotent, for a stack's start-up (devstack, the compose stack)."""
     def call(method: str, endpoint: str, body: dict) -> None:
         req = urllib.request.Request(f"{uri.rstrip('/')}/api/2.0/mlflow/{endpoint}", data=json.dumps(body).encode(),
-                                     method=method, headers={"Content-Type": "application/json"})
-        req.add_header("Authorization", "Basic " + base64.b64encode(":".join(admin).encode()).decode())
+                                     method=method, headers={"Content-Type": "application/json",
+                                                             "Authorization": basic_auth(":".join(admin))})
         with urllib.request.urlopen(req, timeout=30):
             pass
 

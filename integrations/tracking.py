@@ -20,7 +20,7 @@ Nothing lost, nothing duplicated:
 System metrics: with `system_metrics_interval` > 0 (the train task passes `train.system_metrics_interval`,
 default 10 s; 0 = off), the shipper also runs MLflow's SystemMetricsMonitor on the run, in its own thread:
 `system/cpu_utilization_percentage`, `system/system_memory_usage_megabytes`, disk and network, and per GPU
-utilisation, memory and power when nvidia-ml-py finds NVIDIA GPUs (`pip install -e ".[gpu]"`). The monitor
+utilisation, memory and power when nvidia-ml-py (a dependency) finds NVIDIA GPUs. The monitor
 samples the machine the train task runs on (torchrun's ranks are its children). Training never waits for
 it; during an MLflow outage its samples are dropped (they are not in metrics.jsonl, so nothing the shipper
 owns is lost) and the shipper restarts it, continuing its step count, once the server answers again.

@@ -12,6 +12,7 @@ import urllib.request
 import pytest
 
 from devstack.services import Auth, Stack
+from integrations.mlflow_store import basic_auth
 
 pytestmark = pytest.mark.slow
 AUTH = Auth(prefect="gpt:prefect-password-1", mlflow_admin_password="admin-password-2",
@@ -19,12 +20,8 @@ AUTH = Auth(prefect="gpt:prefect-password-1", mlflow_admin_password="admin-passw
 
 
 def status(url: str, body: dict | None = None, user: str | None = None) -> int:
-    import base64
-
-    req = urllib.request.Request(url, data=None if body is None else json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    if user:
-        req.add_header("Authorization", "Basic " + base64.b64encode(user.encode()).decode())
+    headers = {"Content-Type": "application/json", **({"Authorization": basic_auth(user)} if user else {})}
+    req = urllib.request.Request(url, data=None if body is None else json.dumps(body).encode(), headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=10) as r:
             return r.status
