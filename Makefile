@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 export GPTPIPE_HOME ?= $(CURDIR)/var
 
-.PHONY: install demo test stop bench gpu-check lint clean
+.PHONY: install demo test test-quick stop bench bench-smoke gpu-check lint clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,8 +25,14 @@ demo: install
 stop: install
 	$(PY) -m devstack.demo --stop
 
+# everything (CI): real servers, torchrun, the demo's CLI; fails on a skip not listed in tests/conftest.py's
+# EXPECTED_SKIPS; the 30 slowest tests are listed at the end of every log
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --fail-on-unexpected-skips --durations=30
+
+# the inner loop: the in-process tests only (no server, no torchrun, no spawned trainer fixtures)
+test-quick: install
+	$(PY) -m pytest -q -m "not slow and not server and not spawns" --durations=10
 
 # each prints its ratios against a baseline measured in the same run (docs/*.md "Speed")
 bench: install

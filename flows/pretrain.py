@@ -23,6 +23,7 @@ table, the eval table, links to the MLflow run and model version, the sample tex
 from __future__ import annotations
 
 import json
+import os
 import re
 import warnings
 from pathlib import Path
@@ -32,7 +33,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.states import Completed
 
-from gptcore.config import ConfigError, RunConfig, load_config
+from gptcore.config import ConfigError, RunConfig, load_config, pipeline_home
 from gptcore.files import read_json
 from gptcore.run_files import read_meta, run_dir_for, run_state
 from integrations.progress import artifact_key, step_label
@@ -43,6 +44,8 @@ from tasks.train import train_task
 warnings.filterwarnings("ignore", message='Field name "register"')
 
 SUMMARY_KEY = "pretrain-summary"
+ALLOW_OUTSIDE_HOME = "GPTPIPE_ALLOW_OUTSIDE_HOME"  # =1 in the worker's environment: write dirs may be anywhere
+WRITE_DIRS = ("train.run_dir", "data.dataset_dir")  # the overrides that name a directory the flow run writes
 
 
 # --- config, checked before any work -------------------------------------------------------------------
@@ -52,6 +55,7 @@ def check_config(preset: str, overrides: dict | None, nproc: int) -> RunConfig:
     if overrides is not None and not isinstance(overrides, dict):
         raise ConfigError(f"overrides must be a mapping like {{\"train.max_steps\": 100}}, got {overrides!r}")
     cfg = load_config(preset, overrides, world_size=nproc)
+    check_inside_home(cfg)
     from gptcore.data import sources
 
     if sources.source_kind(cfg).in_place:
@@ -60,6 +64,23 @@ def check_config(preset: str, overrides: dict | None, nproc: int) -> RunConfig:
         except sources.SourceError as e:
             raise ConfigError(str(e)) from None
     return cfg
+
+
+def check_inside_home(cfg: RunConfig) -> None:
+    """Anyone who can start a flow run chooses its overrides, so the directories it writes must resolve
+    (symlinks followed) inside GPTPIPE_HOME, unless the worker is set up with GPTPIPE_ALLOW_OUTSIDE_HOME=1
+    (e.g. run dirs on a shared filesystem elsewhere). Not checked on the CLI: a shell user owns the disk."""
+    if os.environ.get(ALLOW_OUTSIDE_HOME) == "1":
+        return
+    home = pipeline_home()
+    for key in WRITE_DIRS:
+        section, _, name = key.partition(".")
+        value = getattr(getattr(cfg, section), name)
+        where = Path(value).expanduser().resolve() if value else None
+        if where is not None and (where == home or not where.is_relative_to(home)):
+            raise ConfigError(f"{key}={value!r} is not a directory inside GPTPIPE_HOME ({home}): a flow run writes "
+                              f"only under it; leave {key} unset for the default there, or set "
+                              f"{ALLOW_OUTSIDE_HOME}=1 in the worker's environment to allow other directories")
 
 
 def check_params(nproc: int, wait_seconds: float, model_name: str, dask_address: str = "") -> None:
@@ -105,7 +126,7 @@ def mlflow_links(reg: dict | None, run_name: str) -> str:
         if exp is not None and run_id is None:
             runs = (store.rest_read(uri, "runs/search", body={
                 "experiment_ids": [exp["experiment_id"]], "max_results": 1,
-                "filter": f"tags.`{store.TAG_RUN_NAME}` = '{run_name}'"}) or {}).get("runs") or []
+                "filter": f"tags.`{store.TAG_RUN_NAME}` = {store.quoted(run_name)}"}) or {}).get("runs") or []
             run_id = runs[0]["info"]["run_id"] if runs else None
         if exp is not None and run_id:
             lines.append(f"- MLflow run: [{run_name}]({uri}/#/experiments/{exp['experiment_id']}/runs/{run_id})")

@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import tomllib
 import typing
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -21,6 +22,20 @@ from pathlib import Path
 
 class ConfigError(ValueError):
     """A configuration problem; the message names the field and the fix."""
+
+
+NAME_KEYS = ("train.run_name", "data.dataset_name")  # directories: <home>/runs/<name>, <home>/shards/<name>
+NAME_MAX = 100  # characters: a directory name, an MLflow tag value and a Prefect limit name with room to spare
+_NAME = re.compile(rf"[A-Za-z0-9][A-Za-z0-9._-]{{0,{NAME_MAX - 1}}}")
+
+
+def check_name(key: str, value) -> None:
+    """A run or dataset name is joined into paths and MLflow filter strings, and a flow run's overrides come
+    from anyone who can start one: so it must be one plain directory name, never a path (no '/', no '..')."""
+    if not isinstance(value, str) or not _NAME.fullmatch(value) or ".." in value:
+        raise ConfigError(f"{key} {value!r} is not a usable name: use 1 to {NAME_MAX} letters, digits, '.', '_' "
+                          "and '-', starting with a letter or digit, with no '/' and no '..' (e.g. "
+                          "'gpt2-124m-run1')")
 
 
 @dataclass
@@ -254,6 +269,9 @@ class RunConfig:
         if self.optim.warmup_steps > t.max_steps:
             raise ConfigError(f"optim.warmup_steps={self.optim.warmup_steps} exceeds "
                               f"train.max_steps={t.max_steps}")
+        for key, value in zip(NAME_KEYS, (t.run_name, self.data.dataset_name), strict=True):
+            if value:  # "" = the default (the preset's name, or one derived from the source)
+                check_name(key, value)
         return self
 
     def grad_accum_steps(self, world_size: int = 1) -> int:
@@ -386,8 +404,16 @@ def apply_overrides(cfg: RunConfig, overrides: list[str] | dict | None) -> RunCo
     for k, v in items:
         if k == "preset":
             raise ConfigError("'preset' cannot be overridden; pass it as the config name instead")
+        if k in NAME_KEYS and v == "":  # given but empty (e.g. `train.run_name=$UNSET`): a mistake, not the default
+            check_name(k, v)
         _set(cfg, k, v)
     return cfg
+
+
+def _saved(d: dict) -> dict:
+    """A config file or a saved config (a run's config.json, a checkpoint's meta) holds "" for a default name:
+    there it means the default, while an override given as "" is refused (apply_overrides)."""
+    return {k: v for k, v in flatten(d).items() if not (k in NAME_KEYS and v == "")}
 
 
 def preset(name: str) -> RunConfig:
@@ -412,7 +438,7 @@ def load_config(name_or_path: str, overrides: list[str] | dict | None = None,
             raise ConfigError(f"config file {path} holds a {type(raw).__name__}; it must be a table/object of "
                               "sections like {\"train\": {\"max_steps\": 100}}")
         cfg = preset(raw.pop("preset", "gpt2-124m"))
-        cfg = apply_overrides(cfg, raw)
+        cfg = apply_overrides(cfg, _saved(raw))
     else:
         cfg = preset(name_or_path)
     cfg = apply_overrides(cfg, overrides)
@@ -423,7 +449,7 @@ def from_dict(d: dict) -> RunConfig:
     """Rebuild a RunConfig from `to_dict()` output (e.g. a checkpoint's meta.json)."""
     d = dict(d)
     cfg = RunConfig(preset=d.pop("preset", "gpt2-124m"))
-    return apply_overrides(cfg, d)
+    return apply_overrides(cfg, _saved(d))
 
 
 def pipeline_home() -> Path:

@@ -21,7 +21,7 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from gptcore.config import flatten, pipeline_home
+from gptcore.config import ConfigError, check_name, flatten, pipeline_home
 from gptcore.files import read_json
 
 EXPERIMENT = "gpt2-pretrain"
@@ -103,12 +103,22 @@ def experiment_id(mlc, name: str = EXPERIMENT) -> str:
         return exp.experiment_id
 
 
+def quoted(value: str) -> str:
+    """`value` as a string literal of an MLflow search filter. MLflow's filter grammar has no escape (it
+    strips the two quotes and keeps the rest), so a value that could end the literal early is refused."""
+    if not isinstance(value, str) or any(c in value for c in "'\\\n\r"):
+        raise ConfigError(f"{value!r} cannot be put in an MLflow search filter (it holds a quote, a backslash "
+                          "or a line break); use a name of letters, digits, '.', '_' and '-'")
+    return f"'{value}'"
+
+
 def find_or_create_run(mlc, run_name: str, identity_hash: str, experiment: str = EXPERIMENT):
     """The MLflow run (an mlflow Run) of this training run identity, creating it the first time."""
+    check_name("train.run_name", run_name)  # it was read back from run.json / meta.json: only a checked name
     exp_id = experiment_id(mlc, experiment)
     found = mlc.search_runs(
-        [exp_id], filter_string=f"tags.`{TAG_RUN_NAME}` = '{run_name}' and "
-                                f"tags.`{TAG_IDENTITY}` = '{identity_hash}'",
+        [exp_id], filter_string=f"tags.`{TAG_RUN_NAME}` = {quoted(run_name)} and "
+                                f"tags.`{TAG_IDENTITY}` = {quoted(identity_hash)}",
         order_by=["attributes.start_time ASC"], max_results=1)
     if found:
         return found[0]

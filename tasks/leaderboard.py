@@ -25,6 +25,7 @@ import pandas as pd
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from gptcore.config import ConfigError
 from integrations import mlflow_store as store
 
 # metric of the logged model -> leaderboard column
@@ -53,8 +54,8 @@ def _logged_model_metrics(mlc, name: str, model_ids: set[str]) -> dict[str, dict
     exp_ids = [e.experiment_id for e in mlc.search_experiments()]
     found, token = {}, None
     while exp_ids:
-        page = mlc.search_logged_models(exp_ids, filter_string=f"name = '{name}'", max_results=100,
-                                        page_token=token)
+        page = mlc.search_logged_models(exp_ids, filter_string=f"name = {store.quoted(name)}",
+                                        max_results=100, page_token=token)
         found.update({lm.model_id: _latest_values(lm.metrics) for lm in page if lm.model_id in model_ids})
         token = page.token
         if not token:
@@ -78,7 +79,7 @@ def _legacy(tags: dict, column: str) -> float | None:
 def leaderboard(name: str, tracking_uri: str | None = None, mlc=None) -> pd.DataFrame:
     """One row per version of registered model `name` (empty, with the columns, when it has none)."""
     mlc = mlc or store.client(tracking_uri)
-    versions = list(mlc.search_model_versions(f"name = '{name}'"))
+    versions = list(mlc.search_model_versions(f"name = {store.quoted(name)}"))
     measured = _logged_model_metrics(mlc, name, {_model_id(mv) for mv in versions}) if versions else {}
     newest = max((int(mv.version) for mv in versions), default=None)
     aliases: dict[int, list[str]] = {}  # searched versions do not carry their aliases; the model does
@@ -146,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         board = leaderboard(args.model, args.tracking_uri)
+    except ConfigError as e:  # a name that cannot go into a search filter
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except MlflowException as e:
         print(f"error: the MLflow tracking server {args.tracking_uri or store.tracking_uri()} failed: {e}. Check "
               "that it is running (MLFLOW_TRACKING_URI or --tracking-uri)", file=sys.stderr)

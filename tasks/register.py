@@ -40,6 +40,7 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from gptcore.config import ConfigError
 from gptcore.files import file_sha256, read_json
 from gptcore.run_files import EVAL_FILE, RUN_FILE, CheckpointError, read_meta, val_loss_of
 from integrations import mlflow_store as store
@@ -110,8 +111,8 @@ def _read_checkpoint(ckpt_dir: Path) -> tuple[dict, str]:
 def _same_checkpoint_filter(name: str, sha: str, ident: str | None) -> str:
     """Versions of `name` registered from this checkpoint: the same weights (sha256) of the same run
     identity (config_hash). Equal weights from another run are another registration."""
-    query = f"name = '{name}' and tags.checkpoint_sha256 = '{sha}'"
-    return query + (f" and tags.config_hash = '{ident}'" if ident else "")
+    query = f"name = {store.quoted(name)} and tags.checkpoint_sha256 = {store.quoted(sha)}"
+    return query + (f" and tags.config_hash = {store.quoted(ident)}" if ident else "")
 
 
 def _existing_version(mlc, name: str, sha: str, ident: str | None):
@@ -255,7 +256,7 @@ def register_checkpoint(ckpt_dir: str | Path, model_name: str | None = None, tra
 
 def _describe(mlc, name: str, version, created: bool, uri: str) -> dict:
     mv = mlc.get_model_version(name, str(version))
-    newest = max(int(v.version) for v in mlc.search_model_versions(f"name = '{name}'"))
+    newest = max(int(v.version) for v in mlc.search_model_versions(f"name = {store.quoted(name)}"))
     aliases = sorted(mv.aliases) + (["latest"] if int(mv.version) == newest else [])
     return {"name": name, "version": str(mv.version), "aliases": aliases, "created": created,
             "model_uri": f"models:/{name}/{mv.version}", "run_id": mv.run_id,
@@ -336,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out = register_checkpoint(args.checkpoint, args.name, args.tracking_uri, args.flow_run_id,
                                   hf=not args.no_hf)
-    except (RegistryError, CheckpointError) as e:
+    except (RegistryError, CheckpointError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except MlflowException as e:

@@ -1,10 +1,11 @@
 """A real `mlflow server` (SQLite backend, proxied local artifacts) on a free 127.0.0.1 port, for tests.
 
-    with MlflowServer(tmp_path) as srv:        # or the `mlflow_server` fixture (module scope)
+    with MlflowServer(tmp_path) as srv:        # or the `mlflow_server` fixture (one per session)
         client = MlflowClient(srv.uri)
         srv.stop(); srv.start()               # same port, same database: a restart
 
-To use the fixture in a test module: `from tests.mlflow_server import mlflow_server  # noqa: F401`.
+The fixture comes through tests/conftest.py (do not import it into a test module: that would make a second
+server for that module). Tests share it: they make their own experiments and model names.
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ class MlflowServer:
         self.stop()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def mlflow_server(tmp_path_factory):
     with MlflowServer(tmp_path_factory.mktemp("mlflow-server")) as srv:
         yield srv

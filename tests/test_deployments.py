@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from gptcore.config import load_config
-from tests.prefect_stack import flow_logs, prefect_stack, run_deployment_and_wait  # noqa: F401  (fixture)
+from tests.prefect_stack import flow_logs, run_deployment_and_wait
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deployments"
@@ -43,7 +43,7 @@ def test_the_demo_deployment_is_the_preset_as_is():
     assert "python -m gptcore.train tiny-cpu" in (ROOT / "docs" / "training.md").read_text()
 
 
-def test_a_worker_elsewhere_runs_the_code_named_by_the_pull_step(prefect_stack, tmp_path):  # noqa: F811
+def test_a_worker_elsewhere_runs_the_code_named_by_the_pull_step(prefect_stack, tmp_path):
     """`prefect deploy` from one checkout; a process worker started in an empty directory, with
     GPTPIPE_CODE_DIR naming another checkout: the flow run's pull step moves into that checkout and the
     flow completes. (Without the pull step the worker would look for flows/pretrain.py in its own cwd.)"""
@@ -91,3 +91,20 @@ def test_a_worker_elsewhere_runs_the_code_named_by_the_pull_step(prefect_stack, 
         except subprocess.TimeoutExpired:
             os.killpg(worker.pid, 9)
         time.sleep(0.5)
+
+
+def test_the_nightly_schedules_as_the_server_holds_them(prefect_stack):
+    """After `prefect deploy`, what the server will actually do at night: gpt2-124m has an active 22:00 UTC
+    cron, the muon variant's is off (they share gpu-pool), and each runs one flow run at a time with late
+    runs queued (ENQUEUE), not cancelled. The yaml's anchors can drift from this silently; the server cannot."""
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as c:
+        deps = {name: c.read_deployment_by_name(f"pretrain/{name}") for name in ("gpt2-124m", "gpt2-124m-muon")}
+    for name, active in (("gpt2-124m", True), ("gpt2-124m-muon", False)):
+        d = deps[name]
+        assert [(s.schedule.cron, s.schedule.timezone, s.active) for s in d.schedules] == \
+            [("0 22 * * *", "UTC", active)], (name, d.schedules)
+        assert d.global_concurrency_limit is not None and d.global_concurrency_limit.limit == 1, name
+        assert d.concurrency_options is not None and d.concurrency_options.collision_strategy == "ENQUEUE", name
+        assert d.work_pool_name == "gpu-pool", name
