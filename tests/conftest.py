@@ -4,14 +4,18 @@
 real MLflow server, one per session) are only started by the tests that ask for them; `standin` is the
 Hugging Face hub stand-in.
 
-A test is marked by what it starts, through the fixtures it uses (directly or through another fixture:
-pytest's `item.fixturenames` is the closure):
-  server  -- a real Prefect or MLflow server
-  spawns  -- trainer, torchrun or CLI processes started by a module-scoped fixture
-Whole modules that launch torchrun jobs say `pytestmark = pytest.mark.slow`.
+A test is marked by what it starts, found from what it uses (nobody has to remember to mark it):
+  server  -- a real Prefect or MLflow server: a fixture of MARKING_FIXTURES (directly or through another
+             fixture: pytest's `item.fixturenames` is the closure)
+  spawns  -- trainer, torchrun or CLI processes: such a fixture, or the test's code uses the subprocess module
+             or a helper of tests/ that does (followed through the helpers it calls)
+Whole modules that launch torchrun jobs, and long in-process computations, say `pytest.mark.slow`.
 `make test-quick` runs what is left (-m "not slow and not server and not spawns"): the in-process tests.
 `make test` (CI) runs everything.
 """
+
+import inspect
+import subprocess
 
 import pytest
 
@@ -61,9 +65,30 @@ def pytest_sessionfinish(session, exitstatus):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
+def starts_processes(fn, seen: set | None = None) -> bool:
+    """True if function `fn` uses the subprocess module, or calls a function of tests/ that does (its nested
+    functions and lambdas included)."""
+    seen = set() if seen is None else seen
+    codes = [getattr(fn, "__code__", None)]
+    while codes:
+        code = codes.pop()
+        if code is None or code in seen:
+            continue
+        seen.add(code)
+        codes += [c for c in code.co_consts if inspect.iscode(c)]
+        for name in code.co_names:
+            obj = fn.__globals__.get(name)
+            if obj is subprocess:
+                return True
+            if inspect.isfunction(obj) and obj.__module__.startswith("tests.") and starts_processes(obj, seen):
+                return True
+    return False
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        for name in getattr(item, "fixturenames", ()):
-            marker = MARKING_FIXTURES.get(name)
-            if marker is not None:
-                item.add_marker(getattr(pytest.mark, marker))
+        markers = {MARKING_FIXTURES[n] for n in getattr(item, "fixturenames", ()) if n in MARKING_FIXTURES}
+        if isinstance(item, pytest.Function) and starts_processes(item.function):
+            markers.add("spawns")
+        for marker in sorted(markers):
+            item.add_marker(getattr(pytest.mark, marker))

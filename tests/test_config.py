@@ -1,8 +1,11 @@
 """gptcore.config: presets, overrides (CLI strings and dicts), files, and errors that name the fix."""
 
 import json
+import math
+from dataclasses import asdict
 
 import pytest
+import torch
 
 from gptcore.config import (
     ConfigError,
@@ -14,6 +17,8 @@ from gptcore.config import (
     model_preset,
     preset,
 )
+from gptcore.model import GPT
+from gptcore.optim import build_optimizer, lr_at, set_lr
 
 
 def test_presets_validate_and_have_the_documented_shapes():
@@ -26,6 +31,81 @@ def test_presets_validate_and_have_the_documented_shapes():
     assert big.train.total_batch_tokens == 524_288 and big.grad_accum_steps(1) == 8
     assert big.grad_accum_steps(8) == 1
     assert model_preset("gpt2") is not model_preset("gpt2")  # copies: editing one never leaks
+
+
+GPT2_MODEL = {"block_size": 1024, "vocab_size": 50304, "n_layer": 12, "n_head": 12, "n_embd": 768,
+              "dropout": 0.0, "bias": True}  # vocab: GPT-2's 50257 padded to a multiple of 64
+
+
+def test_gpt2_124m_recipe_is_pinned():
+    """build-nanogpt's recipe, number by number: an edit to the preset (or to the defaults it uses) fails
+    here, not weeks into a run."""
+    cfg = load_config("gpt2-124m")
+    assert asdict(cfg.model) == GPT2_MODEL
+    assert asdict(cfg.optim) == {
+        "max_lr": 6e-4, "min_lr": 6e-5, "warmup_steps": 715, "weight_decay": 0.1, "beta1": 0.9, "beta2": 0.95,
+        "eps": 1e-8, "grad_clip": 1.0, "name": "adamw", "schedule": "cosine", "decay_frac": 0.2,
+        "muon_lr": 0.02, "muon_momentum": 0.95, "muon_weight_decay": 0.0, "muon_ns_dtype": "auto"}
+    t = cfg.train
+    assert (t.total_batch_tokens, t.micro_batch, t.seq_len, t.max_steps, t.seed) == (524_288, 64, 1024, 19_073, 1337)
+    assert t.total_batch_tokens * t.max_steps == 9_999_745_024  # 524,288 * 19,073: ~10B tokens
+    assert (cfg.data.source, cfg.data.hf_repo, cfg.data.hf_config) == ("hf", "HuggingFaceFW/fineweb-edu",
+                                                                       "sample-10BT")
+
+    # the schedule (gptcore.optim.lr_at, steps 0-based), by hand:
+    #   warmup it < 715: 6e-4 * (it + 1) / 715  -> step 0: 6e-4/715 = 8.391608391608e-07; step 714: 6e-4
+    #   cosine: 6e-5 + 0.5 * (1 + cos(pi * (it - 715) / (19073 - 715))) * (6e-4 - 6e-5), 19073-715 = 18358
+    #     step 715: cos 0 = 1 -> 6e-4;  step 715 + 9179 = 9894: cos(pi/2) = 0 -> 6e-5 + 2.7e-4 = 3.3e-4
+    #     last step 19072: 6e-5 + 5.4e-4 * sin^2(pi / (2*18358)) = 6e-5 + 3.9535e-12 = 6.000000395e-05
+    #   from step 19073 (max_steps) on: min_lr 6e-5
+    assert lr_at(0, cfg) == pytest.approx(8.391608391608e-07, rel=1e-12)
+    assert lr_at(714, cfg) == pytest.approx(6e-4, rel=1e-12)
+    assert lr_at(715, cfg) == pytest.approx(6e-4, rel=1e-12)
+    assert lr_at(9894, cfg) == pytest.approx(3.3e-4, rel=1e-12)
+    assert lr_at(19_072, cfg) == pytest.approx(6.000000395e-05, rel=1e-9)
+    assert lr_at(19_073, cfg) == lr_at(30_000, cfg) == 6e-5
+
+    # and the optimizer built from it (on the micro shape: the settings are the same for any model)
+    opt = build_optimizer(GPT(model_preset("micro")), cfg.optim, "cpu")
+    assert isinstance(opt, torch.optim.AdamW)
+    assert [(g["lr"], g["betas"], g["eps"], g["weight_decay"]) for g in opt.param_groups] == [
+        (6e-4, (0.9, 0.95), 1e-8, 0.1), (6e-4, (0.9, 0.95), 1e-8, 0.0)]  # no decay on biases / LayerNorms
+
+
+def test_gpt2_124m_muon_recipe_is_pinned():
+    """The Muon recipe as the preset has it (modded-nanogpt's first Muon records, docs/training.md)."""
+    cfg = load_config("gpt2-124m-muon")
+    assert cfg.preset == "gpt2-124m-muon" and asdict(cfg.model) == GPT2_MODEL
+    assert asdict(cfg.optim) == {
+        "max_lr": 0.0036, "min_lr": 0.0, "warmup_steps": 250, "weight_decay": 0.0, "beta1": 0.9, "beta2": 0.95,
+        "eps": 1e-8, "grad_clip": 1.0, "name": "muon", "schedule": "wsd", "decay_frac": 0.3,
+        "muon_lr": 0.02, "muon_momentum": 0.95, "muon_weight_decay": 0.0, "muon_ns_dtype": "auto"}
+    t = cfg.train
+    assert (t.total_batch_tokens, t.micro_batch, t.seq_len, t.max_steps, t.seed) == (524_288, 64, 1024, 9_537, 1337)
+    assert t.total_batch_tokens * t.max_steps == 5_000_134_656  # 524,288 * 9,537: ~5.0B tokens
+
+    # warmup-stable-decay, by hand: decay_steps = round(0.3 * 9537) = round(2861.1) = 2861, from 9537 - 2861 = 6676
+    #   warmup it < 250: 0.0036 * (it + 1) / 250 -> step 0: 1.44e-05; step 249: 0.0036
+    #   stable 250 .. 6676: 0.0036 (step 6676 is decay step 0)
+    #   decay: 0.0036 * (1 - (it - 6676) / 2861) -> step 8106: 0.0036 * 1431/2861 = 0.0018006291506466
+    #     last step 9536: 0.0036 / 2861 = 1.258301293254e-06;  from 9537 on: min_lr 0
+    assert lr_at(0, cfg) == pytest.approx(1.44e-05, rel=1e-12)
+    assert lr_at(249, cfg) == pytest.approx(0.0036, rel=1e-12)
+    assert lr_at(250, cfg) == lr_at(6675, cfg) == lr_at(6676, cfg) == 0.0036
+    assert lr_at(8106, cfg) == pytest.approx(0.0018006291506466, rel=1e-12)
+    assert lr_at(9536, cfg) == pytest.approx(1.258301293254e-06, rel=1e-12)
+    assert lr_at(9537, cfg) == 0.0
+
+    # the optimizer: AdamW (no decay) on the rest, Muon at 0.02 following the same schedule scaled by 0.02/0.0036
+    opt = build_optimizer(GPT(model_preset("micro")), cfg.optim, "cpu")
+    adam, muon = opt.optimizers
+    assert [(g["lr"], g["betas"], g["weight_decay"]) for g in adam.param_groups] == [
+        (0.0036, (0.9, 0.95), 0.0), (0.0036, (0.9, 0.95), 0.0)]
+    (mg,) = muon.param_groups
+    assert (mg["lr"], mg["momentum"], mg["weight_decay"], mg["nesterov"]) == (0.02, 0.95, 0.0, True)
+    set_lr(opt, lr_at(8106, cfg))
+    assert mg["lr"] == pytest.approx(0.02 * 1431 / 2861, rel=1e-12)  # 0.0100034952813701
+    assert math.isclose(adam.param_groups[0]["lr"], 0.0018006291506466, rel_tol=1e-12)
 
 
 def test_unknown_preset():

@@ -9,6 +9,7 @@ leave the training trajectory untouched, also when they fail.
 """
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -234,7 +235,11 @@ def test_an_unwritable_checkpoint_stops_both_ranks_without_a_hang(ds, tmp_path):
     run = tmp_path / "full"
     proc = subprocess.run(torchrun_cmd(args(ds, run)), cwd=tmp_path, env=env(), capture_output=True, text=True,
                           timeout=300, preexec_fn=limit)
-    assert proc.returncode != 0
     out = proc.stdout + proc.stderr
+    # each rank exits with gptcore.train's EXIT_BAD_INPUT (2); the torchrun agent itself always exits 1 when
+    # a worker fails, and lists every failed rank's own exit code in its ChildFailedError report
+    assert proc.returncode == 1, (proc.returncode, out[-3000:])
+    codes = dict(re.findall(r"rank\s*: (\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*: (-?\d+)", out))
+    assert codes == {"0": "2", "1": "2"}, (codes, out[-3000:])
     assert out.count("error: checkpoint step 4 could not be written") == 2, out[-3000:]  # both ranks
     assert not list((run / "checkpoints").iterdir())

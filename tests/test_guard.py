@@ -9,7 +9,6 @@ import resource
 import shutil
 import signal
 import subprocess
-import time
 
 import pytest
 import torch
@@ -279,10 +278,10 @@ def test_two_trainers_on_one_run_dir(ds, tmp_path):
     first = start(python_cmd(a), tmp_path, tmp_path / "first.log")
     try:
         wait_for_step(first, run / "metrics.jsonl", 2)
-        t0 = time.monotonic()
-        second = run_proc(python_cmd(a), tmp_path, timeout=60)
+        # refused, not queued: the first holds the lock for 100000 steps, so a second trainer that waited
+        # for it would never return (the timeout only bounds that hang; a slow start on a busy machine is fine)
+        second = run_proc(python_cmd(a), tmp_path, timeout=180)
         assert second.returncode == 2, second.stderr
-        assert time.monotonic() - t0 < 30
         holder = json.loads((run / "train.lock").read_text())
         assert holder["pid"] == first.pid and holder["host"] and holder["since"]
         assert "error: another trainer holds" in second.stderr and f'"pid": {first.pid}' in second.stderr
@@ -313,11 +312,10 @@ def test_sigterm_during_a_slow_stop_checkpoint_waits_for_it(ds, tmp_path):
                             start_new_session=True)
     wait_for_step(proc, run / "metrics.jsonl", 2)
     trainers = descendants(proc.pid)
-    t0 = time.monotonic()
     end_group(proc, GRACE_SECONDS, logging.getLogger("test"))
-    took = time.monotonic() - t0
     log = (tmp_path / "log").read_text()
-    assert took > 35 and "stopped at step" in log, log[-2000:]
+    # the stop checkpoint was the slow one (not a vacuous pass), and the trainer lived to finish it
+    assert "checkpoint write delayed 35s" in log and "stopped at step" in log, log[-2000:]
     ck = R.latest_checkpoint(run)
     assert ck is not None and R.read_meta(ck)["reason"] == "stop"
     C.load_for_resume(ck, C.load_model(ck)[0])  # complete and verified

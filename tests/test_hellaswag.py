@@ -185,6 +185,7 @@ def test_batched_scores_equal_per_ending_reference():
     assert hellaswag.evaluate(model, examples, "cpu") == reference_accuracy(model, records)
 
 
+@pytest.mark.slow  # torch.compile
 def test_a_compiled_model_is_scored_eagerly_on_the_plain_model():
     """The trainer's model is torch.compile(DDP(gpt)): scoring unwraps it and runs the plain GPT eagerly, so
     HellaSwag's many shapes (35 examples over every bucket of the micro model, rows longer than the block
@@ -230,6 +231,7 @@ def train_to_prefer(model: GPT, examples, choice: list[int], steps: int = 40) ->
     model.eval()
 
 
+@pytest.mark.slow  # trains a model for a few hundred steps in-process
 def test_model_taught_the_labelled_endings_scores_one():
     examples = load(FIXTURE)
     # Teach a different ending than the fixture's label: (label + 2) % 4. Relabelled, every example must

@@ -40,11 +40,22 @@ def test_gpt2_preset_has_exactly_the_hf_parameter_count():
 
 
 def test_flops_and_mfu():
+    # Training FLOPs per token, PaLM appendix B (nanoGPT's estimate_mfu): 6*N + 12*L*H*Q*T, with N the
+    # parameters that take part in matmuls (the position embedding, a lookup, left out). By hand, for the
+    # gpt2 preset (L=12, H=12, Q=768/12=64, C=768, padded vocab V=50304):
+    #   one block: ln_1 2C + c_attn C*3C+3C + attn c_proj C*C+C + ln_2 2C + c_fc C*4C+4C + mlp c_proj 4C*C+C
+    #            = 1,536 + 1,771,776 + 590,592 + 1,536 + 2,362,368 + 2,360,064 = 7,087,872
+    #   N = 12 blocks 85,054,464 + wte V*C 38,633,472 + ln_f 2C 1,536 = 123,689,472
+    #   6N = 742,136,832;  12*L*H*Q*T = 12*12*12*64*1024 = 113,246,208 (T=1024) or 56,623,104 (T=512)
+    #   flops/token = 855,383,040 (T=1024), 798,759,936 (T=512)
+    # MFU at 1e5 tokens/s on a 1e15 FLOP/s peak: 855,383,040 * 1e5 / 1e15 = 0.085538304
     with torch.device("meta"):
         m = GPT(model_preset("gpt2"))
-    n = m.num_params() - m.transformer.wpe.weight.numel()
-    assert m.flops_per_token(1024) == 6 * n + 12 * 12 * 12 * 64 * 1024
-    assert m.estimate_mfu(1e5, 1e15, 1024) == pytest.approx(m.flops_per_token(1024) * 1e5 / 1e15)
+    assert m.num_params() - m.transformer.wpe.weight.numel() == 123_689_472
+    assert m.flops_per_token(1024) == m.flops_per_token() == 855_383_040  # T defaults to block_size
+    assert m.flops_per_token(512) == 798_759_936
+    assert m.estimate_mfu(1e5, 1e15, 1024) == pytest.approx(0.085538304, rel=1e-12)
+    assert m.estimate_mfu(2e5, 4e14) == pytest.approx(855_383_040 * 2e5 / 4e14, rel=1e-12)  # = 0.42769152
 
 
 def test_init_std_and_residual_scaling():

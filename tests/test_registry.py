@@ -9,27 +9,25 @@ import subprocess
 import sys
 from pathlib import Path
 
+import mlflow.artifacts
 import pytest
 import torch
 from mlflow import MlflowClient
 from mlflow.entities import LoggedModelStatus
+from transformers import GPT2LMHeadModel
 
 from gptcore import checkpoint, run_files
 from gptcore.config import load_config
+from gptcore.hf import load_hf_dir
 from gptcore.model import GPT
 from gptcore.tokenizer import decode, encode
 from tasks import register
 from tasks.generate import load
-from tests.mlflow_server import mlflow_server  # noqa: F401  (fixture)
+from tests.test_hf import assert_same, tokens
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPT = "Hello, I'm a language model,"
 PARAMS = {"max_new_tokens": 12, "temperature": 1.0, "top_k": 50, "seed": 7}
-HAVE_HF = True
-try:
-    from gptcore.hf import export_hf  # noqa: F401
-except ImportError:  # the Hugging Face export module is another engineer's; until it lands
-    HAVE_HF = False
 
 
 def save_ckpt(run_dir: Path, step: int, val_loss: float | None, seed: int, hellaswag=None) -> Path:
@@ -51,13 +49,13 @@ def ckpts(tmp_path_factory):
     return a, b, c
 
 
-def test_register_versions_tags_aliases_idempotent(mlflow_server, ckpts, monkeypatch):  # noqa: F811
+def test_register_versions_tags_aliases_idempotent(mlflow_server, ckpts, monkeypatch, tmp_path):
     monkeypatch.setenv("GPTPIPE_CODE_VERSION", "test-commit")
     a, b, c = ckpts
     uri = mlflow_server.uri
     mlc = MlflowClient(uri, registry_uri=uri)
 
-    r1 = register.register_checkpoint(a, tracking_uri=uri, flow_run_id="flow-1", hf=HAVE_HF)
+    r1 = register.register_checkpoint(a, tracking_uri=uri, flow_run_id="flow-1", hf=True)
     assert (r1["name"], r1["version"], r1["created"]) == ("micro", "1", True)
     assert r1["aliases"] == ["best", "latest"]
     meta = run_files.read_meta(a)
@@ -79,32 +77,45 @@ def test_register_versions_tags_aliases_idempotent(mlflow_server, ckpts, monkeyp
     assert lm.model_id in [o.model_id for o in run.outputs.model_outputs]
     arts = {f.path for f in mlc.list_logged_model_artifacts(lm.model_id)}
     assert {"MLmodel", "artifacts", "code"} <= arts, arts
-    if HAVE_HF:  # the Hugging Face export rides along with the logged model
-        hf = {f.path for f in mlc.list_logged_model_artifacts(lm.model_id, "hf")}
-        assert {"hf/config.json", "hf/model.safetensors"} <= hf, hf
+    # the Hugging Face export rides along with the logged model: downloaded from the server, it loads in
+    # transformers with every tensor in place and gives the checkpoint's own logits, loss and greedy tokens
+    hf = {f.path for f in mlc.list_logged_model_artifacts(lm.model_id, "hf")}
+    assert {"hf/config.json", "hf/model.safetensors"} <= hf, hf
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)  # resolves the logged model's mlflow-artifacts: location
+    hf_dir = mlflow.artifacts.download_artifacts(artifact_uri=f"{lm.artifact_location}/hf",
+                                                 dst_path=str(tmp_path), tracking_uri=uri)
+    hf_model, info = GPT2LMHeadModel.from_pretrained(hf_dir, output_loading_info=True)
+    assert not any(info.values()), info  # no missing, unexpected or mismatched keys
+    ours, _ = checkpoint.load_model(a, device="cpu")
+    assert_same(ours, hf_model.eval(), tokens(B=2, T=ours.config.block_size, seed=11))  # within 1e-5
+    prompt = torch.tensor([encode(PROMPT)])
+    greedy = hf_model.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=50256,
+                               attention_mask=torch.ones_like(prompt))
+    assert torch.equal(greedy, ours.generate(prompt, max_new_tokens=8, temperature=0.0))
+    assert_same(load_hf_dir(hf_dir), hf_model, tokens(B=1, T=16, seed=12))  # and it reads back into gptcore
 
     assert register.registered_version(a, tracking_uri=uri)["version"] == "1"
     assert register.registered_version(b, tracking_uri=uri) is None
     # the same checkpoint again: the existing version, nothing new; what was recorded stays
     (a / "eval.json").write_text(json.dumps({"val_loss": 9.1, "hellaswag": {"acc": 0.3, "acc_norm": 0.31}}))
-    again = register.register_checkpoint(a, tracking_uri=uri, flow_run_id="flow-2", hf=HAVE_HF)
+    again = register.register_checkpoint(a, tracking_uri=uri, flow_run_id="flow-2", hf=True)
     assert (again["version"], again["created"]) == ("1", False)
     assert len(mlc.search_model_versions("name = 'micro'")) == 1
     assert again["tags"]["flow_run_id"] == "flow-1"
     assert len(mlc.get_logged_model(r1["model_id"]).metrics) == 5
 
     # worse val loss (other run, same preset -> same registered model): latest moves, best stays
-    r2 = register.register_checkpoint(b, tracking_uri=uri, hf=HAVE_HF)
+    r2 = register.register_checkpoint(b, tracking_uri=uri, hf=True)
     assert (r2["name"], r2["version"], r2["aliases"]) == ("micro", "2", ["latest"])
     assert mlc.get_model_version_by_alias("micro", "best").version == "1"
     assert register.resolve_model_uri("models:/micro@latest") == "models:/micro/latest"
 
     # better val loss: best moves
-    r3 = register.register_checkpoint(c, tracking_uri=uri, hf=HAVE_HF)
+    r3 = register.register_checkpoint(c, tracking_uri=uri, hf=True)
     assert (r3["version"], r3["aliases"]) == ("3", ["best", "latest"])
     assert mlc.get_model_version_by_alias("micro", "best").version == "3"
     # re-registering the old best does not take the alias back
-    assert register.register_checkpoint(a, tracking_uri=uri, hf=HAVE_HF)["aliases"] == []
+    assert register.register_checkpoint(a, tracking_uri=uri, hf=True)["aliases"] == []
     assert mlc.get_model_version_by_alias("micro", "best").version == "3"
     # a diverged run (val loss NaN) never becomes best
     d = save_ckpt(c.parent.parent, 20, float("nan"), seed=4)
@@ -121,25 +132,27 @@ def test_register_versions_tags_aliases_idempotent(mlflow_server, ckpts, monkeyp
         assert over_rest == by_client, (over_rest, by_client)
 
 
-def test_load_by_alias_generates_the_checkpoints_tokens(mlflow_server, ckpts):  # noqa: F811
+def test_load_by_alias_generates_the_checkpoints_tokens(mlflow_server, ckpts):
     _, _, c = ckpts
     uri = mlflow_server.uri
-    register.register_checkpoint(c, tracking_uri=uri, hf=HAVE_HF)  # idempotent if the test above ran
+    register.register_checkpoint(c, tracking_uri=uri, hf=True)  # idempotent if the test above ran
     model, _ = checkpoint.load_model(c)
     out = model.generate(torch.tensor([encode(PROMPT)]), PARAMS["max_new_tokens"],
                          temperature=PARAMS["temperature"], top_k=PARAMS["top_k"], seed=PARAMS["seed"])
     want = decode(out[0].tolist())
 
-    pyfunc = load("models:/micro@best", uri)
-    assert pyfunc.predict([PROMPT], params=PARAMS) == [want]
-    loaded = pyfunc.unwrap_python_model().model
-    for (k, v), (k2, v2) in zip(model.state_dict().items(), loaded.state_dict().items(), strict=True):
+    # the registered weights (sha256-checked against the version's tag), never the stored pyfunc code:
+    # tests/test_generate.py covers tampering
+    registered = load("models:/micro@best", uri)
+    assert registered.predict([PROMPT], params=PARAMS) == [want]
+    for (k, v), (k2, v2) in zip(model.state_dict().items(), registered.model.state_dict().items(), strict=True):
         assert k == k2 and torch.equal(v, v2), k
     # `@latest` (a reserved alias name in MLflow) means the newest version
     mlc = MlflowClient(uri, registry_uri=uri)
     newest = max(mlc.search_model_versions("name = 'micro'"), key=lambda v: int(v.version))
-    latest = load("models:/micro@latest", uri).unwrap_python_model()
-    assert latest.meta["model_sha256"] == newest.tags["checkpoint_sha256"]
+    latest = load("models:/micro@latest", uri)
+    assert latest.meta["model_sha256"] == newest.tags["checkpoint_sha256"] == latest.sha256
+    assert latest.version == newest.version
     # the same generation via the command line, in a fresh process
     env = dict(os.environ, MLFLOW_TRACKING_URI=uri, OMP_NUM_THREADS="1")
     p = subprocess.run([sys.executable, "-m", "tasks.generate", "models:/micro@best", "--prompt", PROMPT,
@@ -149,7 +162,7 @@ def test_load_by_alias_generates_the_checkpoints_tokens(mlflow_server, ckpts):  
     assert p.stdout.splitlines()[0] == want.splitlines()[0]
 
 
-def test_bad_checkpoints_are_refused(mlflow_server, tmp_path, ckpts, capsys):  # noqa: F811
+def test_bad_checkpoints_are_refused(mlflow_server, tmp_path, ckpts, capsys):
     with pytest.raises(register.RegistryError, match="not a checkpoint"):
         register.register_checkpoint(tmp_path / "nope", tracking_uri=mlflow_server.uri)
     a = ckpts[0]
@@ -177,7 +190,7 @@ def test_an_unreachable_tracking_server_is_one_error_line(ckpts, capsys, monkeyp
     assert err.startswith("error: the MLflow tracking server http://127.0.0.1:9 failed") and "idempotent" in err
 
 
-def test_evaluate_a_registered_model_like_its_checkpoint(mlflow_server, ckpts, capsys):  # noqa: F811
+def test_evaluate_a_registered_model_like_its_checkpoint(mlflow_server, ckpts, capsys):
     """`python -m tasks.evaluate models:/<name>@<alias>` scores the registered weights: the same numbers
     as evaluating the checkpoint they came from."""
     from tasks import evaluate as task_eval
@@ -198,7 +211,7 @@ def test_evaluate_a_registered_model_like_its_checkpoint(mlflow_server, ckpts, c
     assert "--tracking-uri needs a value" in capsys.readouterr().err
 
 
-def test_concurrent_registrations_of_one_checkpoint_make_one_version(mlflow_server, tmp_path):  # noqa: F811
+def test_concurrent_registrations_of_one_checkpoint_make_one_version(mlflow_server, tmp_path):
     """Four `python -m tasks.register` processes at once on one checkpoint: one version survives (each
     creator removes its duplicate of an older version); the same weights from another run (another run
     identity) are a registration of their own."""
@@ -229,7 +242,7 @@ def test_concurrent_registrations_of_one_checkpoint_make_one_version(mlflow_serv
     assert r["created"] and r["version"] != alive[0].version
 
 
-def test_the_training_dataset_is_an_input_of_the_run_and_tied_to_the_model(mlflow_server, tmp_path):  # noqa: F811
+def test_the_training_dataset_is_an_input_of_the_run_and_tied_to_the_model(mlflow_server, tmp_path):
     """Lineage: the registered model's run lists its training dataset (name, digest = the manifest id,
     source = the hub repo at the recorded commit, config and split), and the logged model carries a metric
     tied to that dataset, so models:/<name>/<version> -> dataset -> source files is traceable."""
@@ -274,7 +287,7 @@ def test_the_training_dataset_is_an_input_of_the_run_and_tied_to_the_model(mlflo
                                                                        str(local_ds))
 
 
-def test_models_compare_by_their_metrics_and_the_leaderboard(mlflow_server, tmp_path, capsys):  # noqa: F811
+def test_models_compare_by_their_metrics_and_the_leaderboard(mlflow_server, tmp_path, capsys):
     """Two registrations with different val losses: the logged models carry the values as metrics,
     search_logged_models orders them by val loss, `best` is the lower, a tie keeps the older version, and
     the pandas leaderboard (and its CLI, CSV included) has one row per version with the right values."""

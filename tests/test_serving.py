@@ -18,7 +18,7 @@ import pytest
 from mlflow import MlflowClient
 
 from tasks import register
-from tests.mlflow_server import free_port, mlflow_server  # noqa: F401  (fixture)
+from tests.mlflow_server import free_port
 from tests.test_registry import PROMPT, save_ckpt
 
 
@@ -32,7 +32,7 @@ def post(url: str, payload) -> tuple[int, dict]:
 
 
 @pytest.fixture
-def served(mlflow_server, tmp_path):  # noqa: F811
+def served(mlflow_server, tmp_path):
     ck = save_ckpt(tmp_path / "served", 8, 8.5, seed=21)
     reg = register.register_checkpoint(ck, model_name="served", tracking_uri=mlflow_server.uri, hf=False)
     port = free_port()
@@ -93,10 +93,12 @@ def test_the_best_model_serves_text_and_refuses_bad_payloads(served, monkeypatch
     status, body = post(url, forms[2])
     assert (status, post(url, forms[2])[1]) == (200, body)  # greedy: the same text every time
 
+    # each refusal carries integrations/mlflow_model.py's own message (not just any 4xx)
     bad = {
-        "wrong column": ({"dataframe_records": [{"text": PROMPT}]}, "prompt"),
-        "non-string prompt": ({"inputs": [123]}, ""),
-        "negative max_new_tokens": ({"inputs": [PROMPT], "params": {"max_new_tokens": -3}}, "max_new_tokens"),
+        "wrong column": ({"dataframe_records": [{"text": PROMPT}]}, "the input has columns ['text'], not 'prompt'"),
+        "non-string prompt": ({"inputs": [123]}, "prompts must be strings, got int 123; quote it"),
+        "negative max_new_tokens": ({"inputs": [PROMPT], "params": {"max_new_tokens": -3}},
+                                    "params.max_new_tokens=-3; use a positive number of tokens"),
     }
     for what, (payload, names) in bad.items():
         status, body = post(url, payload)

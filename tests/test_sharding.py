@@ -132,14 +132,27 @@ def test_a_damaged_piece_from_an_earlier_run_is_caught_before_it_is_cut():
     assert shard_bytes(build.dataset_dir(cfg)) == shard_bytes(build.dataset_dir(ref))
 
 
-def test_second_run_does_no_work_and_is_fast():
+def test_second_run_does_no_work(monkeypatch):
+    """Skipping a complete dataset costs no tokenizing and no hashing of shards or pieces (the build
+    remembers the hashes it computed while writing), and rewrites nothing. Counted, not timed: a loaded
+    machine makes any run slow, and a fast one hides a full re-hash of a small dataset."""
+    from gptcore import files
+    from gptcore.data import shard_format
+
     cfg = cfg_of()
     build.run(cfg, workers=1)
     out = build.dataset_dir(cfg)
     before = {p.name: p.stat().st_mtime_ns for p in out.iterdir() if p.is_file()}
-    t0 = time.perf_counter()
+    work = []
+
+    def recorded(real):
+        return lambda path: work.append(f"hashed {Path(path).name}") or real(path)
+
+    for module in (files, shard_format, build):  # every name a shard or piece is hashed through
+        monkeypatch.setattr(module, "file_sha256", recorded(module.file_sha256))
+    monkeypatch.setattr(build, "tokenize_piece", lambda cfg, piece, threads: work.append(f"tokenized {piece}"))
     m = build.run(cfg, workers=1)
-    assert time.perf_counter() - t0 < 1.0
+    assert work == []
     assert {p.name: p.stat().st_mtime_ns for p in out.iterdir() if p.is_file()} == before
     assert build.why_incomplete(cfg) is None and build.why_incomplete(cfg, full=True) is None
     assert build.pieces_to_tokenize(cfg, build.plan_pieces(cfg, sources.fetch(cfg))) == []
@@ -148,8 +161,9 @@ def test_second_run_does_no_work_and_is_fast():
 
 def _cli(cfg_overrides, home, **kw):
     env = {**os.environ, "GPTPIPE_HOME": str(home), "OMP_NUM_THREADS": "1"}
+    kw = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **kw}
     return subprocess.Popen([sys.executable, "-m", "gptcore.data.build", "micro", *cfg_overrides], cwd=ROOT,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+                            env=env, text=True, **kw)
 
 
 KILL_OV = ["data.shard_tokens=20000", "data.piece_bytes=150000", "data.num_workers=1"]
@@ -191,7 +205,7 @@ def test_sigkill_mid_run_then_resume_gives_identical_dataset(home, uninterrupted
         assert len(recorded) > len(kept)
 
 
-def test_two_builds_of_one_dataset_at_once_both_succeed(home, uninterrupted):
+def test_two_builds_of_one_dataset_at_once_both_succeed(home, uninterrupted, tmp_path):
     """Two nightly deployments sharing a dataset start together: one builds, the other waits for it and
     then finds the dataset complete (before: each took the other's pieces for damage, both exited 2 and
     the work was thrown away). The lock is held here first so that both surely overlap."""
@@ -199,14 +213,26 @@ def test_two_builds_of_one_dataset_at_once_both_succeed(home, uninterrupted):
 
     out = home / "shards" / "shakespeare-20K"
     lock = RunLock(out.parent, name=f".{out.name}.build.lock").acquire()
-    procs = [_cli(KILL_OV, home) for _ in range(2)]
-    time.sleep(3.0)
+    logs = [tmp_path / f"build{i}.err" for i in range(2)]
+    procs = []
+    for log in logs:  # stderr to files, readable while the builds run
+        with open(log, "w") as f:
+            procs.append(_cli(KILL_OV, home, stdout=subprocess.DEVNULL, stderr=f))
+    # both reach the lock and say they wait for its holder (this process); a build that ignored the
+    # lock never says so and exits, failing here
+    deadline = time.monotonic() + 120
+    while not all("waiting for another build" in err and f"'pid': {os.getpid()}" in err
+                  for err in [log.read_text() for log in logs]):
+        assert all(p.poll() is None for p in procs), [log.read_text() for log in logs]
+        assert time.monotonic() < deadline, [log.read_text() for log in logs]
+        time.sleep(0.05)
     assert all(p.poll() is None for p in procs) and not out.exists()  # both wait: nothing written
     lock.release()
-    results = [p.communicate(timeout=120) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], results
-    assert any("waiting for another build" in err for _, err in results)
-    assert sum("is complete" in err for _, err in results) == 1  # the second found the first's work
+    for p in procs:
+        p.wait(timeout=120)
+    errs = [log.read_text() for log in logs]
+    assert [p.returncode for p in procs] == [0, 0], errs
+    assert sum("is complete" in err for err in errs) == 1  # the second found the first's work
     assert shard_bytes(out) == shard_bytes(uninterrupted)
     assert (out / "manifest.json").read_bytes() == (uninterrupted / "manifest.json").read_bytes()
     assert not lock.path.exists()  # the last builder removed it: a build leaves only the dataset

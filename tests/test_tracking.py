@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
+import threading
 import time
 from pathlib import Path
 
@@ -14,7 +16,7 @@ from gptcore.config import load_config
 from gptcore.metrics import read_metrics
 from integrations import mlflow_store as store
 from integrations import tracking
-from tests.mlflow_server import free_port, mlflow_server  # noqa: F401  (fixture)
+from tests.mlflow_server import free_port
 from tests.test_train_utils import make_dataset, python_cmd, start
 
 REPO = Path(__file__).resolve().parent.parent
@@ -75,6 +77,14 @@ def history(mlc: MlflowClient, run_id: str, key: str) -> list[tuple[int, float]]
     return sorted((m.step, m.value) for m in mlc.get_metric_history(run_id, key))
 
 
+def count_rounds(shipper: tracking.Shipper) -> list[bool]:
+    """Record each shipping round of the shipper's thread (one ship_once call each; call before start()),
+    so a test waits for rounds, not for seconds that a loaded machine may not fill."""
+    rounds, real = [], shipper.ship_once
+    shipper.ship_once = lambda final=False: rounds.append(final) or real(final=final)
+    return rounds
+
+
 KEYS = ["train/loss", "train/lr", "train/tokens_per_s", "val/loss", "hellaswag/acc", "hellaswag/acc_norm"]
 
 
@@ -85,7 +95,7 @@ def test_gptcore_never_imports_mlflow():
     assert offenders == []
 
 
-def test_ship_values_steps_params_artifacts_and_no_duplicates(mlflow_server, tmp_path):  # noqa: F811
+def test_ship_values_steps_params_artifacts_and_no_duplicates(mlflow_server, tmp_path):
     rd = make_run_dir(tmp_path, "ship-basic")
     recs = records(range(1, 31))
     append(rd, recs)
@@ -162,7 +172,7 @@ def test_ship_values_steps_params_artifacts_and_no_duplicates(mlflow_server, tmp
     assert len(mlc.get_metric_history(other, "train/loss")) == 2
 
 
-def test_training_run_survives_server_restart(mlflow_server, tmp_path):  # noqa: F811
+def test_training_run_survives_server_restart(mlflow_server, tmp_path):
     """The real trainer runs while the tracking server is killed and restarted: training goes on, the
     shipper pauses and catches up, and MLflow ends up with every metric of metrics.jsonl exactly once.
     System metrics (CPU, memory) are recorded in the same run, before the outage and again after it, their
@@ -175,6 +185,7 @@ def test_training_run_survives_server_restart(mlflow_server, tmp_path):  # noqa:
                       "eval.eval_interval=10", "eval.sample_interval=10", "eval.val_tokens=128"])
     proc = start(cmd, tmp_path, tmp_path / "train.log")
     shipper = tracking.Shipper(rd, mlflow_server.uri, interval=0.2, max_backoff=1.0, system_metrics_interval=0.5)
+    rounds = count_rounds(shipper)
     shipper.start()
     try:
         deadline = time.monotonic() + 120
@@ -191,10 +202,15 @@ def test_training_run_survives_server_restart(mlflow_server, tmp_path):  # noqa:
         while shipper.last_error is None and time.monotonic() < deadline:
             time.sleep(0.1)
         assert shipper.last_error is not None  # it noticed the outage...
-        shipped = shipper.shipped
+        shipped, tried = shipper.shipped, len(rounds)
         lines_at_outage = len(read_metrics(rd / "metrics.jsonl"))
-        time.sleep(1.0)
-        assert shipper.shipped == shipped  # ...and nothing was acknowledged meanwhile
+        deadline = time.monotonic() + 120
+        while len(rounds) < tried + 3 or len(read_metrics(rd / "metrics.jsonl")) <= lines_at_outage:
+            assert time.monotonic() < deadline, "no retries, or no training, during the outage"
+            time.sleep(0.1)
+        # ...and in three more rounds against the dead server, with new lines waiting, nothing was
+        # acknowledged
+        assert shipper.shipped == shipped and shipper.last_error is not None
     finally:
         mlflow_server.start()
     restarted_ms = time.time() * 1000
@@ -255,20 +271,31 @@ def test_embedded_sqlite_store(tmp_path, monkeypatch):
     assert list(art_root.rglob("config.json")) and list(art_root.rglob("step_00000010.txt"))
 
 
-def test_stop_is_bounded_while_the_server_is_down(tmp_path, monkeypatch):
-    """MLflow's client retries a dead server with backoff; the train task calling stop() must not hang."""
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")  # sleeps 1 s, then 2 s
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_BACKOFF_JITTER", "0")
+def test_stop_is_bounded_while_the_server_hangs(tmp_path, monkeypatch):
+    """The shipping thread is stuck in a request to the tracking server (one that accepts and never
+    answers; MLflow's client retrying a dead server for minutes is the same to stop()): the train task
+    calling stop() must not hang with it."""
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "600")  # the request ends when this test says so
     rd = make_run_dir(tmp_path, "bounded")
     append(rd, records(range(1, 5)))
-    shipper = tracking.Shipper(rd, f"http://127.0.0.1:{free_port()}", interval=0.1).start()
-    time.sleep(0.5)  # the thread is now inside MLflow's retry loop
-    t = time.monotonic()
-    assert shipper.stop(timeout=1.0) is False
-    assert time.monotonic() - t < 3.0
-    assert not (rd / tracking.CURSOR).exists()
-    shipper._thread.join(60)  # let the retries run out so no thread outlives the test
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(120)
+    conn = None
+    try:
+        shipper = tracking.Shipper(rd, f"http://127.0.0.1:{server.getsockname()[1]}", interval=0.1).start()
+        conn, _ = server.accept()  # the thread is now inside a request that gets no answer
+        stopped = []
+        stopper = threading.Thread(target=lambda: stopped.append(shipper.stop(timeout=1.0)), daemon=True)
+        stopper.start()
+        stopper.join(120)  # bounds a hang only: a stop() that waits for the shipping thread never returns
+        assert stopped == [False], "stop() waited for the hung request"
+        assert shipper._thread.is_alive()  # stop() came back while the request still hung
+        assert not (rd / tracking.CURSOR).exists()
+    finally:
+        if conn is not None:
+            conn.close()  # the hung request fails; the final attempt is refused
+        server.close()
+    shipper._thread.join(60)  # no thread outlives the test
     assert not shipper._thread.is_alive()
 
 
@@ -282,7 +309,7 @@ def test_a_cursor_of_the_wrong_shape_starts_over_instead_of_breaking_the_shipper
     assert s.pending_bytes() == 0
 
 
-def test_system_metrics_switch_off(mlflow_server, tmp_path):  # noqa: F811
+def test_system_metrics_switch_off(mlflow_server, tmp_path):
     """train.system_metrics_interval=0 (what the train task passes the shipper) records none; a negative
     interval is a config error."""
     from gptcore.config import ConfigError
@@ -292,11 +319,15 @@ def test_system_metrics_switch_off(mlflow_server, tmp_path):  # noqa: F811
     assert load_config("micro", ["train.system_metrics_interval=0"]).train.system_metrics_interval == 0
     rd = make_run_dir(tmp_path, "no-system-metrics")
     append(rd, records(range(1, 5)))
-    shipper = tracking.Shipper(rd, mlflow_server.uri, interval=0.1, system_metrics_interval=0).start()
-    deadline = time.monotonic() + 30
-    while shipper.shipped < 4 and time.monotonic() < deadline:
+    shipper = tracking.Shipper(rd, mlflow_server.uri, interval=0.1, system_metrics_interval=0)
+    rounds = count_rounds(shipper)
+    shipper.start()
+    deadline = time.monotonic() + 120
+    # five whole rounds (the sixth has begun), the records shipped: each round ends with the monitor check
+    while shipper.shipped < 4 or len(rounds) < 6:
+        assert time.monotonic() < deadline, (shipper.shipped, len(rounds), shipper.last_error)
         time.sleep(0.1)
-    time.sleep(1.0)  # several shipping rounds: none of them starts a monitor
-    assert shipper.stop() is True and shipper._monitor is None
+    assert shipper._monitor is None  # before stop(), which clears it either way
+    assert shipper.stop() is True
     run = MlflowClient(mlflow_server.uri).get_run(shipper.run_id)
     assert "train/loss" in run.data.metrics and not [k for k in run.data.metrics if k.startswith("system/")]

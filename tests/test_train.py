@@ -226,6 +226,7 @@ def test_bf16_autocast_on_cpu_trains_like_fp32(finished, ds, tmp_path):
     assert R.latest_checkpoint(run) is not None  # checkpoints as usual
 
 
+@pytest.mark.slow  # torch.compile of the micro model: ~20 s on an idle 2-core machine, more under load
 def test_compiled_training_matches_eager(finished, ds, tmp_path):
     """train.compile=true (torch.compile, with the fused CPU loss left eager behind a graph break) trains
     the same trajectory as the eager run, to fp32 rounding, and its checkpoints load into a plain GPT."""
@@ -247,6 +248,7 @@ def test_plain_loss_head_trains_the_fused_trajectory(finished, ds, tmp_path):
     assert list(plain.values()) == pytest.approx(list(fused.values()), rel=1e-5)
 
 
+@pytest.mark.slow  # counts host syncs through whole training runs (the fp16 one compiles GradScaler paths)
 @pytest.mark.parametrize("recipe", [[], ["optim.name=muon", "optim.schedule=wsd"],
                                     ["optim.name=muon", "train.dtype=float16"]], ids=["adamw", "muon", "muon-fp16"])
 def test_no_host_sync_inside_a_step_except_at_log_eval_and_checkpoint_steps(ds, tmp_path, monkeypatch, recipe):
