@@ -124,7 +124,8 @@ def test_end_to_end_then_rerun_is_a_no_op(prefect_stack):
     assert sorted(skipped) == ["data", "evaluate step 8", "register micro-e2e step 8", "sample", "train e2e"], skipped
     assert all(t == "COMPLETED" and n == "Skipped" and m.startswith("skipped: ") for t, n, m in skipped.values())
     assert "train tokens" in skipped["data"][2] and "is DONE at step 8" in skipped["train e2e"][2]
-    assert fr2.total_run_time.total_seconds() < 30, fr2.total_run_time
+    # no work, asserted as work: no task but the Skipped markers ran (above), no file changed (below), and the
+    # flow process imports neither torch nor mlflow (the probe at the end); not a number of seconds
     after = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file() and p.name != "train.lock"}
     assert after == before, "the re-run changed files in the run directory"
     assert len(mlc.search_model_versions("name = 'micro-e2e'")) == 1
@@ -311,7 +312,6 @@ def test_bad_parameters_fail_the_flow_run_early(prefect_stack):
         assert fr.state.is_failed(), (msg, fr.state)
         assert msg in fr.state.message, fr.state.message
         assert not task_runs(fr.id), "nothing may start before the config is valid"
-        assert fr.total_run_time.total_seconds() < 30
 
 
 def test_the_deployment_tokenizes_on_the_dask_cluster_it_is_given(prefect_stack, monkeypatch):
