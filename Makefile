@@ -41,8 +41,14 @@ bench: install
 	$(PY) -m benchmarks.bench_hellaswag
 	$(PY) -m benchmarks.bench_rerun
 	$(PY) -m benchmarks.bench_recipe --steps 160
+	$(PY) -m benchmarks.bench_checkpoint
+	$(PY) -m benchmarks.bench_eval
 
 # on a fresh CUDA machine before a long run (on a machine without CUDA it says so and exits 0)
+# every benchmark at its smallest setting (--smoke): that it runs and prints its ratio lines, not a timing
+bench-smoke: install
+	$(PY) -m pytest -q tests/test_benchmarks.py --durations=0
+
 gpu-check: install
 	$(PY) -m benchmarks.gpu_check
 

@@ -1,7 +1,8 @@
 """Evaluation during training: eager on the plain model (what the trainer does) against a compiled eval
 model (`torch.compile` of the same GPT), measured in one run on the same weights, batches and examples.
 
-    python -m benchmarks.bench_eval [--preset tiny-cpu] [--evals 5] [--examples 64]
+    python -m benchmarks.bench_eval [--preset tiny-cpu] [--evals 5] [--examples 64] [--val-tokens 8192]
+    python -m benchmarks.bench_eval --smoke    # 2 evaluations of one batch + 4 examples (still compiles)
 
 For each way: the first evaluation of an invocation (for the compiled model that includes compiling one
 graph per shape it meets) and the median of the later ones. The trainer pays the first one once per
@@ -19,12 +20,15 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import parse_args
 from benchmarks.bench_hellaswag import FIXTURE
 from gptcore import hellaswag
 from gptcore.config import load_config
 from gptcore.data.loader import val_batches
 from gptcore.model import GPT
 from tests.test_train_utils import make_dataset
+
+SMOKE = {"evals": 2, "examples": 4, "val_tokens": 1024}  # 2: the first evaluation and one later one
 
 
 @torch.no_grad()
@@ -51,8 +55,11 @@ def main(argv=None) -> int:
     ap.add_argument("--preset", default="tiny-cpu")
     ap.add_argument("--evals", type=int, default=5)
     ap.add_argument("--examples", type=int, default=64, help="HellaSwag examples (the fixture, repeated)")
-    a = ap.parse_args(argv)
-    cfg = load_config(a.preset, ["train.micro_batch=4", "train.seq_len=256", "eval.val_tokens=8192"])
+    ap.add_argument("--val-tokens", type=int, default=8192, help="validation tokens per evaluation")
+    a = parse_args(ap, argv, SMOKE)
+    if a.evals < 2:
+        ap.error("--evals must be >= 2: the first evaluation and at least one later one")
+    cfg = load_config(a.preset, ["train.micro_batch=4", "train.seq_len=256", f"eval.val_tokens={a.val_tokens}"])
     records = hellaswag.read_records(FIXTURE)
     examples = [hellaswag.make_example(*records[i % len(records)]) for i in range(a.examples)]
     torch.manual_seed(0)

@@ -1,7 +1,7 @@
 """HellaSwag scoring speed: the batched scorer vs one ending at a time (build-nanogpt's loop, minus
 its per-example padding), on the same model and examples in the same run.
 
-    python -m benchmarks.bench_hellaswag [--preset tiny-cpu] [--examples 64] [--file hellaswag_val.jsonl]
+    python -m benchmarks.bench_hellaswag [--preset tiny-cpu] [--examples 64] [--file hellaswag_val.jsonl] [--smoke]
 
 Without --file it scores the hand-written fixture examples (repeated to --examples). Also used by the
 tests as the independent reference implementation (`reference_scores`).
@@ -17,12 +17,14 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
+from benchmarks import parse_args
 from gptcore import distributed, hellaswag
 from gptcore.config import TrainConfig, model_preset
 from gptcore.model import GPT
 from gptcore.tokenizer import encode
 
 FIXTURE = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "hellaswag_mini.jsonl"
+SMOKE = {"examples": 8, "repeats": 1, "threads": 1}  # the fixture's 7 examples and one repeated
 
 
 @torch.no_grad()
@@ -56,7 +58,7 @@ def reference_accuracy(model: torch.nn.Module, records, device="cpu") -> dict:
     return {"acc": acc / len(records), "acc_norm": acc_norm / len(records), "n": len(records)}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="tiny-cpu", help="model preset (gptcore.config.MODEL_PRESETS)")
     ap.add_argument("--examples", type=int, default=64)
@@ -65,7 +67,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--compile", action="store_true", help="torch.compile the model (both paths use it)")
-    args = ap.parse_args()
+    args = parse_args(ap, argv, SMOKE)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     env = distributed.select(TrainConfig(device=args.device))

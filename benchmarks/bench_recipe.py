@@ -1,6 +1,7 @@
 """The faster recipe against the default one, side by side on the same small GPT-2-shaped model and shards.
 
-    python -m benchmarks.bench_recipe [--steps 240] [--seeds 1337 42] [--preset tiny-cpu]
+    python -m benchmarks.bench_recipe [--steps 240] [--seeds 1337 42] [--preset tiny-cpu] [--set KEY=VALUE ...]
+    python -m benchmarks.bench_recipe --smoke    # the micro model, 8 steps, small batches: runs, not results
 
 In one run, on the built-in corpus's shards, real trainer processes (`python -m gptcore.train`):
 - the default recipe (AdamW, cosine) for N = --steps steps at three peak learning rates, one above 3e-3;
@@ -23,6 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from benchmarks import parse_args
 from gptcore.metrics import read_metrics
 
 ADAMW_LRS = (1e-3, 3e-3, 6e-3)
@@ -32,6 +34,9 @@ MUON = ["optim.name=muon", "optim.schedule=wsd", "optim.decay_frac=0.3", "optim.
         "optim.weight_decay=0", "optim.muon_lr=0.02", "optim.muon_momentum=0.95", "optim.muon_weight_decay=0"]
 COMMON = ["train.total_batch_tokens=2048", "eval.eval_interval=0", "eval.sample_interval=0",
           "eval.hellaswag=false", "eval.val_tokens=32768", "train.checkpoint_interval=100000", "train.log_interval=1"]
+# --smoke: 8 steps, so that the 0.5N run still has steps after the two its step time leaves out
+SMOKE = {"preset": "micro", "steps": 8, "seeds": [1337],
+         "overrides": ["train.total_batch_tokens=256", "eval.val_tokens=1024"]}
 
 
 def run(preset: str, name: str, steps: int, seed: int, extra: list[str], home: Path) -> dict:
@@ -57,7 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", default="tiny-cpu")
     p.add_argument("--steps", type=int, default=240, help="N, the default recipe's steps")
     p.add_argument("--seeds", type=int, nargs="+", default=[1337, 42])
-    args = p.parse_args(argv)
+    p.add_argument("--set", dest="overrides", nargs="+", default=[], metavar="KEY=VALUE",
+                   help="config overrides for every run, after the common ones (e.g. train.total_batch_tokens=4096)")
+    args = parse_args(p, argv, SMOKE)
     n, half = args.steps, args.steps // 2
     with tempfile.TemporaryDirectory(prefix="gptpipe-bench-recipe-") as tmp:
         home = Path(tmp)
@@ -70,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         configs.append((f"muon + wsd, 0.5N={half}", half, MUON))
         for seed in args.seeds:  # seeds outermost: a drifting machine hits every configuration alike
             for i, (label, steps, extra) in enumerate(configs):
-                r = run(args.preset, f"c{i}-s{seed}", steps, seed, extra, home)
+                r = run(args.preset, f"c{i}-s{seed}", steps, seed, [*args.overrides, *extra], home)
                 results.setdefault(label, []).append(r)
                 print(f"  {label:32s} seed {seed}: val {r['val']:.4f}, {r['step_time'] * 1000:.1f} ms/step",
                       flush=True)

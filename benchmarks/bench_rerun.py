@@ -1,6 +1,6 @@
 """How long a re-run of a finished `pretrain` flow takes: the nightly deployment's no-op case.
 
-    python -m benchmarks.bench_rerun [--rounds 5]
+    python -m benchmarks.bench_rerun [--rounds 5] [--imports 3] [--smoke]
 
 Starts its own Prefect server, worker and MLflow server in a temporary home (free ports), deploys,
 runs a `micro` training run to completion once, then times `--rounds` re-runs of the same parameters
@@ -26,6 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks import parse_args
 from devstack.demo import deploy
 from devstack.services import Stack
 
@@ -33,6 +34,7 @@ PARAMS = {"preset": "micro", "model_name": "micro-bench",
           "overrides": {"train.max_steps": 4, "train.run_name": "bench-rerun", "train.checkpoint_interval": 4,
                         "eval.eval_interval": 4, "eval.sample_interval": 4}}
 TARGETS = {"flow": 5.0, "e2e": 10.0}
+SMOKE = {"rounds": 1, "imports": 1}  # the stack's start and the first (training) run are most of its time
 
 
 def cold_import(module: str, env: dict) -> float:
@@ -68,7 +70,8 @@ def spread(xs: list[float]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=5)
-    args = p.parse_args(argv)
+    p.add_argument("--imports", type=int, default=3, help="cold imports timed of each module, for scale")
+    args = parse_args(p, argv, SMOKE)
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
@@ -86,8 +89,8 @@ def main(argv: list[str] | None = None) -> int:
                 for i in range(args.rounds):
                     rows.append(timed_run(c, PARAMS))
                     print(f"re-run {i + 1}: " + "  ".join(f"{k} {v:.2f}s" for k, v in rows[-1].items()), flush=True)
-            floor = [cold_import("flows.pretrain", env) for _ in range(3)]
-            avoided = {m: [cold_import(m, env) for _ in range(3)] for m in ("torch", "mlflow")}
+            floor = [cold_import("flows.pretrain", env) for _ in range(args.imports)]
+            avoided = {m: [cold_import(m, env) for _ in range(args.imports)] for m in ("torch", "mlflow")}
         finally:
             stack.down()
     print(f"\nno-op re-run of a finished flow, {args.rounds} rounds (median, min-max)")

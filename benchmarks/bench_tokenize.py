@@ -1,6 +1,6 @@
 """Tokenize-and-shard throughput and memory vs. the machine's real ceiling and a naive baseline.
 
-    python -m benchmarks.bench_tokenize [--tokens 100e6] [--rounds 3] [--workers N] [--prefect]
+    python -m benchmarks.bench_tokenize [--tokens 100e6] [--rounds 3] [--workers N] [--prefect] [--smoke]
 
 Corpus: the built-in corpus repeated to >= --tokens tokens, as one local parquet file. 100M tokens (~4
 minutes for 3 rounds here) is 1% of FineWeb-Edu 10BT, large enough that the stage's fixed costs (start-up,
@@ -38,9 +38,13 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks import parse_args
+
 ROOT = Path(__file__).resolve().parents[1]
 SHARD_TOKENS = 2_000_000  # 10 shards for 20M tokens: writing and hashing show up if they cost anything
 PIECE_BYTES = 2_000_000  # ~30 pieces for 20M tokens: 2 workers stay evenly loaded to the end
+# --smoke: one copy of the built-in corpus (~1.6M tokens), still cut into several shards and pieces
+SMOKE = {"tokens": 1, "rounds": 1, "shard_tokens": 200_000, "piece_bytes": 500_000}
 
 
 def build_corpus(path: Path, min_tokens: float) -> tuple[int, int]:
@@ -205,7 +209,8 @@ def _cpu_s() -> float:
 
 def run_one(method, corpus, out, workers, env=None, rss=False) -> dict:
     r = subprocess.run([sys.executable, "-m", "benchmarks.bench_tokenize", "--one", method, "--corpus",
-                        str(corpus), "--out", str(out), "--workers", str(workers), *(["--rss"] if rss else [])],
+                        str(corpus), "--out", str(out), "--workers", str(workers), "--shard-tokens",
+                        str(SHARD_TOKENS), "--piece-bytes", str(PIECE_BYTES), *(["--rss"] if rss else [])],
                        cwd=ROOT,
                        capture_output=True, text=True, env=env or os.environ.copy())
     if r.returncode:
@@ -263,17 +268,22 @@ def _prefect_server(home: Path):
     raise SystemExit("prefect server did not start")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    global SHARD_TOKENS, PIECE_BYTES
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=float, default=100e6)
+    ap.add_argument("--tokens", type=float, default=100e6, help="at least this many (whole copies of the "
+                    "built-in corpus)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--workers", type=int, default=os.cpu_count())
+    ap.add_argument("--shard-tokens", type=int, default=SHARD_TOKENS)
+    ap.add_argument("--piece-bytes", type=int, default=PIECE_BYTES)
     ap.add_argument("--prefect", action="store_true", help="also time the Prefect flow (starts a server)")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--corpus", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     ap.add_argument("--rss", action="store_true", help=argparse.SUPPRESS)
-    a = ap.parse_args()
+    a = parse_args(ap, argv, SMOKE)
+    SHARD_TOKENS, PIECE_BYTES = a.shard_tokens, a.piece_bytes  # read by the methods and the overheads
     if a.one:
         return one(a.one, Path(a.corpus), Path(a.out), a.workers, a.rss)
 

@@ -3,6 +3,7 @@ single-file nanoGPT-style eager loop, same model shape, same batch, measured in 
 
     python -m benchmarks.bench_train                       # tiny-cpu + gpt2-mini, eager and compiled, fp32 and bf16
     python -m benchmarks.bench_train --compile off --precision fp32 --rounds 3
+    python -m benchmarks.bench_train --smoke               # tiny-cpu, eager, fp32, one step a round
 
 Reports tokens/s and MFU against a matmul peak measured in this run, the ratio to the baseline
 (rounds alternate ours/baseline so machine load hits both alike; the median round counts; rates are
@@ -31,6 +32,7 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
+from benchmarks import parse_args
 from gptcore.config import ModelConfig, OptimConfig, load_config, model_preset
 from gptcore.data.loader import ShardLoader
 from gptcore.data.shard_format import Manifest, ShardInfo, write_shard
@@ -42,6 +44,9 @@ from gptcore.trainer import train_step
 
 H100_BF16_PEAK = 989e12  # dense bf16 FLOP/s per H100 SXM
 PRECISIONS = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+
+# --smoke: the smallest shape, eager (compiling costs ~40 s on 2 cores), one precision, one step a round
+SMOKE = {"shapes": "tiny-cpu", "compile": "off", "precision": "fp32", "rounds": 1, "steps": 1, "warmup": 1}
 
 # name -> (model shape, micro batch B, sequence length T)
 SHAPES = {
@@ -220,7 +225,7 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads (0 = torch default); 1 makes CPU "
                    "time an exact measure of work on a shared machine")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
-    a = p.parse_args(argv)
+    a = parse_args(p, argv, SMOKE)
     if a.threads:
         torch.set_num_threads(a.threads)
     modes = {"off": [False], "on": [True], "both": [False, True]}[a.compile]

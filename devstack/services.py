@@ -53,7 +53,9 @@ def free_port(preferred: int = 0) -> int:
 
 def http_ok(url: str, timeout: float = 2.0, auth: str | None = None) -> bool:
     """GET url answers 200 (`auth`: "user:password", sent as HTTP basic auth)."""
-    req = urllib.request.Request(url, headers={"Authorization": basic_auth(auth)} if auth else {})
+    req = urllib.request.Request(url)
+    if auth:  # never forwarded if the server redirects elsewhere
+        req.add_unredirected_header("Authorization", basic_auth(auth))
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status == 200
@@ -219,7 +221,7 @@ class Stack:
             env = dict(self.env(), OMP_NUM_THREADS="1")
             del env["MLFLOW_TRACKING_URI"]
             auth_app = []
-            if self.auth:  # MLflow's basic-auth app: users in <home>/mlflow/basic_auth.db
+            if self.auth:  # MLflow's basic-auth app: users in <home>/mlflow/auth/ (see _mlflow_auth_config)
                 env.update(MLFLOW_AUTH_CONFIG_PATH=str(self._mlflow_auth_config(root)),
                            MLFLOW_FLASK_SERVER_SECRET_KEY=secrets.token_hex(16))
                 auth_app = ["--app-name", "basic-auth"]
@@ -257,18 +259,34 @@ class Stack:
         return self
 
     def _mlflow_auth_config(self, root: Path) -> Path:
-        """MLflow's basic-auth settings: every signed-in user may create and edit (the worker logs runs and
-        registers models); anonymous requests get 401. The admin is created on the first start."""
+        """MLflow's basic-auth settings: a signed-in user may do nothing it was not granted (the worker gets
+        its grants from ensure_user in up()); anonymous requests get 401. The admin is created on the
+        first start. The user database sits in <root>/auth, beside the artifacts the server serves, never
+        inside them: a file under the artifact root can be downloaded and replaced through the artifact
+        proxy."""
         a = self.auth
+        db = self._mlflow_auth_db(root)
         path = self.state_dir / "mlflow-auth.ini"
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds the admin password
         with os.fdopen(fd, "w") as f:
-            f.write("[mlflow]\ndefault_permission = EDIT\n"
-                    f"database_uri = sqlite:///{root / 'basic_auth.db'}\n"
+            f.write("[mlflow]\ndefault_permission = NO_PERMISSIONS\n"
+                    f"database_uri = sqlite:///{db}\n"
                     f"admin_username = {a.mlflow_admin}\nadmin_password = {a.mlflow_admin_password}\n"
                     "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
         return path
+
+    @staticmethod
+    def _mlflow_auth_db(root: Path) -> Path:
+        """<root>/auth/basic_auth.db, readable by this user only. A home from before kept it in <root>
+        itself: it moves, so users, changed passwords and grants (the worker's MANAGE on the models it
+        created) carry over."""
+        auth_dir = root / "auth"
+        auth_dir.mkdir(mode=0o700, exist_ok=True)
+        db, old = auth_dir / "basic_auth.db", root / "basic_auth.db"
+        if old.is_file() and not db.exists():
+            old.rename(db)
+        return db
 
     def ensure_pool(self, name: str | None = None) -> None:
         """Create the process work pool `name` (default: this stack's) unless it exists."""

@@ -3,7 +3,9 @@
 # Run by the compose stack's `exposure-check` service before the Prefect and MLflow servers start:
 # with BIND_ADDRESS a loopback address (the default) nothing is required; with any other address,
 # docker/.env must set PREFECT_AUTH_STRING (user:password), MLFLOW_ADMIN_PASSWORD and
-# MLFLOW_WORKER_PASSWORD (each >= 12 characters: MLflow's basic-auth app refuses shorter ones).
+# MLFLOW_WORKER_PASSWORD, and every password it sets (those, POSTGRES_PASSWORD, MLFLOW_SECRET_KEY) must be
+# at least 16 characters and not docker/.env.example's placeholder (`change-me...`, `<openssl rand ...>`).
+# Each problem is one line naming the variable and the fix; exit 1 when there is any.
 set -euo pipefail
 
 addr=${BIND_ADDRESS:-127.0.0.1}
@@ -11,15 +13,40 @@ case "$addr" in
     127.*|localhost|::1|"[::1]") exit 0 ;;
 esac
 
+min=16
+fix="set it to a fresh random value, e.g. \`openssl rand -hex 16\`"
 problems=()
-[[ "${PREFECT_AUTH_STRING:-}" == ?*:?* ]] || problems+=("PREFECT_AUTH_STRING (user:password)")
-for var in MLFLOW_ADMIN_PASSWORD MLFLOW_WORKER_PASSWORD; do
-    [ "$(printf %s "${!var:-}" | wc -c)" -ge 12 ] || problems+=("$var (>= 12 characters)")
-done
+# check NAME VALUE REQUIRED: one line in `problems` for a missing, placeholder or short secret
+check() {
+    local name=$1 value=$2 required=$3
+    if [ -z "$value" ]; then
+        [ "$required" = 0 ] || problems+=("$name is not set: $fix")
+    elif [[ "$value" == *change-me* || "$value" == *changeme* || "$value" == *"<"* || "$value" == *">"* ]]; then
+        problems+=("$name is still a docker/.env.example placeholder (change-me..., <...>): $fix")
+    elif [ "${#value}" -lt "$min" ]; then
+        problems+=("$name is ${#value} characters long, fewer than $min: $fix")
+    fi
+}
+auth=${PREFECT_AUTH_STRING:-}
+if [ -z "$auth" ]; then
+    problems+=("PREFECT_AUTH_STRING is not set: set it to admin:<password>, the password from \`openssl rand -hex 16\`")
+elif [[ "$auth" != ?*:?* ]]; then
+    problems+=("PREFECT_AUTH_STRING is not user:password: set it to admin:<password>, the password from \`openssl rand -hex 16\`")
+else
+    check "PREFECT_AUTH_STRING (its password, after the ':')" "${auth#*:}" 1
+fi
+check MLFLOW_ADMIN_PASSWORD "${MLFLOW_ADMIN_PASSWORD:-}" 1
+check MLFLOW_WORKER_PASSWORD "${MLFLOW_WORKER_PASSWORD:-}" 1
+check POSTGRES_PASSWORD "${POSTGRES_PASSWORD:-}" 0  # compose itself refuses an unset one
+check MLFLOW_SECRET_KEY "${MLFLOW_SECRET_KEY:-}" 0   # optional: a random key per start when unset
 if [ ${#problems[@]} -gt 0 ]; then
-    echo "error: BIND_ADDRESS=$addr publishes the Prefect and MLflow servers beyond this machine, but" \
-         "docker/.env does not set: ${problems[*]}. Set them (e.g. \`openssl rand -hex 16\` for each password)" \
-         "to turn on authentication, or keep BIND_ADDRESS=127.0.0.1 and use an SSH tunnel." >&2
+    {
+        echo "error: BIND_ADDRESS=$addr publishes the Prefect and MLflow servers beyond this machine, but" \
+             "docker/.env is not ready for that:"
+        printf '  - %s\n' "${problems[@]}"
+        echo "Fix them in docker/.env (they turn on authentication), or keep BIND_ADDRESS=127.0.0.1 and" \
+             "reach the UIs through an SSH tunnel. Changing a password later: docs/security.md."
+    } >&2
     exit 1
 fi
 echo "BIND_ADDRESS=$addr: Prefect basic auth and MLflow's basic-auth app are on"

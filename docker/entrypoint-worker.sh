@@ -36,10 +36,12 @@ if ! "$py" - "${api%/}/health" "$wait_s" <<'EOF'
 import base64, os, sys, time, urllib.request
 url, deadline = sys.argv[1], time.monotonic() + float(sys.argv[2])
 auth = os.environ.get("PREFECT_API_AUTH_STRING")
-headers = {"Authorization": "Basic " + base64.b64encode(auth.encode()).decode()} if auth else {}
 while True:
+    req = urllib.request.Request(url)
+    if auth:  # unredirected: a redirect must not carry the credentials to another host
+        req.add_unredirected_header("Authorization", "Basic " + base64.b64encode(auth.encode()).decode())
     try:
-        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=5) as r:
+        with urllib.request.urlopen(req, timeout=5) as r:
             if r.status == 200:
                 sys.exit(0)
     except OSError:

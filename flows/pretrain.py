@@ -37,6 +37,7 @@ from gptcore.config import ConfigError, RunConfig, load_config, pipeline_home
 from gptcore.files import read_json
 from gptcore.run_files import read_meta, run_dir_for, run_state
 from integrations.progress import artifact_key, step_label
+from integrations.secrets import mlflow_credentials_from_prefect
 from tasks.generate import SAMPLE_FILE, sample_task
 from tasks.train import train_task
 
@@ -277,6 +278,7 @@ def pretrain(preset: str = "tiny-cpu", overrides: dict | None = None, nproc: int
     log = get_run_logger()
     check_params(nproc, wait_seconds, model_name, dask_address)
     cfg = check_config(preset, overrides, nproc or 1)
+    mlflow_credentials_from_prefect(log)  # a docker/k8s flow run's MLflow login, from Prefect Secret blocks
     run_name = cfg.run_name
     log.info("run %s (identity %s), preset %s, %s process(es)", run_name, cfg.identity_hash(), preset,
              nproc or "auto")

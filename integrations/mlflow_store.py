@@ -6,6 +6,7 @@ metrics shipper in integrations/tracking.py).
     client(uri)               an MlflowClient for tracking and registry
     rest_read(uri, endpoint)  a read through MLflow's REST API without importing mlflow (a second or more):
                               the flow's skip decisions use it against a tracking server
+    ensure_user(uri, admin, ...)  the worker's user on a server with MLflow's basic-auth app, and its grants
 
 One MLflow experiment (`gpt2-pretrain`) holds one MLflow run per training run identity (tags below).
 """
@@ -13,6 +14,7 @@ One MLflow experiment (`gpt2-pretrain`) holds one MLflow run per training run id
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import subprocess
@@ -201,12 +203,14 @@ def basic_auth(user_password: str) -> str:
 
 
 def _auth(req: urllib.request.Request) -> urllib.request.Request:
-    """The credentials the MLflow client would send: MLFLOW_TRACKING_TOKEN, or USERNAME + PASSWORD."""
+    """The credentials the MLflow client would send: MLFLOW_TRACKING_TOKEN, or USERNAME + PASSWORD. As an
+    unredirected header: urllib copies add_header()'s headers onto the request a redirect makes, to
+    whatever host the Location names; these go to the server asked, never further."""
     if os.environ.get("MLFLOW_TRACKING_TOKEN"):
-        req.add_header("Authorization", f"Bearer {os.environ['MLFLOW_TRACKING_TOKEN']}")
+        req.add_unredirected_header("Authorization", f"Bearer {os.environ['MLFLOW_TRACKING_TOKEN']}")
     elif os.environ.get("MLFLOW_TRACKING_USERNAME"):
         pair = f"{os.environ['MLFLOW_TRACKING_USERNAME']}:{os.environ.get('MLFLOW_TRACKING_PASSWORD', '')}"
-        req.add_header("Authorization", basic_auth(pair))
+        req.add_unredirected_header("Authorization", basic_auth(pair))
     return req
 
 
@@ -232,20 +236,61 @@ def rest_read(uri: str, endpoint: str, params: dict | None = None, body: dict | 
         raise RestUnavailable(f"{url}: {e}") from e
 
 
-def ensure_user(uri: str, admin: tuple[str, str], username: str, password: str) -> None:
-    """Create `username` on an MLflow server running the basic-auth app (as `admin`: (name, password)), or
-    set its password if it exists: idempotent, for a stack's start-up (devstack, the compose stack)."""
-    def call(method: str, endpoint: str, body: dict) -> None:
-        req = urllib.request.Request(f"{uri.rstrip('/')}/api/2.0/mlflow/{endpoint}", data=json.dumps(body).encode(),
-                                     method=method, headers={"Content-Type": "application/json",
-                                                             "Authorization": basic_auth(":".join(admin))})
-        with urllib.request.urlopen(req, timeout=30):
-            pass
+# --- users of MLflow's basic-auth app (a stack others can reach) -----------------------------------
 
+# What the worker account may do beyond the servers' default permission (NO_PERMISSIONS: nothing):
+# EDIT on the pipeline's experiment lets it create runs and log metrics, params, datasets, artifacts and
+# logged models there, but not delete the experiment nor grant anyone access to it. Registered models need
+# no grant: MLflow lets any signed-in user create one and makes the creator its MANAGE holder, so the
+# worker registers versions and moves aliases of the models it created, and of no one else's.
+WORKER_EXPERIMENT_PERMISSION = "EDIT"
+
+
+@contextlib.contextmanager
+def signed_in_as(username: str, password: str):
+    """MLflow's clients (MlflowClient, the basic-auth app's AuthServiceClient) read their credentials from
+    MLFLOW_TRACKING_USERNAME / _PASSWORD on every request: these for the calls inside, then the old ones."""
+    keys = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
+    saved = {k: os.environ.get(k) for k in keys}
+    os.environ.update(MLFLOW_TRACKING_USERNAME=username, MLFLOW_TRACKING_PASSWORD=password)
     try:
-        call("POST", "users/create", {"username": username, "password": password})
-    except urllib.error.HTTPError as e:
-        if "RESOURCE_ALREADY_EXISTS" not in e.read().decode(errors="replace"):
-            raise RuntimeError(f"cannot create MLflow user {username!r} at {uri}: HTTP {e.code}; check the admin "
-                               "credentials (MLFLOW_ADMIN_PASSWORD)") from e
-        call("PATCH", "users/update-password", {"username": username, "password": password})
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _already_exists(e: Exception) -> bool:
+    return getattr(e, "error_code", None) == "RESOURCE_ALREADY_EXISTS"
+
+
+def ensure_user(uri: str, admin: tuple[str, str], username: str, password: str,
+                experiment: str = EXPERIMENT) -> None:
+    """Create `username` on an MLflow server running the basic-auth app, or set its password if it exists,
+    and give it what the pipeline's worker needs (WORKER_EXPERIMENT_PERMISSION on `experiment`, created
+    here by the admin when missing). Idempotent, for a stack's start-up (devstack, the compose stack's
+    mlflow-users); every call goes through MLflow's own auth client as `admin` (name, password)."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.server import get_app_client
+
+    auth = get_app_client("basic-auth", tracking_uri=uri)
+    with signed_in_as(*admin):
+        try:
+            auth.create_user(username, password)
+        except MlflowException as e:
+            if not _already_exists(e):
+                raise RuntimeError(f"cannot create MLflow user {username!r} at {uri}: {e}; check the admin "
+                                   "credentials (MLFLOW_ADMIN_PASSWORD)") from e
+            auth.update_user_password(username, password)
+        exp_id = experiment_id(client(uri), experiment)
+        try:
+            auth.grant_user_permission(username, "experiment", exp_id, WORKER_EXPERIMENT_PERMISSION)
+        except MlflowException as e:
+            if not _already_exists(e):
+                raise
+            # granted on an earlier start: reset it, in case someone widened it since
+            auth.revoke_user_permission(username, "experiment", exp_id)
+            auth.grant_user_permission(username, "experiment", exp_id, WORKER_EXPERIMENT_PERMISSION)

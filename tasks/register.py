@@ -121,6 +121,20 @@ def _existing_version(mlc, name: str, sha: str, ident: str | None):
     return min(found, key=lambda mv: int(mv.version)) if found else None
 
 
+def _delete_logged_model(mlc, model_id: str) -> None:
+    """Remove a duplicate version's logged model. On a server with MLflow's basic-auth app the worker holds
+    EDIT on the experiment, which cannot delete (see mlflow_store.WORKER_EXPERIMENT_PERMISSION): the
+    logged model then stays, with no version pointing at it, rather than failing the registration."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        mlc.delete_logged_model(model_id)
+    except MlflowException as e:
+        if e.error_code != "PERMISSION_DENIED":
+            raise
+        log.warning("could not delete the duplicate's logged model %s (%s); it is left unused", model_id, e)
+
+
 def _keep_oldest(mlc, name: str, sha: str, ident: str | None, mine):
     """After creating `mine`: if a concurrent registration of the same checkpoint created one too, the
     oldest stays and the others are removed by their creators (each sees every older version, so exactly
@@ -130,7 +144,7 @@ def _keep_oldest(mlc, name: str, sha: str, ident: str | None, mine):
         return mine
     mlc.delete_model_version(name, mine.version)
     if mine.model_id:
-        mlc.delete_logged_model(mine.model_id)
+        _delete_logged_model(mlc, mine.model_id)
     log.info("%s version %s duplicated version %s (a concurrent registration); removed it", name,
              mine.version, oldest.version)
     return oldest

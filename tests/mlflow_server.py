@@ -29,10 +29,16 @@ def free_port() -> int:
 
 
 class MlflowServer:
-    def __init__(self, root: str | Path, port: int | None = None):
+    """`artifacts`: the folder it serves (default <root>/artifacts); `auth_config`: a basic-auth ini, which
+    turns MLflow's basic-auth app on (tests/test_auth.py)."""
+
+    def __init__(self, root: str | Path, port: int | None = None, artifacts: str | Path | None = None,
+                 auth_config: str | Path | None = None):
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.port = port or free_port()
+        self.artifacts = Path(artifacts or self.root / "artifacts")
+        self.auth_config = auth_config
         self.proc: subprocess.Popen | None = None
         self.log_path = self.root / "server.log"
 
@@ -54,9 +60,13 @@ class MlflowServer:
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                    MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
         env.pop("MLFLOW_TRACKING_URI", None)
-        cmd = [sys.executable, "-m", "mlflow", "server",
+        app = []
+        if self.auth_config:
+            env.update(MLFLOW_AUTH_CONFIG_PATH=str(self.auth_config), MLFLOW_FLASK_SERVER_SECRET_KEY="0" * 32)
+            app = ["--app-name", "basic-auth"]
+        cmd = [sys.executable, "-m", "mlflow", "server", *app,
                "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",
-               "--artifacts-destination", str(self.root / "artifacts"),
+               "--serve-artifacts", "--artifacts-destination", str(self.artifacts),
                "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1"]
         # Own process group: the server forks uvicorn and a job runner; stop() ends all of them.
         self.proc = subprocess.Popen(cmd, stdout=open(self.log_path, "ab"), stderr=subprocess.STDOUT,

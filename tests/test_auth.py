@@ -1,32 +1,56 @@
 """A stack others can reach, with authentication on (devstack.services.Stack(auth=...), the same settings
 the compose stack uses when exposed): a real Prefect server with basic auth and a real MLflow server with
 its basic-auth app. Anonymous requests get 401; the worker, a flow run through it and the flow's MLflow
-writes (metrics, a registered model version) work with the credentials."""
+writes (metrics, a registered model version) work with the credentials.
+
+What the worker account cannot do (issue #34): fetch or replace MLflow's user database through the
+artifact proxy (measured on a real server laid out as docker-compose.yml lays it out, after reproducing the
+attack on the layout compose had before), nor touch what it was not granted: the admin's experiments and
+models, other users, permissions."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import re
+import subprocess
+import sys
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
+import yaml
 
 from devstack.services import Auth, Stack
-from integrations.mlflow_store import basic_auth
+from integrations.mlflow_store import basic_auth, ensure_user
+from tests.mlflow_server import MlflowServer
 
 pytestmark = pytest.mark.slow
 AUTH = Auth(prefect="gpt:prefect-password-1", mlflow_admin_password="admin-password-2",
             mlflow_worker_password="worker-password-3")
+ADMIN = f"{AUTH.mlflow_admin}:{AUTH.mlflow_admin_password}"
+WORKER = f"{AUTH.mlflow_worker}:{AUTH.mlflow_worker_password}"
+COMPOSE = Path(__file__).resolve().parent.parent / "docker" / "docker-compose.yml"
+SQLITE_HEADER = b"SQLite format 3\x00"
 
 
-def status(url: str, body: dict | None = None, user: str | None = None) -> int:
+def call(url: str, body: dict | bytes | None = None, user: str | None = None,
+         method: str | None = None) -> tuple[int, bytes]:
+    """(HTTP status, body) of a request; a dict body is sent as JSON, `user` ("name:password") as basic auth."""
+    data = json.dumps(body).encode() if isinstance(body, dict) else body
     headers = {"Content-Type": "application/json", **({"Authorization": basic_auth(user)} if user else {})}
-    req = urllib.request.Request(url, data=None if body is None else json.dumps(body).encode(), headers=headers)
+    req = urllib.request.Request(url, data=data, headers=headers, method=method)
     try:
-        with urllib.request.urlopen(req, timeout=10) as r:
-            return r.status
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, r.read()
     except urllib.error.HTTPError as e:
-        return e.code
+        return e.code, e.read()
+
+
+def status(url: str, body: dict | bytes | None = None, user: str | None = None, method: str | None = None) -> int:
+    return call(url, body, user, method)[0]
 
 
 @pytest.fixture(scope="module")
@@ -71,3 +95,138 @@ def test_a_flow_run_with_credentials_trains_tracks_and_registers(secured, monkey
     mlc = MlflowClient(secured.mlflow_uri, registry_uri=secured.mlflow_uri)
     mv = mlc.get_model_version("micro-auth", "1")  # the register stage wrote through basic auth
     assert sorted(m.step for m in mlc.get_metric_history(mv.run_id, "train/loss")) == [1, 2, 3, 4]
+    assert set(mv.aliases) >= {"best"}  # the worker moved an alias of the model it created
+
+
+# --- the user database out of reach (issue #34, item 1) ----------------------------------------------
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def attack_user_database(uri: str, path: str = "basic_auth.db") -> tuple[int, bytes, int]:
+    """As the worker: GET and PUT <uri>/api/2.0/mlflow-artifacts/artifacts/<path>, a path with no experiment
+    id, which MLflow's basic-auth app judges by its default permission. (GET status, first 16 bytes, PUT
+    status)."""
+    url = f"{uri}/api/2.0/mlflow-artifacts/artifacts/{path}"
+    got, body = call(url, user=WORKER)
+    put, _ = call(url, b"not a user database", user=WORKER, method="PUT")
+    return got, body[:16], put
+
+
+def compose_mlflow_layout(tmp: Path) -> tuple[Path, Path]:
+    """How docker-compose.yml lays out an authenticated MLflow server: the mlflow service's start script, as
+    compose hands it to `sh -c` ($$ -> $), run with `mlflow server` replaced by echo and its absolute folders
+    (/mlartifacts, /mlflow-auth, /tmp: its volumes and the config) moved under `tmp`. Returns the artifacts
+    destination it passes to `mlflow server` and the basic-auth config it writes."""
+    script = yaml.safe_load(COMPOSE.read_text())["services"]["mlflow"]["command"][2].replace("$$", "$")
+    script = re.sub(r"(?<![\w.])/(mlartifacts|mlflow-auth|tmp)\b", lambda m: f"{tmp}{m.group(0)}", script)
+    script = script.replace("exec mlflow server", "echo mlflow server")
+    for folder in ("mlartifacts", "mlflow-auth", "tmp"):  # the volumes exist when the container starts
+        (tmp / folder).mkdir(parents=True, exist_ok=True)
+    env = {"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "POSTGRES_USER": "gpt2",
+           "POSTGRES_PASSWORD": "postgres-password-4", "MLFLOW_ADMIN_PASSWORD": AUTH.mlflow_admin_password}
+    r = subprocess.run(["sh", "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    args = r.stdout.split()
+    return Path(args[args.index("--artifacts-destination") + 1]), tmp / "tmp" / "basic_auth.ini"
+
+
+def auth_database(ini: Path) -> Path:
+    """The SQLite file of a basic-auth config's database_uri."""
+    uri = re.search(r"^database_uri = (.+)$", ini.read_text(), flags=re.M).group(1)
+    assert uri.startswith("sqlite:///"), uri
+    return Path(uri.removeprefix("sqlite:///"))
+
+
+def test_the_user_database_cannot_be_fetched_or_replaced_through_the_artifact_proxy(tmp_path):
+    # Before: docker-compose.yml kept the user database in the folder the server serves, with EDIT for
+    # every signed-in user. The worker downloads it (the admin's password hash) and replaces it.
+    old = tmp_path / "before"
+    (old / "mlartifacts").mkdir(parents=True)
+    old_ini = old / "basic_auth.ini"
+    old_ini.write_text(f"[mlflow]\ndefault_permission = EDIT\n"
+                       f"database_uri = sqlite:///{old / 'mlartifacts' / 'basic_auth.db'}\n"
+                       f"admin_username = admin\nadmin_password = {AUTH.mlflow_admin_password}\n"
+                       "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
+    with MlflowServer(old, artifacts=old / "mlartifacts", auth_config=old_ini) as srv:
+        ensure_user(srv.uri, ("admin", AUTH.mlflow_admin_password), "worker", AUTH.mlflow_worker_password)
+        assert attack_user_database(srv.uri) == (200, SQLITE_HEADER, 200)
+        assert (old / "mlartifacts" / "basic_auth.db").read_bytes() == b"not a user database"
+
+    # Now: the compose file's own layout. The database lives outside the served folder, and a signed-in
+    # user holds nothing it was not granted; neither the plain path nor a climb out of the folder reaches it.
+    artifacts, ini = compose_mlflow_layout(tmp_path / "compose")
+    db = auth_database(ini)
+    assert not db.resolve().is_relative_to(artifacts.resolve())
+    with MlflowServer(tmp_path / "compose", artifacts=artifacts, auth_config=ini) as srv:
+        ensure_user(srv.uri, ("admin", AUTH.mlflow_admin_password), "worker", AUTH.mlflow_worker_password)
+        before = sha256(db)
+        for path in ("basic_auth.db", "..%2Fmlflow-auth%2Fbasic_auth.db", "%2E%2E/mlflow-auth/basic_auth.db"):
+            got, body, put = attack_user_database(srv.uri, path)
+            assert got in (403, 404) and put in (403, 404) and body != SQLITE_HEADER, (path, got, put)
+            # not even the admin, who may read every artifact, gets it: it is not in the served folder
+            assert status(f"{srv.uri}/api/2.0/mlflow-artifacts/artifacts/{path}", user=ADMIN) in (400, 404)
+        assert sha256(db) == before and not (artifacts / "basic_auth.db").exists()
+        assert status(f"{srv.uri}/api/2.0/mlflow-artifacts/artifacts/basic_auth.db") == 401  # anonymous
+
+
+def test_devstack_keeps_the_user_database_outside_the_artifacts(secured):
+    db, artifacts = secured.home / "mlflow" / "auth" / "basic_auth.db", secured.home / "mlflow" / "artifacts"
+    assert db.is_file() and not db.is_relative_to(artifacts)
+    assert oct(db.parent.stat().st_mode & 0o777) == "0o700"
+    before = sha256(db)
+    got, body, put = attack_user_database(secured.mlflow_uri)
+    assert got in (403, 404) and put in (403, 404) and body != SQLITE_HEADER
+    assert sha256(db) == before
+
+
+# --- least privilege (issue #34, item 2) ---------------------------------------------------------------
+
+def test_the_worker_gets_only_what_the_pipeline_needs(secured):
+    """The worker holds EDIT on the pipeline's experiment and MANAGE on the models it creates; everything
+    else it reaches only through the server's default permission, NO_PERMISSIONS."""
+    api, api3 = f"{secured.mlflow_uri}/api/2.0/mlflow", f"{secured.mlflow_uri}/api/3.0/mlflow"
+    # the admin's own experiment and registered model
+    code, body = call(f"{api}/experiments/create", {"name": "admin-only"}, ADMIN)
+    assert code == 200, body
+    admin_exp = json.loads(body)["experiment_id"]
+    assert status(f"{api}/registered-models/create", {"name": "admin-model"}, ADMIN) == 200
+
+    # the pipeline's experiment: the worker creates runs there, but cannot delete it or share it
+    code, body = call(f"{api}/experiments/get-by-name?experiment_name=gpt2-pretrain", user=WORKER)
+    assert code == 200, body
+    exp = json.loads(body)["experiment"]["experiment_id"]
+    assert status(f"{api}/runs/create", {"experiment_id": exp}, WORKER) == 200
+    assert status(f"{api}/experiments/delete", {"experiment_id": exp}, WORKER) == 403
+    grant = {"username": "worker", "resource_type": "experiment", "resource_id": exp, "permission": "MANAGE"}
+    assert status(f"{api3}/users/permissions/grant", grant, WORKER) == 403
+
+    # a model of its own: MLflow lets any signed-in user create one and makes the creator its MANAGE
+    # holder (the flow run above registers versions and moves aliases that way)
+    assert status(f"{api}/registered-models/create", {"name": "worker-model"}, WORKER) == 200
+    assert status(f"{api}/registered-models/get?name=worker-model", user=WORKER) == 200
+
+    # the admin's resources: not readable, not writable, not deletable
+    assert status(f"{api}/experiments/get?experiment_id={admin_exp}", user=WORKER) == 403
+    assert status(f"{api}/runs/create", {"experiment_id": admin_exp}, WORKER) == 403
+    assert status(f"{api}/experiments/delete", {"experiment_id": admin_exp}, WORKER) == 403
+    assert status(f"{api}/registered-models/get?name=admin-model", user=WORKER) == 403
+    assert status(f"{api}/registered-models/update", {"name": "admin-model", "description": "mine"}, WORKER,
+                  "PATCH") == 403
+    assert status(f"{api}/registered-models/delete", {"name": "admin-model"}, WORKER, "DELETE") == 403
+    code, body = call(f"{api}/experiments/search", {"max_results": 100}, WORKER)
+    assert code == 200 and "admin-only" not in body.decode()  # the search shows it nothing it may not read
+    grant = {"username": "worker", "resource_type": "experiment", "resource_id": admin_exp, "permission": "READ"}
+    assert status(f"{api3}/users/permissions/grant", grant, WORKER) == 403
+
+    # users: it cannot change another user, make one or make itself admin
+    assert status(f"{api}/users/update-password", {"username": "admin", "password": "x" * 16}, WORKER,
+                  "PATCH") == 403
+    assert status(f"{api}/users/create", {"username": "mallory", "password": "x" * 16}, WORKER) == 403
+    assert status(f"{api}/users/update-admin", {"username": "worker", "is_admin": True}, WORKER, "PATCH") == 403
+    # ... and the admin still can: the refusals above were permissions, not a broken server
+    assert status(f"{api}/experiments/get?experiment_id={admin_exp}", user=ADMIN) == 200
+    # anonymous: 401 everywhere
+    assert status(f"{api}/experiments/get?experiment_id={exp}") == 401
+    assert status(f"{api}/users/create", {"username": "mallory", "password": "x" * 16}) == 401

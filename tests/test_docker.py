@@ -149,6 +149,7 @@ def test_compose_stack(tmp_path):
         "gpt2-data",
         "gpt2-runs",
         "gpt2-artifacts",
+        "gpt2-mlflow-auth",
         "gpt2-prefect-home",
     }
     mounts = {
@@ -156,6 +157,7 @@ def test_compose_stack(tmp_path):
     }
     assert mounts["worker"] == {"/data": ("volume", "data"), "/data/runs": ("volume", "runs")}
     assert mounts["mlflow"]["/mlartifacts"] == ("volume", "artifacts")
+    assert mounts["mlflow"]["/mlflow-auth"] == ("volume", "mlflow-auth")  # users: not under what it serves
     assert mounts["postgres"]["/var/lib/postgresql/data"] == ("volume", "pgdata")
     # concurrency leases survive a server restart (else a crashed run's slots stay taken for ever)
     env = svc["prefect-server"]["environment"]
@@ -682,7 +684,8 @@ def test_k8s_multinode_job_is_consistent_and_trains_the_nightly_run():
 def test_compose_mlflow_command_turns_basic_auth_on_with_an_admin_password(tmp_path, admin_password):
     """The mlflow service's start script, as compose hands it to `sh -c` ($$ -> $), run with `mlflow`
     replaced by echo: with MLFLOW_ADMIN_PASSWORD it writes the basic-auth config (admin from docker/.env,
-    EDIT for signed-in users) and starts the basic-auth app; without, the plain server."""
+    nothing for a signed-in user beyond its grants) and starts the basic-auth app; without, the plain
+    server."""
     lines = [(DOCKER / ".env.example").read_text(), f"MLFLOW_ADMIN_PASSWORD={admin_password}"]
     svc = json.loads(compose_config(tmp_path, lines).stdout)["services"]
     ini = tmp_path / "basic_auth.ini"
@@ -696,7 +699,35 @@ def test_compose_mlflow_command_turns_basic_auth_on_with_an_admin_password(tmp_p
     if admin_password:
         assert args[args.index("--app-name") + 1] == "basic-auth"
         text = ini.read_text()
-        assert f"admin_password = {admin_password}\n" in text and "default_permission = EDIT\n" in text
+        assert f"admin_password = {admin_password}\n" in text and "default_permission = NO_PERMISSIONS\n" in text
         assert oct(ini.stat().st_mode & 0o777) == "0o600"  # it holds the admin password
     else:
         assert not ini.exists()
+
+
+def test_compose_keeps_the_mlflow_user_database_outside_the_served_artifacts(tmp_path):
+    """MLflow's basic-auth user database is on its own volume, mounted by the mlflow service alone, and not
+    under `--artifacts-destination` (the artifact proxy serves every file there: tests/test_auth.py measures
+    the attack). The start script, run as above with its folders moved under tmp_path, also moves the
+    database an older stack kept in /mlartifacts out of it."""
+    lines = [(DOCKER / ".env.example").read_text(), "MLFLOW_ADMIN_PASSWORD=0123456789abcdef"]
+    cfg = json.loads(compose_config(tmp_path, lines).stdout)
+    svc = cfg["services"]
+    script = svc["mlflow"]["command"][2].replace("$$", "$").replace("exec mlflow server", "echo mlflow server")
+    script = re.sub(r"(?<![\w.])/(mlartifacts|mlflow-auth|tmp)\b", lambda m: f"{tmp_path}{m.group(0)}", script)
+    for folder in ("mlartifacts", "mlflow-auth", "tmp"):  # the volumes, there when the container starts
+        (tmp_path / folder).mkdir()
+    (tmp_path / "mlartifacts" / "basic_auth.db").write_bytes(b"SQLite format 3\x00 of an older stack")
+    r = run(["sh", "-c", script], env=clean_env(**{k: str(v) for k, v in svc["mlflow"]["environment"].items()}))
+    assert r.returncode == 0, r.stderr
+    args = r.stdout.split()
+    artifacts = Path(args[args.index("--artifacts-destination") + 1])
+    ini = (tmp_path / "tmp" / "basic_auth.ini").read_text()
+    db = Path(re.search(r"^database_uri = sqlite:///(.+)$", ini, flags=re.M).group(1))
+    assert db == tmp_path / "mlflow-auth" / "basic_auth.db" and not db.is_relative_to(artifacts)
+    assert db.read_bytes().endswith(b"of an older stack") and not (artifacts / "basic_auth.db").exists()
+    mounts = {name: {v["target"]: v["source"] for v in spec.get("volumes", []) if v["type"] == "volume"}
+              for name, spec in svc.items()}
+    assert mounts["mlflow"]["/mlflow-auth"] != mounts["mlflow"]["/mlartifacts"]
+    assert [name for name, m in mounts.items() if "mlflow-auth" in m.values()] == ["mlflow"]
+    assert cfg["volumes"]["mlflow-auth"]["name"] == "gpt2-mlflow-auth"
