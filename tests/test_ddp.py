@@ -11,6 +11,7 @@ leave the training trajectory untouched, also when they fail.
 import json
 import re
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -108,8 +109,15 @@ def test_sigkill_then_same_command_resumes_exactly(ds, reference, tmp_path):
     run = tmp_path / "killed"
     cmd = torchrun_cmd(args(ds, run))
     proc = start(cmd, tmp_path, tmp_path / "log1")
-    killed_at = wait_for_step(proc, run / "metrics.jsonl", 6)
+    wait_for_step(proc, run / "metrics.jsonl", 6)
+    # the step-4 checkpoint is written in the background: on a loaded machine it can still be in flight at
+    # step 6, and then there is nothing to resume from. Kill once it has landed (the test is about resuming)
+    deadline = time.monotonic() + 120
+    while R.latest_checkpoint(run) is None:
+        assert time.monotonic() < deadline and proc.poll() is None, "no checkpoint landed"
+        time.sleep(0.02)
     kill_tree(proc)  # SIGKILL to torchrun and both workers at once
+    killed_at = read_metrics(run / "metrics.jsonl", "train")[-1]["step"]
     assert killed_at < STEPS and not (run / "DONE").exists()
     resume_from = R.read_meta(R.latest_checkpoint(run))["step"]
     assert 4 <= resume_from <= killed_at

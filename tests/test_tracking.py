@@ -17,7 +17,7 @@ from gptcore.metrics import read_metrics
 from integrations import mlflow_store as store
 from integrations import tracking
 from tests.mlflow_server import free_port
-from tests.test_train_utils import make_dataset, python_cmd, start
+from tests.test_train_utils import kill_tree, make_dataset, python_cmd, start
 
 REPO = Path(__file__).resolve().parent.parent
 T0 = 1_760_000_000.0
@@ -184,63 +184,67 @@ def test_training_run_survives_server_restart(mlflow_server, tmp_path):
                       "train.checkpoint_interval=100000", "optim.warmup_steps=10",
                       "eval.eval_interval=10", "eval.sample_interval=10", "eval.val_tokens=128"])
     proc = start(cmd, tmp_path, tmp_path / "train.log")
-    shipper = tracking.Shipper(rd, mlflow_server.uri, interval=0.2, max_backoff=1.0, system_metrics_interval=0.5)
-    rounds = count_rounds(shipper)
-    shipper.start()
-    try:
+    try:  # a failed assertion must not leave a 100000-step trainer running after the test
+        shipper = tracking.Shipper(rd, mlflow_server.uri, interval=0.2, max_backoff=1.0, system_metrics_interval=0.5)
+        rounds = count_rounds(shipper)
+        shipper.start()
+        try:
+            deadline = time.monotonic() + 120
+            while shipper.shipped < 20 and time.monotonic() < deadline:
+                assert proc.poll() is None, (tmp_path / "train.log").read_text()[-2000:]
+                time.sleep(0.1)
+            assert shipper.shipped >= 20, shipper.last_error
+            mlc = MlflowClient(mlflow_server.uri)
+            while not mlc.get_metric_history(shipper.run_id, "system/cpu_utilization_percentage"):
+                assert time.monotonic() < deadline, "no system metrics before the outage"
+                time.sleep(0.2)
+            mlflow_server.stop(kill=True)  # a crash, not a graceful shutdown
+            deadline = time.monotonic() + 30
+            while shipper.last_error is None and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert shipper.last_error is not None  # it noticed the outage...
+            shipped, tried = shipper.shipped, len(rounds)
+            lines_at_outage = len(read_metrics(rd / "metrics.jsonl"))
+            deadline = time.monotonic() + 120
+            while len(rounds) < tried + 3 or len(read_metrics(rd / "metrics.jsonl")) <= lines_at_outage:
+                assert time.monotonic() < deadline, "no retries, or no training, during the outage"
+                time.sleep(0.1)
+            # ...and in three more rounds against the dead server, with new lines waiting, nothing was
+            # acknowledged
+            assert shipper.shipped == shipped and shipper.last_error is not None
+        finally:
+            mlflow_server.start()
+        restarted_ms = time.time() * 1000
+        # training went on during the outage, unaffected
+        assert proc.poll() is None and len(read_metrics(rd / "metrics.jsonl")) > lines_at_outage
+        proc.send_signal(signal.SIGTERM)  # the trainer checkpoints and exits 0
+        assert proc.wait(timeout=120) == 0
         deadline = time.monotonic() + 120
-        while shipper.shipped < 20 and time.monotonic() < deadline:
-            assert proc.poll() is None, (tmp_path / "train.log").read_text()[-2000:]
-            time.sleep(0.1)
-        assert shipper.shipped >= 20, shipper.last_error
-        mlc = MlflowClient(mlflow_server.uri)
-        while not mlc.get_metric_history(shipper.run_id, "system/cpu_utilization_percentage"):
-            assert time.monotonic() < deadline, "no system metrics before the outage"
+        while (shipper.pending_bytes() > 0 or shipper.last_error) and time.monotonic() < deadline:
             time.sleep(0.2)
-        mlflow_server.stop(kill=True)  # a crash, not a graceful shutdown
-        deadline = time.monotonic() + 30
-        while shipper.last_error is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert shipper.last_error is not None  # it noticed the outage...
-        shipped, tried = shipper.shipped, len(rounds)
-        lines_at_outage = len(read_metrics(rd / "metrics.jsonl"))
-        deadline = time.monotonic() + 120
-        while len(rounds) < tried + 3 or len(read_metrics(rd / "metrics.jsonl")) <= lines_at_outage:
-            assert time.monotonic() < deadline, "no retries, or no training, during the outage"
-            time.sleep(0.1)
-        # ...and in three more rounds against the dead server, with new lines waiting, nothing was
-        # acknowledged
-        assert shipper.shipped == shipped and shipper.last_error is not None
-    finally:
-        mlflow_server.start()
-    restarted_ms = time.time() * 1000
-    # training went on during the outage, unaffected
-    assert proc.poll() is None and len(read_metrics(rd / "metrics.jsonl")) > lines_at_outage
-    proc.send_signal(signal.SIGTERM)  # the trainer checkpoints and exits 0
-    assert proc.wait(timeout=120) == 0
-    deadline = time.monotonic() + 120
-    while (shipper.pending_bytes() > 0 or shipper.last_error) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    mlc = MlflowClient(mlflow_server.uri, registry_uri=mlflow_server.uri)
-    while not any(m.timestamp > restarted_ms for m in
-                  mlc.get_metric_history(shipper.run_id, "system/cpu_utilization_percentage")):
-        assert time.monotonic() < deadline, "system metrics did not resume after the outage"
-        time.sleep(0.2)
-    assert shipper.stop() is True and shipper.pending_bytes() == 0
+        mlc = MlflowClient(mlflow_server.uri, registry_uri=mlflow_server.uri)
+        while not any(m.timestamp > restarted_ms for m in
+                      mlc.get_metric_history(shipper.run_id, "system/cpu_utilization_percentage")):
+            assert time.monotonic() < deadline, "system metrics did not resume after the outage"
+            time.sleep(0.2)
+        assert shipper.stop() is True and shipper.pending_bytes() == 0
 
-    written = read_metrics(rd / "metrics.jsonl")
-    assert len([r for r in written if r["kind"] == "eval"]) >= 1
-    keys = {k for r in written if r["kind"] != "sample" for k, v in r.items()
-            if k not in ("step", "time", "kind") and isinstance(v, int | float)}
-    assert {"train/loss", "train/lr", "train/grad_norm", "val/loss"} <= keys
-    for key in sorted(keys):
-        assert history(mlc, shipper.run_id, key) == expected(written, key), key
-    cpu = mlc.get_metric_history(shipper.run_id, "system/cpu_utilization_percentage")
-    steps = [m.step for m in sorted(cpu, key=lambda m: m.timestamp)]
-    assert steps == sorted(set(steps)), steps  # the restarted monitor continues the step count
-    assert mlc.get_metric_history(shipper.run_id, "system/system_memory_usage_megabytes")
-    samples = {a.path for a in mlc.list_artifacts(shipper.run_id, "samples")}
-    assert samples == {f"samples/step_{r['step']:08d}.txt" for r in written if r["kind"] == "sample"}
+        written = read_metrics(rd / "metrics.jsonl")
+        assert len([r for r in written if r["kind"] == "eval"]) >= 1
+        keys = {k for r in written if r["kind"] != "sample" for k, v in r.items()
+                if k not in ("step", "time", "kind") and isinstance(v, int | float)}
+        assert {"train/loss", "train/lr", "train/grad_norm", "val/loss"} <= keys
+        for key in sorted(keys):
+            assert history(mlc, shipper.run_id, key) == expected(written, key), key
+        cpu = mlc.get_metric_history(shipper.run_id, "system/cpu_utilization_percentage")
+        steps = [m.step for m in sorted(cpu, key=lambda m: m.timestamp)]
+        assert steps == sorted(set(steps)), steps  # the restarted monitor continues the step count
+        assert mlc.get_metric_history(shipper.run_id, "system/system_memory_usage_megabytes")
+        samples = {a.path for a in mlc.list_artifacts(shipper.run_id, "samples")}
+        assert samples == {f"samples/step_{r['step']:08d}.txt" for r in written if r["kind"] == "sample"}
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
 
 
 def test_cli_errors_and_outage(tmp_path, capsys):

@@ -202,9 +202,13 @@ def test_sigterm_during_a_background_write_finishes_it_then_writes_the_stop_chec
     log = tmp_path / "log"
     proc = start(python_cmd(args(ds, run, "train.max_steps=100000")), tmp_path, log,
                  GPTPIPE_TEST_CHECKPOINT_DELAY="6")
-    wait_for_text(log, "checkpoint write delayed")  # step 4's write is in flight
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=120) == 0, log.read_text()
+    try:
+        wait_for_text(log, "checkpoint write delayed")  # step 4's write is in flight
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0, log.read_text()
+    finally:  # never leave a 100000-step trainer behind a failed assertion
+        if proc.poll() is None:
+            kill_tree(proc)
     ckpts = R.list_checkpoints(run)
     assert len(ckpts) == 2 and ckpts[0].name == "step_00000004", log.read_text()
     stop = R.read_meta(ckpts[1])
