@@ -248,6 +248,9 @@ def test_an_unwritable_checkpoint_stops_both_ranks_without_a_hang(ds, tmp_path):
     # a worker fails, and lists every failed rank's own exit code in its ChildFailedError report
     assert proc.returncode == 1, (proc.returncode, out[-3000:])
     codes = dict(re.findall(r"rank\s*: (\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*: (-?\d+)", out))
-    assert codes == {"0": "2", "1": "2"}, (codes, out[-3000:])
+    # the first rank to exit gives 2; torchrun then SIGTERMs the rest, which may beat their own exit 2 (-15);
+    # a rank that hung and was killed at the timeout, or crashed with a traceback, gives something else
+    assert set(codes) == {"0", "1"} and "2" in codes.values() and set(codes.values()) <= {"2", "-15"}, \
+        (codes, out[-3000:])
     assert out.count("error: checkpoint step 4 could not be written") == 2, out[-3000:]  # both ranks
     assert not list((run / "checkpoints").iterdir())
