@@ -147,6 +147,11 @@ class Stack:
     ui: bool = True  # serve the Prefect UI (the tests turn it off)
     extra_env: dict = field(default_factory=dict)  # for the worker (e.g. OMP_NUM_THREADS in tests)
     auth: Auth | None = None  # None: no authentication (the demo, on loopback)
+    # the servers' databases, through their environment (never argv: it holds the password). Empty: SQLite
+    # under the home. prefect_db_env: PREFECT_SERVER_DATABASE_* settings, as docker-compose.yml gives them;
+    # mlflow_backend_uri: MLFLOW_BACKEND_STORE_URI (e.g. postgresql+psycopg2://user:pw@host:port/mlflow)
+    prefect_db_env: dict = field(default_factory=dict)
+    mlflow_backend_uri: str = ""
 
     def __post_init__(self):
         self.home = Path(self.home).resolve()
@@ -225,8 +230,10 @@ class Stack:
                 env.update(MLFLOW_AUTH_CONFIG_PATH=str(self._mlflow_auth_config(root)),
                            MLFLOW_FLASK_SERVER_SECRET_KEY=secrets.token_hex(16))
                 auth_app = ["--app-name", "basic-auth"]
-            self.mlflow.spawn([sys.executable, "-m", "mlflow", "server", *auth_app,
-                               "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
+            store = ["--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}"]
+            if self.mlflow_backend_uri:  # --backend-store-uri's envvar: the password stays out of `ps`
+                env["MLFLOW_BACKEND_STORE_URI"], store = self.mlflow_backend_uri, []
+            self.mlflow.spawn([sys.executable, "-m", "mlflow", "server", *auth_app, *store,
                                "--artifacts-destination", str(root / "artifacts"),
                                "--host", "127.0.0.1", "--port", str(self.mlflow_port), "--workers", "1"],
                               env, port=self.mlflow_port)
@@ -243,6 +250,7 @@ class Stack:
                        # slots (in memory they are lost and the slots stay taken for ever)
                        PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE=LEASE_STORAGE)
             del env["PREFECT_API_URL"]
+            env.update(self.prefect_db_env)
             if self.auth:
                 env["PREFECT_SERVER_API_AUTH_STRING"] = self.auth.prefect
             self.prefect.spawn([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",

@@ -27,7 +27,7 @@ from tests.prefect_stack import prefect_stack  # noqa: F401
 # spawns processes is added here; test_layout-style drift is caught by test_markers_name_real_fixtures).
 MARKING_FIXTURES = {
     "prefect_stack": "server", "mlflow_server": "server", "secured": "server", "prefect_api": "server",
-    "served": "server",
+    "served": "server", "postgres": "server",
     "trained": "spawns", "from_step4": "spawns", "cli_reference": "spawns", "eager_job": "spawns",
 }
 
