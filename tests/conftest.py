@@ -23,8 +23,8 @@ from tests.hub_standin import standin  # noqa: F401
 from tests.mlflow_server import mlflow_server  # noqa: F401
 from tests.prefect_stack import prefect_stack  # noqa: F401
 
-# fixture name -> marker. Names are unique across the tests (a new fixture that starts a server or
-# spawns processes is added here; test_layout-style drift is caught by test_markers_name_real_fixtures).
+# fixture name -> marker: a new fixture that starts a server or spawns processes is added here
+# (tests/test_suite.py checks that each name is one fixture that exists).
 MARKING_FIXTURES = {
     "prefect_stack": "server", "mlflow_server": "server", "secured": "server", "prefect_api": "server",
     "served": "server", "postgres": "server",
