@@ -93,20 +93,13 @@ def evaluate_checkpoint(target: str, cfg_dict: dict | None = None, val: bool = T
 # --- a registered model -------------------------------------------------------------------------------
 
 def fetch_registered(model_uri: str, dst: Path, tracking_uri: str | None = None) -> Path:
-    """Download the inference weights of a registered model version into `dst`; returns the checkpoint
-    dir (model.safetensors + meta.json, the layout tasks/register.py logs)."""
-    import mlflow
-
-    from integrations import mlflow_store as store
+    """Download the inference weights of a registered model version into `dst`, checked against the
+    version's checkpoint_sha256 tag (integrations/registry_weights.py); returns the checkpoint dir
+    (model.safetensors + meta.json, the layout tasks/register.py logs). UntrustedWeights if they differ."""
     from integrations.mlflow_store import resolve_model_uri
+    from integrations.registry_weights import fetch_verified
 
-    store.use_store(tracking_uri)
-    path = Path(mlflow.artifacts.download_artifacts(artifact_uri=f"{resolve_model_uri(model_uri)}/artifacts/"
-                                                                 "checkpoint", dst_path=str(dst)))
-    if not (path / "meta.json").is_file() or not (path / "model.safetensors").is_file():
-        raise FileNotFoundError(f"{model_uri} holds no checkpoint artifact (model.safetensors + meta.json); "
-                                "was it registered by tasks.register?")
-    return path
+    return fetch_verified(resolve_model_uri(model_uri), dst, tracking_uri)[0]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,8 +119,13 @@ def main(argv: list[str] | None = None) -> int:
     from mlflow.exceptions import MlflowException
 
     with tempfile.TemporaryDirectory(prefix="gptpipe-eval-") as tmp:
+        from integrations.registry_weights import UntrustedWeights
+
         try:
             ckpt = fetch_registered(model_uri, Path(tmp), tracking_uri)
+        except UntrustedWeights as e:  # names the version, both hashes and the fix
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         except (MlflowException, OSError) as e:
             print(f"error: cannot fetch {model_uri}: {e}\nSee the registered models and aliases in the MLflow "
                   "UI (MLFLOW_TRACKING_URI or --tracking-uri names the server).", file=sys.stderr)

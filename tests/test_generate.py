@@ -105,7 +105,7 @@ def test_a_verified_version_generates_the_checkpoints_tokens_without_the_pyfunc(
     assert p.stdout.split("\n---\n")[0] == want
 
 
-def test_tampered_weights_are_refused_by_the_command_and_the_sample_stage(mlflow_server, monkeypatch, tmp_path):
+def test_tampered_weights_are_refused_by_the_command_and_the_sample_stage(mlflow_server, monkeypatch, tmp_path, capsys):
     uri = mlflow_server.uri
     mlc = MlflowClient(uri, registry_uri=uri)
     ck = save_ckpt(tmp_path / "tampered", 4, 8.9, seed=41)
@@ -138,6 +138,11 @@ def test_tampered_weights_are_refused_by_the_command_and_the_sample_stage(mlflow
     with pytest.raises(generate.UntrustedWeights, match=f"model 'tampered' version {version} .*{actual}.*{expected}"):
         generate.sample_task.fn(str(run_ck), f"models:/tampered/{version}", PROMPT, 4)
     assert not (run_ck / generate.SAMPLE_FILE).exists()
+    # and `python -m tasks.evaluate models:/...` (same verified fetch) refuses to score it
+    from tasks import evaluate as evaluate_cli
+
+    assert evaluate_cli.main(["models:/tampered@best", "--tracking-uri", uri]) == 2
+    assert f"error: model 'tampered' version {version} " in capsys.readouterr().err
 
     # a meta.json that belongs to other weights is refused as well, even when the weights match again
     shutil.copyfile(ck / "model.safetensors", stored)
