@@ -13,17 +13,19 @@ import argparse
 def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None, smoke: dict) -> argparse.Namespace:
     """`parser.parse_args(argv)` with a --smoke flag that makes `smoke` ({dest: value}) the defaults: an
     option given on the command line still wins over its smoke value."""
-    flags = " ".join(_flag(parser, k, v) for k, v in smoke.items())
+    flags = " ".join(_flag(k, v) for k, v in smoke.items())
     parser.add_argument("--smoke", action="store_true",
                         help=f"the smallest run, for a test that it works (not a timing): {flags}")
     args = parser.parse_args(argv)
+    unknown = set(smoke) - set(vars(args))
+    if unknown:  # a typo in `smoke` fails at once, not as a silently full-size run
+        raise ValueError(f"--smoke names options this benchmark does not have: {sorted(unknown)}")
     if args.smoke:
         parser.set_defaults(**smoke)
         args = parser.parse_args(argv)
     return args
 
 
-def _flag(parser: argparse.ArgumentParser, dest: str, value) -> str:
-    action = next(a for a in parser._actions if a.dest == dest)  # a typo in `smoke` fails here, at once
+def _flag(dest: str, value) -> str:
     values = value if isinstance(value, list | tuple) else [value]
-    return " ".join([action.option_strings[0], *map(str, values)])
+    return " ".join(["--" + dest.replace("_", "-"), *map(str, values)])

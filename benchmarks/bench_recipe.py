@@ -36,7 +36,7 @@ COMMON = ["train.total_batch_tokens=2048", "eval.eval_interval=0", "eval.sample_
           "eval.hellaswag=false", "eval.val_tokens=32768", "train.checkpoint_interval=100000", "train.log_interval=1"]
 # --smoke: 8 steps, so that the 0.5N run still has steps after the two its step time leaves out
 SMOKE = {"preset": "micro", "steps": 8, "seeds": [1337],
-         "overrides": ["train.total_batch_tokens=256", "eval.val_tokens=1024"]}
+         "set": ["train.total_batch_tokens=256", "eval.val_tokens=1024"]}
 
 
 def run(preset: str, name: str, steps: int, seed: int, extra: list[str], home: Path) -> dict:
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", default="tiny-cpu")
     p.add_argument("--steps", type=int, default=240, help="N, the default recipe's steps")
     p.add_argument("--seeds", type=int, nargs="+", default=[1337, 42])
-    p.add_argument("--set", dest="overrides", nargs="+", default=[], metavar="KEY=VALUE",
+    p.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
                    help="config overrides for every run, after the common ones (e.g. train.total_batch_tokens=4096)")
     args = parse_args(p, argv, SMOKE)
     n, half = args.steps, args.steps // 2
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         configs.append((f"muon + wsd, 0.5N={half}", half, MUON))
         for seed in args.seeds:  # seeds outermost: a drifting machine hits every configuration alike
             for i, (label, steps, extra) in enumerate(configs):
-                r = run(args.preset, f"c{i}-s{seed}", steps, seed, [*args.overrides, *extra], home)
+                r = run(args.preset, f"c{i}-s{seed}", steps, seed, [*args.set, *extra], home)
                 results.setdefault(label, []).append(r)
                 print(f"  {label:32s} seed {seed}: val {r['val']:.4f}, {r['step_time'] * 1000:.1f} ms/step",
                       flush=True)
