@@ -5,7 +5,6 @@ second run skips."""
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,20 +13,16 @@ from pathlib import Path
 
 import pytest
 
+from tests.mlflow_server import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 OV = ["data.shard_tokens=20000", "data.max_docs=8", "data.piece_bytes=150000", "data.num_workers=2"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def prefect_api(tmp_path_factory):
     home = tmp_path_factory.mktemp("prefect")
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
            "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{home}/prefect.db"}
     env.pop("PREFECT_API_URL", None)

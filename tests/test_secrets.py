@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ import pytest
 import yaml
 
 from tests.local_http import end_body, serve
+from tests.mlflow_server import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKER = ROOT / "docker"
@@ -277,18 +277,12 @@ def _keys(data):
 
 # --- MLflow credentials from Prefect Secret blocks -----------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def prefect_with_auth(tmp_path_factory):
     """A real `prefect server` (SQLite, in a temporary PREFECT_HOME) with basic auth on, as an exposed
     compose stack runs it (PREFECT_SERVER_API_AUTH_STRING)."""
     home = tmp_path_factory.mktemp("prefect-auth")
-    port, auth = _free_port(), "admin:0123456789abcdef"
+    port, auth = free_port(), "admin:0123456789abcdef"
     env = clean_env(PREFECT_HOME=str(home), PREFECT_SERVER_API_AUTH_STRING=auth, PREFECT_UI_ENABLED="false",
                     PREFECT_SERVER_ANALYTICS_ENABLED="false", PYTHONUNBUFFERED="1")
     log = (home / "server.log").open("w")
