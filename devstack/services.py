@@ -13,9 +13,10 @@ is only signalled when its recorded start time still matches (a recycled pid is 
 
 from __future__ import annotations
 
+import contextlib
 import os
-import secrets
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -23,11 +24,13 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from devstack.tls import Certificates, make_certificates
 from gptcore.files import read_json, write_json
 from integrations.mlflow_store import basic_auth
 from integrations.processes import start_time, stop_tree, tree_of
 
 REPO = Path(__file__).resolve().parent.parent
+SCRIPTS = REPO / "docker"  # start-prefect-server.sh, start-mlflow.sh: the servers as compose starts them
 CPU_POOL = "cpu-pool"
 GPU_POOL = "gpu-pool"  # the nightly gpt2-124m deployment's pool; its worker runs on a GPU machine
 
@@ -51,13 +54,14 @@ def free_port(preferred: int = 0) -> int:
         return s.getsockname()[1]
 
 
-def http_ok(url: str, timeout: float = 2.0, auth: str | None = None) -> bool:
-    """GET url answers 200 (`auth`: "user:password", sent as HTTP basic auth)."""
+def http_ok(url: str, timeout: float = 2.0, auth: str | None = None, ca_file: Path | None = None) -> bool:
+    """GET url answers 200 (`auth`: "user:password", sent as HTTP basic auth; https verified by `ca_file`,
+    else by the system CAs)."""
     req = urllib.request.Request(url)
     if auth:  # never forwarded if the server redirects elsewhere
         req.add_unredirected_header("Authorization", basic_auth(auth))
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
+        with urllib.request.urlopen(req, timeout=timeout, context=ssl.create_default_context(cafile=ca_file)) as r:
             return r.status == 200
     except OSError:
         return False
@@ -118,6 +122,21 @@ class Service:
             self.proc.poll()
 
 
+@contextlib.contextmanager
+def mlflow_trusting(certificates: Certificates | None):
+    """MLflow's clients in this process verify the stack's servers by its CA, for the calls inside."""
+    old = os.environ.get("MLFLOW_TRACKING_SERVER_CERT_PATH")
+    if certificates:
+        os.environ["MLFLOW_TRACKING_SERVER_CERT_PATH"] = str(certificates.ca)
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("MLFLOW_TRACKING_SERVER_CERT_PATH", None)
+        else:
+            os.environ["MLFLOW_TRACKING_SERVER_CERT_PATH"] = old
+
+
 @dataclass
 class Auth:
     """Credentials for a stack other machines can reach: Prefect's basic auth ("user:password", the server's
@@ -149,13 +168,19 @@ class Stack:
     auth: Auth | None = None  # None: no authentication (the demo, on loopback)
     # the servers' databases, through their environment (never argv: it holds the password). Empty: SQLite
     # under the home. prefect_db_env: PREFECT_SERVER_DATABASE_* settings, as docker-compose.yml gives them;
-    # mlflow_backend_uri: MLFLOW_BACKEND_STORE_URI (e.g. postgresql+psycopg2://user:pw@host:port/mlflow)
+    # mlflow_db_env: start-mlflow.sh's POSTGRES_USER, _PASSWORD, _HOST, _PORT (compose's PostgreSQL), or
+    # MLFLOW_BACKEND_STORE_URI
     prefect_db_env: dict = field(default_factory=dict)
-    mlflow_backend_uri: str = ""
+    mlflow_db_env: dict = field(default_factory=dict)
+    # https on both servers with a certificate for 127.0.0.1 signed by a CA made for this home
+    # (<home>/services/tls, devstack.tls); every client of the stack verifies it by that CA (env())
+    tls: bool = False
 
     def __post_init__(self):
         self.home = Path(self.home).resolve()
         self.state_dir = self.home / "services"
+        self.certificates = (make_certificates(self.state_dir / "tls", ["127.0.0.1", "localhost"])
+                             if self.tls else None)
         self.prefect = Service("prefect-server", self.state_dir)
         self.mlflow = Service("mlflow-server", self.state_dir)
         self.worker = Service(f"worker-{self.pool}", self.state_dir)
@@ -165,8 +190,12 @@ class Stack:
                 setattr(self, attr, svc.state()["port"])
 
     @property
+    def scheme(self) -> str:
+        return "https" if self.tls else "http"
+
+    @property
     def prefect_ui_url(self) -> str:
-        return f"http://127.0.0.1:{self.prefect_port}"
+        return f"{self.scheme}://127.0.0.1:{self.prefect_port}"
 
     @property
     def prefect_api_url(self) -> str:
@@ -174,7 +203,7 @@ class Stack:
 
     @property
     def mlflow_uri(self) -> str:
-        return f"http://127.0.0.1:{self.mlflow_port}"
+        return f"{self.scheme}://127.0.0.1:{self.mlflow_port}"
 
     def env(self) -> dict[str, str]:
         """Environment for anything that talks to this stack (clients, CLI, the worker's flow runs)."""
@@ -188,14 +217,18 @@ class Stack:
             "PYTHONUNBUFFERED": "1",
             **({"PREFECT_API_AUTH_STRING": self.auth.prefect, "MLFLOW_TRACKING_USERNAME": self.auth.mlflow_worker,
                 "MLFLOW_TRACKING_PASSWORD": self.auth.mlflow_worker_password} if self.auth else {}),
+            # the CA bundle each library's client verifies the servers by (docs/security.md)
+            **({"PREFECT_API_SSL_CERT_FILE": str(self.certificates.ca),
+                "MLFLOW_TRACKING_SERVER_CERT_PATH": str(self.certificates.ca)} if self.certificates else {}),
         }
 
     def prefect_settings(self) -> dict:
         """Prefect settings for a client of this stack in this process (temporary_settings)."""
-        from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL
+        from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_SSL_CERT_FILE, PREFECT_API_URL
 
         return {PREFECT_API_URL: self.prefect_api_url,
-                **({PREFECT_API_AUTH_STRING: self.auth.prefect} if self.auth else {})}
+                **({PREFECT_API_AUTH_STRING: self.auth.prefect} if self.auth else {}),
+                **({PREFECT_API_SSL_CERT_FILE: str(self.certificates.ca)} if self.certificates else {})}
 
     def _health_url(self, server: Service) -> str:
         return f"{self.prefect_api_url if server is self.prefect else self.mlflow_uri}/health"
@@ -203,12 +236,17 @@ class Stack:
     def _health_auth(self, server: Service) -> str | None:
         return self.auth.prefect if self.auth and server is self.prefect else None
 
+    @property
+    def _ca_file(self) -> Path | None:
+        return self.certificates.ca if self.certificates else None
+
     def _healthy(self, server: Service) -> bool:
-        return server.alive() and http_ok(self._health_url(server), auth=self._health_auth(server))
+        return server.alive() and http_ok(self._health_url(server), auth=self._health_auth(server),
+                                          ca_file=self._ca_file)
 
     def _wait(self, server: Service, timeout: float) -> None:
         end = time.monotonic() + timeout
-        while not http_ok(self._health_url(server), auth=self._health_auth(server)):
+        while not http_ok(self._health_url(server), auth=self._health_auth(server), ca_file=self._ca_file):
             if not server.alive():
                 raise server.error("exited during start-up")
             if time.monotonic() > end:
@@ -217,84 +255,70 @@ class Stack:
             time.sleep(0.3)
 
     def up(self, timeout: float = 180.0) -> Stack:
-        # start both servers before waiting for either: each spends most of its start-up importing
+        # Both servers start through docker/start-*.sh, the scripts compose's services run, with this
+        # home's folders and ports in their environment. Start both before waiting for either: each spends
+        # most of its start-up importing.
         if not self._healthy(self.mlflow):
             self.mlflow.stop()
             self.mlflow_port = free_port(self.mlflow_port)
             root = self.home / "mlflow"
             root.mkdir(parents=True, exist_ok=True)
-            env = dict(self.env(), OMP_NUM_THREADS="1")
-            del env["MLFLOW_TRACKING_URI"]
-            auth_app = []
-            if self.auth:  # MLflow's basic-auth app: users in <home>/mlflow/auth/ (see _mlflow_auth_config)
-                env.update(MLFLOW_AUTH_CONFIG_PATH=str(self._mlflow_auth_config(root)),
-                           MLFLOW_FLASK_SERVER_SECRET_KEY=secrets.token_hex(16))
-                auth_app = ["--app-name", "basic-auth"]
-            store = ["--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}"]
-            if self.mlflow_backend_uri:  # --backend-store-uri's envvar: the password stays out of `ps`
-                env["MLFLOW_BACKEND_STORE_URI"], store = self.mlflow_backend_uri, []
-            self.mlflow.spawn([sys.executable, "-m", "mlflow", "server", *auth_app, *store,
-                               "--artifacts-destination", str(root / "artifacts"),
-                               "--host", "127.0.0.1", "--port", str(self.mlflow_port), "--workers", "1"],
-                              env, port=self.mlflow_port)
+            env = dict(self._server_env(), OMP_NUM_THREADS="1", MLFLOW_HOST="127.0.0.1",
+                       MLFLOW_PORT=str(self.mlflow_port), MLFLOW_WORKERS="1",
+                       MLFLOW_ARTIFACTS_DIR=str(root / "artifacts"),
+                       **(self.mlflow_db_env or {"MLFLOW_BACKEND_STORE_URI": f"sqlite:///{root / 'mlflow.db'}"}))
+            if self.auth:  # MLflow's basic-auth app: users in <home>/mlflow/auth/, never under the artifacts
+                self._move_old_auth_db(root)
+                env.update(MLFLOW_ADMIN_PASSWORD=self.auth.mlflow_admin_password, MLFLOW_AUTH_DIR=str(root / "auth"),
+                           MLFLOW_AUTH_CONFIG=str(self.state_dir / "mlflow-auth.ini"))
+            self.mlflow.spawn(["sh", str(SCRIPTS / "start-mlflow.sh")], env, port=self.mlflow_port)
         if not self._healthy(self.prefect):
             self.prefect.stop()
             self.prefect_port = free_port(self.prefect_port)
             (self.home / "prefect").mkdir(parents=True, exist_ok=True)
-            env = dict(self.env(), PREFECT_UI_ENABLED=str(self.ui).lower(),
+            env = dict(self._server_env(), PREFECT_UI_ENABLED=str(self.ui).lower(),
                        PREFECT_SERVER_API_HOST="127.0.0.1", PREFECT_SERVER_API_PORT=str(self.prefect_port),
+                       PREFECT_UI_API_URL=f"{self.scheme}://127.0.0.1:{self.prefect_port}/api",
                        # an expired concurrency lease (its holder was killed) is reclaimed within seconds
                        PREFECT_SERVER_SERVICES_REPOSSESSOR_LOOP_SECONDS="5",
                        # leases on disk (<PREFECT_HOME>/concurrency_leases), not in the server's memory: a
                        # server restarted after a crash still knows them, so they expire and free their
                        # slots (in memory they are lost and the slots stay taken for ever)
-                       PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE=LEASE_STORAGE)
-            del env["PREFECT_API_URL"]
-            env.update(self.prefect_db_env)
+                       PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE=LEASE_STORAGE,
+                       **self.prefect_db_env)
             if self.auth:
-                env["PREFECT_SERVER_API_AUTH_STRING"] = self.auth.prefect
-            self.prefect.spawn([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-                                "--port", str(self.prefect_port)], env, port=self.prefect_port)
+                env["PREFECT_AUTH_STRING"] = self.auth.prefect
+            self.prefect.spawn(["sh", str(SCRIPTS / "start-prefect-server.sh")], env, port=self.prefect_port)
         self._wait(self.mlflow, timeout)
         self._wait(self.prefect, timeout)
         if self.auth:
             from integrations.mlflow_store import ensure_user
 
             a = self.auth
-            ensure_user(self.mlflow_uri, (a.mlflow_admin, a.mlflow_admin_password), a.mlflow_worker,
-                        a.mlflow_worker_password)
+            with mlflow_trusting(self.certificates):
+                ensure_user(self.mlflow_uri, (a.mlflow_admin, a.mlflow_admin_password), a.mlflow_worker,
+                            a.mlflow_worker_password)
         self.start_worker()
         return self
 
-    def _mlflow_auth_config(self, root: Path) -> Path:
-        """MLflow's basic-auth settings: a signed-in user may do nothing it was not granted (the worker gets
-        its grants from ensure_user in up()); anonymous requests get 401. The admin is created on the
-        first start. The user database sits in <root>/auth, beside the artifacts the server serves, never
-        inside them: a file under the artifact root can be downloaded and replaced through the artifact
-        proxy."""
-        a = self.auth
-        db = self._mlflow_auth_db(root)
-        path = self.state_dir / "mlflow-auth.ini"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds the admin password
-        with os.fdopen(fd, "w") as f:
-            f.write("[mlflow]\ndefault_permission = NO_PERMISSIONS\n"
-                    f"database_uri = sqlite:///{db}\n"
-                    f"admin_username = {a.mlflow_admin}\nadmin_password = {a.mlflow_admin_password}\n"
-                    "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
-        return path
+    def _server_env(self) -> dict[str, str]:
+        """What both start scripts get: this interpreter, the certificate when serving https, and not the
+        servers' client URLs (a server is not its own client)."""
+        env = {k: v for k, v in self.env().items() if k not in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI")}
+        env["PYTHON"] = sys.executable
+        if self.certificates:
+            env.update(TLS_CERT_FILE=str(self.certificates.cert), TLS_KEY_FILE=str(self.certificates.key))
+        return env
 
     @staticmethod
-    def _mlflow_auth_db(root: Path) -> Path:
-        """<root>/auth/basic_auth.db, readable by this user only. A home from before kept it in <root>
-        itself: it moves, so users, changed passwords and grants (the worker's MANAGE on the models it
-        created) carry over."""
+    def _move_old_auth_db(root: Path) -> None:
+        """A home from before kept the user database in <root> itself: it moves to <root>/auth (where
+        start-mlflow.sh keeps it), so users, changed passwords and grants carry over."""
         auth_dir = root / "auth"
         auth_dir.mkdir(mode=0o700, exist_ok=True)
         db, old = auth_dir / "basic_auth.db", root / "basic_auth.db"
         if old.is_file() and not db.exists():
             old.rename(db)
-        return db
 
     def ensure_pool(self, name: str | None = None) -> None:
         """Create the process work pool `name` (default: this stack's) unless it exists."""

@@ -5,6 +5,8 @@
 # docker/.env must set PREFECT_AUTH_STRING (user:password), MLFLOW_ADMIN_PASSWORD and
 # MLFLOW_WORKER_PASSWORD, and every password it sets (those, POSTGRES_PASSWORD, MLFLOW_SECRET_KEY) must be
 # at least 16 characters and not docker/.env.example's placeholder (`change-me...`, `<openssl rand ...>`).
+# Credentials alone go over the network in clear text: an exposed stack also needs https (TLS_CERT_FILE and
+# TLS_KEY_FILE), or ALLOW_PLAIN_HTTP=1 stating that the network between it and its clients is trusted.
 # Each problem is one line naming the variable and the fix; exit 1 when there is any.
 set -euo pipefail
 
@@ -39,6 +41,12 @@ check MLFLOW_ADMIN_PASSWORD "${MLFLOW_ADMIN_PASSWORD:-}" 1
 check MLFLOW_WORKER_PASSWORD "${MLFLOW_WORKER_PASSWORD:-}" 1
 check POSTGRES_PASSWORD "${POSTGRES_PASSWORD:-}" 0  # compose itself refuses an unset one
 check MLFLOW_SECRET_KEY "${MLFLOW_SECRET_KEY:-}" 0   # optional: a random key per start when unset
+cert=${TLS_CERT_FILE:-} key=${TLS_KEY_FILE:-}
+if [[ ( -n "$cert" && -z "$key" ) || ( -z "$cert" && -n "$key" ) ]]; then
+    problems+=("https needs both TLS_CERT_FILE and TLS_KEY_FILE; only one is set: set the other (absolute paths on this host)")
+elif [ -z "$cert" ] && [ "${ALLOW_PLAIN_HTTP:-}" != 1 ]; then
+    problems+=("TLS_CERT_FILE and TLS_KEY_FILE are not set, so passwords would cross the network in clear text: set them to your certificate and key (absolute paths on this host; docs/security.md), or set ALLOW_PLAIN_HTTP=1 if every network between the stack and its clients is trusted")
+fi
 if [ ${#problems[@]} -gt 0 ]; then
     {
         echo "error: BIND_ADDRESS=$addr publishes the Prefect and MLflow servers beyond this machine, but" \
@@ -49,4 +57,5 @@ if [ ${#problems[@]} -gt 0 ]; then
     } >&2
     exit 1
 fi
-echo "BIND_ADDRESS=$addr: Prefect basic auth and MLflow's basic-auth app are on"
+if [ -n "$cert" ]; then scheme=https; else scheme="plain http (ALLOW_PLAIN_HTTP=1)"; fi
+echo "BIND_ADDRESS=$addr: Prefect basic auth and MLflow's basic-auth app are on, over $scheme"

@@ -9,6 +9,9 @@
 #   WORK_POOL_TEMPLATE   base job template JSON used when the pool is created (optional)
 #   WORKER_NAME          default: the container's hostname
 #   API_WAIT_SECONDS     how long to wait for the API (default 180)
+#   TLS_CA_FILE          the CA that signed the servers' certificate (https with a private CA); it becomes
+#                        PREFECT_API_SSL_CERT_FILE and MLFLOW_TRACKING_SERVER_CERT_PATH for the worker and
+#                        its flow runs (never exported empty: MLflow would read "" as "do not verify")
 #   DRY_RUN=1            print the prefect commands instead of running them (the wait still runs)
 # Extra arguments are passed to `prefect worker start`.
 set -euo pipefail
@@ -21,6 +24,10 @@ run() {
 
 # Prefect's basic auth (an exposed compose stack): clients send PREFECT_API_AUTH_STRING
 if [ -n "${PREFECT_AUTH_STRING:-}" ]; then export PREFECT_API_AUTH_STRING="$PREFECT_AUTH_STRING"; fi
+if [ -n "${TLS_CA_FILE:-}" ]; then
+    [ -s "$TLS_CA_FILE" ] || die "TLS_CA_FILE=$TLS_CA_FILE is missing or empty; mount the CA certificate there (docker/.env: TLS_CA_FILE)"
+    export PREFECT_API_SSL_CERT_FILE="$TLS_CA_FILE" MLFLOW_TRACKING_SERVER_CERT_PATH="$TLS_CA_FILE"
+fi
 api=${PREFECT_API_URL:-}
 [ -n "$api" ] || die "PREFECT_API_URL is not set; set it to the server's API, e.g. http://prefect-server:4200/api"
 pool=${WORK_POOL:-gpu-pool}
@@ -33,15 +40,16 @@ py=${PYTHON:-python}
 # 1. the API answers /health with 200 (python, because the image has no curl)
 log "waiting up to ${wait_s}s for the Prefect API at $api"
 if ! "$py" - "${api%/}/health" "$wait_s" <<'EOF'
-import base64, os, sys, time, urllib.request
+import base64, os, ssl, sys, time, urllib.request
 url, deadline = sys.argv[1], time.monotonic() + float(sys.argv[2])
+tls = ssl.create_default_context(cafile=os.environ.get("PREFECT_API_SSL_CERT_FILE") or None)
 auth = os.environ.get("PREFECT_API_AUTH_STRING")
 while True:
     req = urllib.request.Request(url)
     if auth:  # unredirected: a redirect must not carry the credentials to another host
         req.add_unredirected_header("Authorization", "Basic " + base64.b64encode(auth.encode()).decode())
     try:
-        with urllib.request.urlopen(req, timeout=5) as r:
+        with urllib.request.urlopen(req, timeout=5, context=tls) as r:
             if r.status == 200:
                 sys.exit(0)
     except OSError:

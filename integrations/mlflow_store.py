@@ -17,6 +17,7 @@ import base64
 import contextlib
 import json
 import os
+import ssl
 import subprocess
 import urllib.error
 import urllib.parse
@@ -214,6 +215,21 @@ def _auth(req: urllib.request.Request) -> urllib.request.Request:
     return req
 
 
+def trust_ca(ca_file: str | None) -> None:
+    """Verify MLflow servers by the CA bundle `ca_file` in this process and its children, the way MLflow's
+    own clients are told to (MLFLOW_TRACKING_SERVER_CERT_PATH). Empty or None: nothing changes (the system
+    CAs). Never set that variable to "": MLflow passes it to requests as `verify`, where "" means no
+    verification at all."""
+    if ca_file:
+        os.environ["MLFLOW_TRACKING_SERVER_CERT_PATH"] = str(ca_file)
+
+
+def tls_context() -> ssl.SSLContext:
+    """For urllib calls to the MLflow server: verified as MLflow's clients verify it, by
+    MLFLOW_TRACKING_SERVER_CERT_PATH when set, else the system CAs."""
+    return ssl.create_default_context(cafile=os.environ.get("MLFLOW_TRACKING_SERVER_CERT_PATH") or None)
+
+
 def rest_read(uri: str, endpoint: str, params: dict | None = None, body: dict | None = None,
               timeout: float = 10.0) -> dict | None:
     """A read from <uri>/api/2.0/mlflow/<endpoint>: GET with query `params`, or POST with a JSON `body` (the
@@ -226,7 +242,7 @@ def rest_read(uri: str, endpoint: str, params: dict | None = None, body: dict | 
     data = json.dumps(body).encode() if body is not None else None
     req = _auth(urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}))
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
+        with urllib.request.urlopen(req, timeout=timeout, context=tls_context()) as r:
             return json.loads(r.read())
     except urllib.error.HTTPError as e:
         if e.code == 404 or "RESOURCE_DOES_NOT_EXIST" in e.read().decode(errors="replace"):

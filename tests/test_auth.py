@@ -15,7 +15,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -115,20 +114,25 @@ def attack_user_database(uri: str, path: str = "basic_auth.db") -> tuple[int, by
 
 
 def compose_mlflow_layout(tmp: Path) -> tuple[Path, Path]:
-    """How docker-compose.yml lays out an authenticated MLflow server: the mlflow service's start script, as
-    compose hands it to `sh -c` ($$ -> $), run with `mlflow server` replaced by echo and its absolute folders
-    (/mlartifacts, /mlflow-auth, /tmp: its volumes and the config) moved under `tmp`. Returns the artifacts
-    destination it passes to `mlflow server` and the basic-auth config it writes."""
-    script = yaml.safe_load(COMPOSE.read_text())["services"]["mlflow"]["command"][2].replace("$$", "$")
-    script = re.sub(r"(?<![\w.])/(mlartifacts|mlflow-auth|tmp)\b", lambda m: f"{tmp}{m.group(0)}", script)
-    script = script.replace("exec mlflow server", "echo mlflow server")
+    """How docker-compose.yml lays out an authenticated MLflow server: the mlflow service's start script
+    (docker/start-mlflow.sh, which compose mounts and runs) with the folders it defaults to (/mlartifacts,
+    /mlflow-auth: the service's volumes; /tmp/basic_auth.ini) moved under `tmp` and PYTHON=echo, so it
+    prints the `mlflow server` arguments instead of starting it. Returns the artifacts destination it
+    passes and the basic-auth config it writes."""
+    svc = yaml.safe_load(COMPOSE.read_text())["services"]["mlflow"]
+    assert svc["entrypoint"] == ["sh", "/start-mlflow.sh"] and "./start-mlflow.sh:/start-mlflow.sh:ro" in svc["volumes"]
+    assert {"artifacts:/mlartifacts", "mlflow-auth:/mlflow-auth"} <= set(svc["volumes"])
     for folder in ("mlartifacts", "mlflow-auth", "tmp"):  # the volumes exist when the container starts
         (tmp / folder).mkdir(parents=True, exist_ok=True)
-    env = {"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "POSTGRES_USER": "gpt2",
-           "POSTGRES_PASSWORD": "postgres-password-4", "MLFLOW_ADMIN_PASSWORD": AUTH.mlflow_admin_password}
-    r = subprocess.run(["sh", "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    env = {"PATH": os.environ["PATH"], "PYTHON": "echo", "POSTGRES_USER": "gpt2",
+           "POSTGRES_PASSWORD": "postgres-password-4", "MLFLOW_ADMIN_PASSWORD": AUTH.mlflow_admin_password,
+           "MLFLOW_FLASK_SERVER_SECRET_KEY": "k", "MLFLOW_ARTIFACTS_DIR": str(tmp / "mlartifacts"),
+           "MLFLOW_AUTH_DIR": str(tmp / "mlflow-auth"), "MLFLOW_AUTH_CONFIG": str(tmp / "tmp" / "basic_auth.ini")}
+    r = subprocess.run(["sh", str(COMPOSE.parent / "start-mlflow.sh")], env=env, capture_output=True, text=True,
+                       timeout=60)
     assert r.returncode == 0, r.stderr
     args = r.stdout.split()
+    assert args[:3] == ["-m", "mlflow", "server"], args
     return Path(args[args.index("--artifacts-destination") + 1]), tmp / "tmp" / "basic_auth.ini"
 
 

@@ -138,9 +138,13 @@ def test_compose_stack(tmp_path):
     assert svc["prefect-server"]["environment"]["PREFECT_SERVER_DATABASE_PASSWORD"] == pw
     assert svc["prefect-server"]["environment"]["PREFECT_SERVER_DATABASE_HOST"] == "postgres"
     assert svc["mlflow"]["environment"]["POSTGRES_PASSWORD"] == pw
-    mlflow_cmd = " ".join(svc["mlflow"]["command"])
-    assert "postgresql+psycopg2://" in mlflow_cmd and "@postgres:5432/mlflow" in mlflow_cmd
-    assert "--artifacts-destination /mlartifacts" in mlflow_cmd
+    # both servers start through the scripts devstack and the tests run (docker/start-*.sh)
+    for name, script in (("prefect-server", "start-prefect-server.sh"), ("mlflow", "start-mlflow.sh")):
+        assert svc[name]["entrypoint"] == ["sh", f"/{script}"]
+        assert ("bind", str(DOCKER / script)) == next(
+            (m["type"], m["source"]) for m in svc[name]["volumes"] if m["target"] == f"/{script}")
+    args, _ = start_script(tmp_path, svc, "mlflow", MLFLOW_AUTH_DIR=str(tmp_path / "auth"))
+    assert args[args.index("--artifacts-destination") + 1] == "/mlartifacts"
     assert pw not in json.dumps([s.get("build", {}) for s in svc.values()])
 
     # volumes: named, and mounted where the pipeline and MLflow write
@@ -155,7 +159,8 @@ def test_compose_stack(tmp_path):
     mounts = {
         n: {m["target"]: (m["type"], m["source"]) for m in s.get("volumes", [])} for n, s in svc.items()
     }
-    assert mounts["worker"] == {"/data": ("volume", "data"), "/data/runs": ("volume", "runs")}
+    assert mounts["worker"] == {"/data": ("volume", "data"), "/data/runs": ("volume", "runs"),
+                                "/tls/ca.pem": ("bind", "/dev/null")}  # no TLS_CA_FILE: an empty file
     assert mounts["mlflow"]["/mlartifacts"] == ("volume", "artifacts")
     assert mounts["mlflow"]["/mlflow-auth"] == ("volume", "mlflow-auth")  # users: not under what it serves
     assert mounts["postgres"]["/var/lib/postgresql/data"] == ("volume", "pgdata")
@@ -207,17 +212,26 @@ def test_compose_ports_and_gpus_are_configurable(tmp_path):
     assert svc["worker"]["deploy"]["resources"]["reservations"]["devices"][0]["count"] == 2
 
 
+CREDS = {"PREFECT_AUTH_STRING": "admin:0123456789abcdef", "MLFLOW_ADMIN_PASSWORD": "0123456789abcdef",
+         "MLFLOW_WORKER_PASSWORD": "fedcba9876543210"}
+TLS = {"TLS_CERT_FILE": "/etc/gpt2/tls/server.pem", "TLS_KEY_FILE": "/etc/gpt2/tls/server-key.pem",
+       "TLS_CA_FILE": "/etc/gpt2/tls/ca.pem"}
+
+
 @pytest.mark.parametrize("bind,creds,ok", [
     ("127.0.0.1", {}, True),                  # loopback: no credentials needed (the default)
     ("0.0.0.0", {}, False),                   # exposed without credentials: refused
-    ("192.168.1.20", {"PREFECT_AUTH_STRING": "admin:x" * 3, "MLFLOW_ADMIN_PASSWORD": "short",
-                      "MLFLOW_WORKER_PASSWORD": "0123456789abcdef"}, False),  # a password MLflow would refuse
-    ("0.0.0.0", {"PREFECT_AUTH_STRING": "admin:0123456789abcdef", "MLFLOW_ADMIN_PASSWORD": "0123456789abcdef",
-                 "MLFLOW_WORKER_PASSWORD": "fedcba9876543210"}, True),
+    ("192.168.1.20", {**CREDS, "MLFLOW_ADMIN_PASSWORD": "short", **TLS}, False),  # a password MLflow would refuse
+    ("0.0.0.0", CREDS, False),                # credentials in clear text: refused ...
+    ("0.0.0.0", {**CREDS, "ALLOW_PLAIN_HTTP": "1"}, True),  # ... unless the network is declared trusted
+    ("0.0.0.0", {**CREDS, "TLS_CERT_FILE": TLS["TLS_CERT_FILE"]}, False),  # a certificate without its key
+    ("0.0.0.0", {**CREDS, **TLS}, True),
 ])
-def test_an_exposed_stack_needs_credentials(tmp_path, bind, creds, ok):
+def test_an_exposed_stack_needs_credentials_and_tls(tmp_path, bind, creds, ok):
     """The exposure-check service (docker/check-exposure.sh) that the servers wait for: compose starts
-    nothing that listens when it fails. With credentials the servers turn their authentication on."""
+    nothing that listens when it fails. With credentials the servers turn their authentication on; with a
+    certificate and key both serve https, and the worker and mlflow-users reach them over https and verify
+    them by the CA."""
     r = run(["bash", str(DOCKER / "check-exposure.sh")], env=clean_env(BIND_ADDRESS=bind, **creds))
     assert (r.returncode == 0) == ok, r.stderr
     if not ok:
@@ -225,10 +239,39 @@ def test_an_exposed_stack_needs_credentials(tmp_path, bind, creds, ok):
     lines = [(DOCKER / ".env.example").read_text(), f"BIND_ADDRESS={bind}", *[f"{k}={v}" for k, v in creds.items()]]
     svc = json.loads(compose_config(tmp_path, lines).stdout)["services"]
     assert svc["exposure-check"]["environment"]["BIND_ADDRESS"] == bind
-    prefect_cmd, mlflow_cmd = " ".join(svc["prefect-server"]["command"]), " ".join(svc["mlflow"]["command"])
-    assert "PREFECT_SERVER_API_AUTH_STRING" in prefect_cmd and "--app-name basic-auth" in mlflow_cmd
     assert svc["worker"]["environment"]["MLFLOW_TRACKING_USERNAME"] == "worker"
     assert svc["worker"]["environment"]["MLFLOW_TRACKING_PASSWORD"] == creds.get("MLFLOW_WORKER_PASSWORD", "")
+    args, _ = start_script(tmp_path, svc, "mlflow", MLFLOW_AUTH_DIR=str(tmp_path / "auth"),
+                           MLFLOW_AUTH_CONFIG=str(tmp_path / "auth.ini"), TLS_CERT_FILE="", TLS_KEY_FILE="")
+    assert ("--app-name" in args) == bool(creds)  # (the certificate's files come below)
+    https = "TLS_CERT_FILE" in creds and "TLS_KEY_FILE" in creds
+    scheme = "https" if "TLS_CERT_FILE" in creds else "http"  # (a certificate alone is refused above)
+    for name in ("worker", "mlflow-users"):
+        env = svc[name]["environment"]
+        assert (env["PREFECT_API_URL"], env["MLFLOW_TRACKING_URI"]) == (
+            f"{scheme}://prefect-server:4200/api", f"{scheme}://mlflow:5000")
+        assert env["TLS_CA_FILE"] == ("/tls/ca.pem" if "TLS_CA_FILE" in creds else "")
+    for name in ("prefect-server", "mlflow"):
+        env = svc[name]["environment"]
+        assert env["TLS_CERT_FILE"] == ("/tls/cert.pem" if "TLS_CERT_FILE" in creds else "")
+        assert env["TLS_KEY_FILE"] == ("/tls/key.pem" if "TLS_KEY_FILE" in creds else "")
+        mounts = {m["target"]: m["source"] for m in svc[name]["volumes"] if m["type"] == "bind"}
+        assert mounts["/tls/cert.pem"] == creds.get("TLS_CERT_FILE", "/dev/null")
+    if not https:
+        return
+    # the start scripts serve https with the mounted files (made here: they must exist and be readable)
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert.write_text("certificate"), key.write_text("key")
+    files = {"TLS_CERT_FILE": str(cert), "TLS_KEY_FILE": str(key)}
+    args, _ = start_script(tmp_path, svc, "mlflow", MLFLOW_AUTH_DIR=str(tmp_path / "auth"),
+                           MLFLOW_AUTH_CONFIG=str(tmp_path / "auth.ini"), **files)
+    assert args[args.index("--uvicorn-opts") + 1:][:4] == ["--ssl-certfile", str(cert), "--ssl-keyfile", str(key)]
+    args, _ = start_script(tmp_path, svc, "prefect-server", **files)
+    assert args[:4] == ["uvicorn", "--factory", "prefect.server.api.server:create_app", "--host"]
+    assert args[args.index("--ssl-certfile") + 1] == str(cert) and args[args.index("--ssl-keyfile") + 1] == str(key)
+    missing = run(["sh", str(DOCKER / "start-prefect-server.sh")],
+                  env=clean_env(TLS_CERT_FILE=str(cert), TLS_KEY_FILE=str(tmp_path / "nope.pem"), PYTHON="false"))
+    assert missing.returncode == 2 and "TLS_KEY_FILE" in missing.stderr and "nope.pem" in missing.stderr
 
 
 def test_compose_refuses_to_start_without_a_password(tmp_path):
@@ -680,22 +723,39 @@ def test_k8s_multinode_job_is_consistent_and_trains_the_nightly_run():
     assert (cfg.run_name, cfg.identity_hash()) == (ref.run_name, ref.identity_hash())
 
 
+def start_script(tmp_path: Path, svc: dict, name: str, **env) -> tuple[list[str], str]:
+    """Run compose service `name`'s start script (docker/start-*.sh, its entrypoint) with the service's
+    environment as compose resolved it, plus `env`, and a stand-in interpreter (PYTHON) that prints what it
+    was asked to run instead of starting a server. Returns (the arguments after `-m`, e.g. ["mlflow",
+    "server", ...], the MLFLOW_BACKEND_STORE_URI the script exported)."""
+    stand_in = tmp_path / "python-stand-in"
+    stand_in.write_text('#!/bin/sh\necho "URI=${MLFLOW_BACKEND_STORE_URI:-}"\necho "$@"\n')
+    stand_in.chmod(0o755)
+    service_env = {k: str(v) for k, v in svc[name]["environment"].items() if v is not None}
+    script = DOCKER / Path(svc[name]["entrypoint"][1]).name
+    r = run(["sh", str(script)], env=clean_env(**{**service_env, **env, "PYTHON": str(stand_in),
+                                                  "MLFLOW_FLASK_SERVER_SECRET_KEY": "k"}))
+    assert r.returncode == 0, r.stderr
+    uri, args = r.stdout.splitlines()[-2:]
+    assert uri.startswith("URI=") and args.startswith("-m "), r.stdout
+    return args.split()[1:], uri.removeprefix("URI=")
+
+
 @pytest.mark.parametrize("admin_password", ["", "0123456789abcdef"])
-def test_compose_mlflow_command_turns_basic_auth_on_with_an_admin_password(tmp_path, admin_password):
-    """The mlflow service's start script, as compose hands it to `sh -c` ($$ -> $), run with `mlflow`
-    replaced by echo: with MLFLOW_ADMIN_PASSWORD it writes the basic-auth config (admin from docker/.env,
-    nothing for a signed-in user beyond its grants) and starts the basic-auth app; without, the plain
-    server."""
+def test_compose_mlflow_start_script_turns_basic_auth_on_with_an_admin_password(tmp_path, admin_password):
+    """The mlflow service's start script (docker/start-mlflow.sh) with the service's environment, run with
+    PYTHON standing in for the interpreter: with MLFLOW_ADMIN_PASSWORD it writes the basic-auth config
+    (admin from docker/.env, nothing for a signed-in user beyond its grants) and starts the basic-auth app;
+    without, the plain server. The PostgreSQL URI reaches it through its environment, not its arguments."""
     lines = [(DOCKER / ".env.example").read_text(), f"MLFLOW_ADMIN_PASSWORD={admin_password}"]
     svc = json.loads(compose_config(tmp_path, lines).stdout)["services"]
     ini = tmp_path / "basic_auth.ini"
-    script = (svc["mlflow"]["command"][2].replace("$$", "$").replace("/tmp/basic_auth.ini", str(ini))
-              .replace("exec mlflow server", "echo mlflow server"))
-    env = clean_env(**{k: str(v) for k, v in svc["mlflow"]["environment"].items()})
-    r = run(["sh", "-c", script], env=env)
-    assert r.returncode == 0, r.stderr
-    args = r.stdout.split()
+    (tmp_path / "mlflow-auth").mkdir()
+    args, uri = start_script(tmp_path, svc, "mlflow", MLFLOW_AUTH_CONFIG=str(ini),
+                             MLFLOW_AUTH_DIR=str(tmp_path / "mlflow-auth"))
     assert args[:2] == ["mlflow", "server"] and ("--app-name" in args) == bool(admin_password)
+    assert uri == "postgresql+psycopg2://gpt2:change-me-openssl-rand-hex-24@postgres:5432/mlflow"
+    assert "change-me-openssl-rand-hex-24" not in " ".join(args)
     if admin_password:
         assert args[args.index("--app-name") + 1] == "basic-auth"
         text = ini.read_text()
@@ -709,23 +769,25 @@ def test_compose_keeps_the_mlflow_user_database_outside_the_served_artifacts(tmp
     """MLflow's basic-auth user database is on its own volume, mounted by the mlflow service alone, and not
     under `--artifacts-destination` (the artifact proxy serves every file there: tests/test_auth.py measures
     the attack). The start script, run as above with its folders moved under tmp_path, also moves the
-    database an older stack kept in /mlartifacts out of it."""
+    database an older stack kept in /mlartifacts out of it, and refuses an auth folder inside the served one."""
     lines = [(DOCKER / ".env.example").read_text(), "MLFLOW_ADMIN_PASSWORD=0123456789abcdef"]
     cfg = json.loads(compose_config(tmp_path, lines).stdout)
     svc = cfg["services"]
-    script = svc["mlflow"]["command"][2].replace("$$", "$").replace("exec mlflow server", "echo mlflow server")
-    script = re.sub(r"(?<![\w.])/(mlartifacts|mlflow-auth|tmp)\b", lambda m: f"{tmp_path}{m.group(0)}", script)
     for folder in ("mlartifacts", "mlflow-auth", "tmp"):  # the volumes, there when the container starts
         (tmp_path / folder).mkdir()
     (tmp_path / "mlartifacts" / "basic_auth.db").write_bytes(b"SQLite format 3\x00 of an older stack")
-    r = run(["sh", "-c", script], env=clean_env(**{k: str(v) for k, v in svc["mlflow"]["environment"].items()}))
-    assert r.returncode == 0, r.stderr
-    args = r.stdout.split()
+    folders = {"MLFLOW_ARTIFACTS_DIR": str(tmp_path / "mlartifacts"), "MLFLOW_AUTH_DIR": str(tmp_path / "mlflow-auth"),
+               "MLFLOW_AUTH_CONFIG": str(tmp_path / "tmp" / "basic_auth.ini")}
+    args, _ = start_script(tmp_path, svc, "mlflow", **folders)
     artifacts = Path(args[args.index("--artifacts-destination") + 1])
     ini = (tmp_path / "tmp" / "basic_auth.ini").read_text()
     db = Path(re.search(r"^database_uri = sqlite:///(.+)$", ini, flags=re.M).group(1))
     assert db == tmp_path / "mlflow-auth" / "basic_auth.db" and not db.is_relative_to(artifacts)
     assert db.read_bytes().endswith(b"of an older stack") and not (artifacts / "basic_auth.db").exists()
+    inside = dict(folders, MLFLOW_AUTH_DIR=str(tmp_path / "mlartifacts" / "auth"))
+    r = run(["sh", str(DOCKER / "start-mlflow.sh")], env=clean_env(
+        **{k: str(v) for k, v in svc["mlflow"]["environment"].items() if v is not None}, **inside, PYTHON="false"))
+    assert r.returncode == 2 and "inside MLFLOW_ARTIFACTS_DIR" in r.stderr, r.stderr
     mounts = {name: {v["target"]: v["source"] for v in spec.get("volumes", []) if v["type"] == "volume"}
               for name, spec in svc.items()}
     assert mounts["mlflow"]["/mlflow-auth"] != mounts["mlflow"]["/mlartifacts"]

@@ -1,31 +1,39 @@
-"""The production stack's servers on the database compose deploys: a real PostgreSQL cluster
-(tests/postgres.py, laid out as docker/docker-compose.yml's `postgres` service), `prefect server` with the
-prefect-server service's PREFECT_SERVER_DATABASE_* settings, `mlflow server` with the mlflow service's
-MLFLOW_BACKEND_STORE_URI (postgresql+psycopg2, in its environment, not its argv), started by devstack's
-Stack; one flow run of pretrain/tiny end to end (train, register, sample) through the server, and its
-records read back from PostgreSQL itself. Loopback, no auth, no TLS."""
+"""The production stack's servers as compose runs them: a real PostgreSQL cluster (tests/postgres.py, laid
+out as docker/docker-compose.yml's `postgres` service), and `prefect server` and `mlflow server` started by
+compose's own start scripts (docker/start-prefect-server.sh, start-mlflow.sh, through devstack's Stack) with
+the prefect-server service's PREFECT_SERVER_DATABASE_* settings and the mlflow service's POSTGRES_* settings,
+in the exposed configuration: Prefect basic auth, MLflow's basic-auth app with the worker account, and
+https with a certificate signed by a CA made for the test. One flow run of pretrain/tiny end to end (train,
+register, sample) through the servers; its records read back from PostgreSQL itself; a client without the
+CA refused by both servers."""
 
 from __future__ import annotations
 
 import json
-import re
+import ssl
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
 
 from devstack.demo import deploy
-from devstack.services import Stack
+from devstack.services import Auth, Stack, mlflow_trusting
+from integrations.mlflow_store import signed_in_as
 from tests.postgres import postgres  # noqa: F401  (the fixture)
 from tests.prefect_stack import artifacts, run_deployment_and_wait
 
 pytestmark = pytest.mark.slow
 COMPOSE = Path(__file__).resolve().parent.parent / "docker" / "docker-compose.yml"
+AUTH = Auth(prefect="admin:prefect-pg-password-1", mlflow_admin_password="admin-pg-password-2",
+            mlflow_worker_password="worker-pg-password-3")
 
 
-def compose_database_settings(pg) -> tuple[dict[str, str], str]:
-    """The prefect-server service's PREFECT_SERVER_DATABASE_* and the mlflow service's backend store URI, as
-    compose gives them, pointed at this cluster (host, port, user, password; driver and names unchanged)."""
+def compose_database_settings(pg) -> tuple[dict[str, str], dict[str, str]]:
+    """The prefect-server service's PREFECT_SERVER_DATABASE_* and the mlflow service's POSTGRES_* settings,
+    as compose gives them, pointed at this cluster (host, port, user, password; driver and names unchanged:
+    start-mlflow.sh builds the URI from them as it does in the container)."""
     services = yaml.safe_load(COMPOSE.read_text())["services"]
     env = {k: str(v) for k, v in services["prefect-server"]["environment"].items()
            if k.startswith("PREFECT_SERVER_DATABASE_")}
@@ -33,13 +41,21 @@ def compose_database_settings(pg) -> tuple[dict[str, str], str]:
     assert env["PREFECT_SERVER_DATABASE_NAME"] == "prefect"
     env.update(PREFECT_SERVER_DATABASE_HOST=pg.host, PREFECT_SERVER_DATABASE_PORT=str(pg.port),
                PREFECT_SERVER_DATABASE_USER=pg.user, PREFECT_SERVER_DATABASE_PASSWORD=pg.password)
-    cmd = " ".join(services["mlflow"]["command"])
-    m = re.search(r'MLFLOW_BACKEND_STORE_URI="([^"]+)"', cmd)
-    assert m, cmd
-    uri = (m.group(1).replace("$${POSTGRES_USER}", pg.user).replace("$${POSTGRES_PASSWORD}", pg.password)
-           .replace("@postgres:5432/", f"@{pg.host}:{pg.port}/"))
-    assert uri == pg.url("postgresql+psycopg2", "mlflow"), "compose's MLflow URI changed shape"
-    return env, uri
+    mlflow = services["mlflow"]
+    assert mlflow["entrypoint"] == ["sh", "/start-mlflow.sh"]
+    assert {"POSTGRES_USER", "POSTGRES_PASSWORD"} <= set(mlflow["environment"])
+    assert "MLFLOW_BACKEND_STORE_URI" not in mlflow["environment"]  # the script builds it
+    return env, {"POSTGRES_USER": pg.user, "POSTGRES_PASSWORD": pg.password, "POSTGRES_HOST": pg.host,
+                 "POSTGRES_PORT": str(pg.port)}
+
+
+def refused_without_the_ca(url: str) -> str:
+    """The error a client that does not trust the stack's CA gets from `url` (the system CAs only)."""
+    try:
+        urllib.request.urlopen(url, timeout=10)
+    except urllib.error.URLError as e:
+        return str(e.reason)
+    raise AssertionError(f"{url} answered a client without the CA")
 
 
 def test_flow_run_end_to_end_on_postgres(postgres, tmp_path):  # noqa: F811
@@ -47,13 +63,26 @@ def test_flow_run_end_to_end_on_postgres(postgres, tmp_path):  # noqa: F811
     from prefect.settings import temporary_settings
 
     pg = postgres
-    prefect_db, mlflow_uri = compose_database_settings(pg)
-    stack = Stack(tmp_path / "home", prefect_port=0, mlflow_port=0, ui=False,
+    prefect_db, mlflow_db = compose_database_settings(pg)
+    stack = Stack(tmp_path / "home", prefect_port=0, mlflow_port=0, ui=False, auth=AUTH, tls=True,
                   extra_env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
                              "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30"},
-                  prefect_db_env=prefect_db, mlflow_backend_uri=mlflow_uri)
+                  prefect_db_env=prefect_db, mlflow_db_env=mlflow_db)
     try:
         stack.up()
+        assert stack.prefect_api_url.startswith("https://127.0.0.1:") and stack.mlflow_uri.startswith("https://")
+        # the servers run compose's start scripts, and those serve https
+        for svc, script in ((stack.prefect, "start-prefect-server.sh"), (stack.mlflow, "start-mlflow.sh")):
+            assert svc.state()["cmd"] == ["sh", str(COMPOSE.parent / script)]
+        # a client without the CA is refused by both; anonymous requests with it get 401
+        for url in (f"{stack.prefect_api_url}/health", f"{stack.mlflow_uri}/health"):
+            assert "CERTIFICATE_VERIFY_FAILED" in refused_without_the_ca(url), url
+        tls = ssl.create_default_context(cafile=stack.certificates.ca)
+        for url in (f"{stack.prefect_api_url}/flows/filter", f"{stack.mlflow_uri}/api/2.0/mlflow/experiments/search"):
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(urllib.request.Request(url, data=b"{}", headers={
+                    "Content-Type": "application/json"}), timeout=10, context=tls)
+            assert e.value.code == 401, url
         # the password reaches the servers through their environment only
         for svc in (stack.prefect, stack.mlflow):
             pid = svc.state()["pid"]
@@ -63,6 +92,13 @@ def test_flow_run_end_to_end_on_postgres(postgres, tmp_path):  # noqa: F811
                   "overrides": {"train.max_steps": 4, "train.run_name": "pg", "train.checkpoint_interval": 4,
                                 "eval.eval_interval": 4, "eval.sample_interval": 4},
                   "register": True}
+        # Prefect's own client without the CA: refused
+        from prefect.client.orchestration import get_client
+        from prefect.settings import PREFECT_API_SSL_CERT_FILE
+
+        with temporary_settings({**stack.prefect_settings(), PREFECT_API_SSL_CERT_FILE: None}):
+            with get_client(sync_client=True) as c, pytest.raises(Exception, match="CERTIFICATE_VERIFY_FAILED"):
+                c.read_work_pools()
         with temporary_settings(stack.prefect_settings()):
             fr = run_deployment_and_wait(params, timeout=240)
             assert fr.state.is_completed(), fr.state.message
@@ -72,10 +108,11 @@ def test_flow_run_end_to_end_on_postgres(postgres, tmp_path):  # noqa: F811
             {"train": "ran", "register": "ran", "sample": "ran"}, summary["stages"]
         assert summary["model_version"] == "models:/micro-pg/1"
 
-        # MLflow through its server ...
-        mlc = MlflowClient(stack.mlflow_uri, registry_uri=stack.mlflow_uri)
-        mv = mlc.get_model_version("micro-pg", "1")
-        assert mv.tags["flow_run_id"] == str(fr.id)
+        # MLflow through its server, as the worker (who registered it) and verified by the CA ...
+        with mlflow_trusting(stack.certificates), signed_in_as(AUTH.mlflow_worker, AUTH.mlflow_worker_password):
+            mlc = MlflowClient(stack.mlflow_uri, registry_uri=stack.mlflow_uri)
+            mv = mlc.get_model_version("micro-pg", "1")
+            assert mv.tags["flow_run_id"] == str(fr.id)
         # ... and in PostgreSQL itself: no SQLite file anywhere, the rows in the compose databases
         assert not (stack.home / "mlflow" / "mlflow.db").exists()
         assert not list((stack.home / "prefect").glob("*.db"))

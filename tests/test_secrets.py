@@ -25,10 +25,12 @@ DOCKER = ROOT / "docker"
 DEPLOY = ROOT / "deployments"
 BIN = Path(sys.executable).parent
 
-GOOD = {  # 16+ characters each, no placeholder: what an exposed stack needs
+GOOD = {  # what an exposed stack needs: passwords of 16+ characters, no placeholder, and https
     "PREFECT_AUTH_STRING": "admin:0123456789abcdef",
     "MLFLOW_ADMIN_PASSWORD": "0123456789abcdef",
     "MLFLOW_WORKER_PASSWORD": "fedcba9876543210",
+    "TLS_CERT_FILE": "/etc/gpt2/tls/server.pem",
+    "TLS_KEY_FILE": "/etc/gpt2/tls/server-key.pem",
 }
 
 
@@ -94,10 +96,11 @@ def test_exposure_check_refuses_the_env_example_placeholders(tmp_path):
     assert r.stderr.startswith("error: BIND_ADDRESS=0.0.0.0 ") and "docker/.env" in r.stderr
     problems = [ln for ln in r.stderr.splitlines() if ln.startswith("  - ")]
     names = ["PREFECT_AUTH_STRING", "MLFLOW_ADMIN_PASSWORD", "MLFLOW_WORKER_PASSWORD", "POSTGRES_PASSWORD",
-             "MLFLOW_SECRET_KEY"]
+             "MLFLOW_SECRET_KEY", "TLS_CERT_FILE"]
     assert [p.split()[1] for p in problems] == names, r.stderr
-    for line in problems:  # each names its variable, says why and how to fix it
+    for line in problems[:-1]:  # each names its variable, says why and how to fix it
         assert "placeholder" in line and "openssl rand -hex 16" in line, line
+    assert "clear text" in problems[-1] and "ALLOW_PLAIN_HTTP=1" in problems[-1]
     assert "change-me-openssl-rand-hex-24" not in r.stderr  # values are not echoed
 
 
@@ -136,21 +139,24 @@ def test_a_loopback_stack_is_unaffected(tmp_path, bind):
 # --- the Postgres password stays out of argv ---------------------------------------------------------
 
 def test_mlflow_server_gets_the_postgres_uri_from_its_environment(tmp_path):
-    """The mlflow service's start script, as compose hands it to `sh -c`, with `mlflow server` replaced by
-    a process that reports its argv (what `ps` shows) and the MLFLOW_BACKEND_STORE_URI it inherited; and
-    MLflow's own CLI reads --backend-store-uri from that variable."""
+    """The mlflow service's start script (docker/start-mlflow.sh, its entrypoint) with the service's
+    environment, and an interpreter (PYTHON) that reports its argv (what `ps` shows) and the
+    MLFLOW_BACKEND_STORE_URI it inherited instead of starting MLflow; and MLflow's own CLI reads
+    --backend-store-uri from that variable."""
     pw = "s3cretPostgresPassw0rd"
     svc = compose_services(tmp_path, env_text("127.0.0.1", POSTGRES_PASSWORD=pw))["mlflow"]
-    assert pw not in json.dumps(svc["command"])
+    assert pw not in json.dumps(svc["entrypoint"]) and not svc.get("command")
     report = "import json, os, sys; print(json.dumps([sys.argv[1:], os.environ.get('MLFLOW_BACKEND_STORE_URI')]))"
-    script = svc["command"][2].replace("$$", "$").replace("exec mlflow server",
-                                                          f"exec {sys.executable} -c \"{report}\" server")
-    env = clean_env(**{k: str(v) for k, v in svc["environment"].items()})
+    stand_in = tmp_path / "python"
+    stand_in.write_text(f"#!/bin/sh\nexec {sys.executable} -c \"{report}\" \"$@\"\n")
+    stand_in.chmod(0o755)
+    env = clean_env(**{k: str(v) for k, v in svc["environment"].items()}, PYTHON=str(stand_in))
     env["MLFLOW_ADMIN_PASSWORD"] = ""  # the plain server: the basic-auth branch is tested in test_docker.py
-    r = run([svc["command"][0], svc["command"][1], script], env=env)
+    r = run(["sh", str(DOCKER / "start-mlflow.sh")], env=env)
     assert r.returncode == 0, r.stderr
     argv, uri = json.loads(r.stdout)
     assert uri == f"postgresql+psycopg2://gpt2:{pw}@postgres:5432/mlflow"
+    assert argv[:3] == ["-m", "mlflow", "server"]
     assert pw not in " ".join(argv) and "--backend-store-uri" not in argv
     assert "--artifacts-destination" in argv
 
@@ -160,7 +166,7 @@ def test_mlflow_server_gets_the_postgres_uri_from_its_environment(tmp_path):
     assert ctx.params["backend_store_uri"] is None
     os.environ["MLFLOW_BACKEND_STORE_URI"] = uri
     try:
-        assert server.make_context("server", argv[1:]).params["backend_store_uri"] == uri
+        assert server.make_context("server", argv[3:]).params["backend_store_uri"] == uri
     finally:
         del os.environ["MLFLOW_BACKEND_STORE_URI"]
 
