@@ -81,7 +81,7 @@ class Trainer:
                 **{f"model.{k}": v for k, v in self.shape["model"].items()}, **extra}
 
     def start(self, run: Path, nproc: int, log: Path) -> subprocess.Popen:
-        from tasks.train import torchrun_cmd
+        from gptcore.launch import torchrun_cmd
 
         cmd = torchrun_cmd("micro", self.overrides(run, nproc), nproc)
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}

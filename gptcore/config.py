@@ -180,6 +180,11 @@ class TrainConfig:
     ddp_bf16_grads: bool = False  # DDP all-reduces gradients in bf16 (halves traffic across nodes)
     run_dir: str = ""  # where the run lives; "" = <home>/runs/<run_name>
     system_metrics_interval: float = 10.0  # s between MLflow system-metric samples (CPU, memory, GPU); 0 = off
+    # a rank with no step, evaluation or checkpoint progress this long writes its stacks and exits (5), for
+    # torchrun to restart the job from its newest checkpoint (gptcore/watchdog.py); 0 = derived from the
+    # run's median step time (5-20 min). Set it above your longest evaluation.
+    hang_timeout_s: float = 0.0
+    max_restarts: int = 1  # torchrun restarts of every rank after one fails (a hang, a crash), per launch
 
     def validate(self) -> None:
         choices = {"device": ("auto", "cpu", "cuda"), "dtype": ("auto", "float32", "bfloat16", "float16"),
@@ -196,6 +201,9 @@ class TrainConfig:
             raise ConfigError("train.max_minutes must be >= 0 (0 = no time budget)")
         if self.system_metrics_interval < 0:
             raise ConfigError("train.system_metrics_interval must be >= 0 seconds (0 = no system metrics)")
+        if self.hang_timeout_s < 0 or self.max_restarts < 0:
+            raise ConfigError(f"train.hang_timeout_s (0 = derived from the step time) and train.max_restarts "
+                              f"must be >= 0, got {self.hang_timeout_s} and {self.max_restarts}")
 
 
 @dataclass
@@ -229,8 +237,19 @@ class GuardConfig:
     spike_min_delta: float = 0.5  # nats: the smallest rise that counts, whatever the window's spread
     spike_steps: int = 10  # consecutive spiking steps that trigger a rollback
     max_rollbacks: int = 3  # rollbacks with no checkpoint written between them before the run gives up
+    # replicas (DDP): every N steps the ranks compare a bitwise checksum of their weights; a rank that
+    # disagrees is rolled back with the others, and disagreeing again stops the run (exit 4); 0 = off
+    consistency_interval: int = 100
+    # stragglers: a rank whose own compute time is over straggler_ratio x the median of the ranks' at
+    # straggler_logs log steps in a row is named in an event
+    straggler_ratio: float = 1.3
+    straggler_logs: int = 3
 
     def validate(self) -> None:
+        if self.consistency_interval < 0 or self.straggler_ratio <= 1 or self.straggler_logs < 1:
+            raise ConfigError("guard.consistency_interval must be >= 0 (0 = off), guard.straggler_ratio > 1 and "
+                              f"guard.straggler_logs >= 1; got {self.consistency_interval}, "
+                              f"{self.straggler_ratio} and {self.straggler_logs}")
         for name in ("max_nonfinite", "spike_steps", "max_rollbacks"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"guard.{name} must be >= 1, got {getattr(self, name)}")

@@ -89,13 +89,30 @@ def select(tc: TrainConfig) -> Env:
                select_loss(tc.loss, device))
 
 
-def init_process_group(env: Env) -> None:
-    """Join the process group (nccl on GPUs, gloo on CPU) when launched with more than one rank."""
+def init_process_group(env: Env, hang_limit_s: float = 0.0) -> None:
+    """Join the process group (nccl on GPUs, gloo on CPU) when launched with more than one rank. Its
+    timeout stays above the hang watchdog's limit (`hang_limit_s`), so a stuck collective is reported by
+    the watchdog (stacks on disk, a restart) before the process group gives up on it."""
     if env.world > 1 and not dist.is_initialized():
         backend = "nccl" if env.device.type == "cuda" else "gloo"
-        # long timeout: rank 0 alone may spend minutes on a checkpoint, a sample or a download
-        dist.init_process_group(backend=backend, timeout=timedelta(minutes=30),
+        # long: rank 0 alone may spend minutes on a checkpoint, a sample or a download
+        timeout = timedelta(seconds=max(30 * 60, hang_limit_s + 10 * 60))
+        store = restart_store(timeout)
+        extra = {"store": store, "rank": env.rank, "world_size": env.world} if store is not None else {}
+        dist.init_process_group(backend=backend, timeout=timeout, **extra,
                                 device_id=env.device if env.device.type == "cuda" else None)
+
+
+def restart_store(timeout: timedelta) -> dist.Store | None:
+    """Under torchrun: a client of the agent's key-value store whose keys carry the restart count. The
+    agent keeps one store for all of a job's restarts (--max-restarts), and the ranks of a restarted job
+    would otherwise read their predecessors' addresses there (measured with gloo, torch 2.13: "Connection
+    refused" from every rank of the restart). None outside torchrun (the plain env:// rendezvous)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size(),
+                          is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"gptcore/restart_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def teardown() -> None:

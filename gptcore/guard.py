@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from collections import deque
 
 import torch
@@ -62,20 +63,32 @@ class Guard:
         self.rollbacks = 0
 
 
-class FaultInjector:
-    """Test-only trouble, from GPTPIPE_TEST_FAULT="nan@5,spike@9,evalfail@1,evaloom@2": before the 5th
-    train_step call of this process, the final LayerNorm's weight becomes NaN (every later loss is NaN
-    until a rollback); before the 9th it is multiplied by -30 (the model now favours what it had ruled out:
-    a loss spike that lasts). Counting calls, not steps, means a rollback does not replay the fault. The
-    1st evaluation raises a RuntimeError and the 2nd an out-of-memory error, on rank 0 only (the other ranks
-    finish their share: the failure must still be agreed on). Unset: nothing."""
+SLOW_SECONDS = 0.05  # the injected straggler's extra time per forward pass
 
-    def __init__(self):
+
+class FaultInjector:
+    """Test-only trouble, from GPTPIPE_TEST_FAULT="nan@5,spike@9,flip@4,slow@1,evalfail@1,evaloom@2":
+    before the 5th train_step call of this process, the final LayerNorm's weight becomes NaN (every later
+    loss is NaN until a rollback); before the 9th it is multiplied by -30 (the model now favours what it had
+    ruled out: a loss spike that lasts); before the 4th, one bit of that weight flips on the last rank only
+    (a silent corruption of one replica). Counting calls, not steps, means a rollback does not replay the
+    fault. slow@1: rank 1 sleeps SLOW_SECONDS in every forward pass (a straggler). The 1st evaluation raises
+    a RuntimeError and the 2nd an out-of-memory error, on rank 0 only (the other ranks finish their share:
+    the failure must still be agreed on). Unset: nothing."""
+
+    def __init__(self, rank: int = 0, world: int = 1):
         spec = os.environ.get("GPTPIPE_TEST_FAULT", "")
-        faults = [(kind, int(call)) for kind, _, call in (f.partition("@") for f in spec.split(",") if f)]
-        self.faults = {call: kind for kind, call in faults if not kind.startswith("eval")}
-        self.eval_faults = {call: kind for kind, call in faults if kind.startswith("eval")}
+        faults = [(kind, int(at)) for kind, _, at in (f.partition("@") for f in spec.split(",") if f)]
+        self.faults = {at: kind for kind, at in faults if kind in ("nan", "spike", "flip")}
+        self.eval_faults = {at: kind for kind, at in faults if kind.startswith("eval")}
+        self.slow = rank in {at for kind, at in faults if kind == "slow"}
+        self.rank, self.world = rank, world
         self.calls = self.eval_calls = 0
+
+    def install(self, model: torch.nn.Module) -> None:
+        """The straggler: this rank's forward passes take SLOW_SECONDS longer (a hook on the plain model)."""
+        if self.slow:
+            model.register_forward_pre_hook(lambda module, args: time.sleep(SLOW_SECONDS))
 
     @torch.no_grad()
     def before_step(self, model: torch.nn.Module) -> None:
@@ -88,6 +101,8 @@ class FaultInjector:
             w.fill_(float("nan"))
         elif kind == "spike":
             w.mul_(-30.0)
+        elif kind == "flip" and self.rank == self.world - 1:
+            w.view(torch.int32)[0] ^= 1 << 12  # a low mantissa bit: the loss barely moves, the bits do
 
     def before_eval(self, rank: int) -> None:
         self.eval_calls += 1

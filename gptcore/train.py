@@ -11,7 +11,9 @@ Exit codes: 0 = max_steps reached (RUN_DONE printed) or stopped cleanly with a c
 train.max_minutes, SIGTERM/SIGINT to the trainer processes, or a <run_dir>/STOP file); 2 = bad input
 (config, dataset, run identity, no intact checkpoint, another trainer holds the run directory, a run
 directory or dataset that cannot be read or written): nothing half-written is kept; 3 = diverged (the
-guard rolled back guard.max_rollbacks times in a row; the checkpoints are intact); anything else = a crash.
+guard rolled back guard.max_rollbacks times in a row; the checkpoints are intact); 4 = the replicas disagreed
+twice on the same rank (drain that host); 5 = a rank made no progress (gptcore/watchdog.py: stacks in
+<run_dir>/hangs/; torchrun restarts the job with train.max_restarts); anything else = a crash.
 
 The trainer defends its run by itself, whoever launched it: it locks the run directory (train.lock),
 resumes from the newest checkpoint that verifies whole (others are moved to checkpoints/rejected/), skips
@@ -29,14 +31,14 @@ import signal
 import sys
 import time
 
-from gptcore import distributed, run_files
+from gptcore import distributed, run_files, watchdog
 from gptcore.config import ConfigError, load_config
 from gptcore.data.shard_format import ShardError
 from gptcore.resume import RunError, prepare
 from gptcore.runlock import LockHeld
-from gptcore.trainer import STOP_FILE, STOP_SIGNAL, Diverged, Trainer
+from gptcore.trainer import STOP_FILE, STOP_SIGNAL, Diverged, ReplicasDisagree, Trainer
 
-EXIT_OK, EXIT_BAD_INPUT, EXIT_DIVERGED = 0, 2, 3
+EXIT_OK, EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_REPLICAS = 0, 2, 3, 4  # 5: gptcore.watchdog.HANG_EXIT
 __all__ = ["main", "STOP_FILE"]
 
 
@@ -62,11 +64,12 @@ def main(argv: list[str] | None = None) -> int:
     # process forked later must not inherit a SIGTERM that does nothing)
     previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        distributed.init_process_group(prep.env)
+        distributed.init_process_group(prep.env, watchdog.CEILING_S if not cfg.train.hang_timeout_s
+                                       else cfg.train.hang_timeout_s)
         return Trainer(prep, t_start).run()
     # RunError: found only once the ranks talk (e.g. a run dir not shared between nodes); OSError after
     # the checks: e.g. the disk filled up, or a file turned into a directory
-    except (RunError, Diverged, OSError) as e:
+    except (RunError, Diverged, ReplicasDisagree, OSError) as e:
         return fail(e)
     finally:
         distributed.teardown()
@@ -85,6 +88,8 @@ def fail(e: Exception) -> int:
                "check that path (a file where a directory belongs, or the reverse), its permissions and the "
                "free disk, then run again: the run continues from its newest checkpoint")
     print(f"error: {why}", file=sys.stderr)
+    if isinstance(e, ReplicasDisagree):
+        return EXIT_REPLICAS
     return EXIT_DIVERGED if isinstance(e, Diverged) else EXIT_BAD_INPUT
 
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import math
 import os
+import socket
+import statistics
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
@@ -31,9 +33,11 @@ from gptcore.loss import make_loss
 from gptcore.metrics import METRICS_FILE, JsonlLogger, NullLogger
 from gptcore.model import peak_flops_guess
 from gptcore.optim import build_optimizer, lr_at, set_lr, skips_on_device
+from gptcore.replicas import ComputeTimer, odd_ranks, stragglers, weights_checksum
 from gptcore.resume import Prepared, RunError, newest_intact, restore
 from gptcore.run_files import DONE_FILE, EVAL_FILE, RUN_FILE, step_dir
 from gptcore.train_eval import Evaluator
+from gptcore.watchdog import Watchdog
 
 STOP_FILE = "STOP"  # create <run_dir>/STOP to stop a run gracefully (checkpoint, exit 0, torchrun too)
 PEAK_ENV = "GPTPIPE_PEAK_FLOPS"  # peak FLOP/s per device for MFU (default: a table for known GPUs)
@@ -42,6 +46,10 @@ STOP_SIGNAL: dict = {"signal": None}  # set by gptcore.train's signal handler; r
 
 class Diverged(RuntimeError):
     """The guard rolled back too often in a row, or had no checkpoint to roll back to."""
+
+
+class ReplicasDisagree(RuntimeError):
+    """A rank's weights differed from the others' a second time: its host corrupts data (exit 4)."""
 
 
 class StepStats(NamedTuple):
@@ -76,6 +84,7 @@ class Due:
     checkpoint: bool
     eval: bool
     sample: bool
+    consistency: bool  # compare the replicas' weights
     read: bool  # a host sync: log rows, guard verdicts, stop votes
 
 
@@ -98,6 +107,8 @@ class Trainer:
         cfg, env, raw = prep.cfg, prep.env, prep.model
         tc = cfg.train
         self.cfg, self.env, self.run_dir, self.raw, self.t_start = cfg, env, prep.run_dir, raw, t_start
+        # first: a peer that never joins the collectives below is a hang too
+        self.watchdog = Watchdog(prep.run_dir, env.rank, tc.hang_timeout_s).start()
         raw.head_loss = make_loss(env.loss)  # train.loss; the trainer owns the fused loss's reusable buffers
         self.optimizer = build_optimizer(raw, cfg.optim, env.device.type)
         self.scaler = torch.amp.GradScaler(env.device.type) if env.dtype == torch.float16 else None
@@ -107,6 +118,7 @@ class Trainer:
         self.step = 0  # steps done; tokens seen = step * train.total_batch_tokens (part of the run identity)
         if prep.trainer_state is not None:
             self.step = restore(prep.trainer_state, self.optimizer, self.loader, self.scaler, env)
+        self.hosts = distributed.all_gather_object(socket.gethostname())  # names events use for ranks
         seen = distributed.all_gather_object(self.step)  # every rank must resume from the same checkpoint
         if len(set(seen)) > 1:
             raise RunError(f"ranks found different checkpoints in {self.run_dir} (steps {seen}); the run "
@@ -119,7 +131,13 @@ class Trainer:
         self.peak_flops = peak_one * env.world if peak_one else None  # all devices together, for MFU
         self.meta = {"config": cfg.to_dict(), "model_config": asdict(cfg.model), "manifest_id": prep.manifest.id,
                      "run_name": cfg.run_name, "identity_hash": cfg.identity_hash()}  # in every checkpoint
-        self.guard, self.faults, self.event = Guard(cfg.guard), FaultInjector(), EventLog(self.logger, env.master)
+        self.guard, self.event = Guard(cfg.guard), EventLog(self.logger, env.master)
+        self.watchdog.on_hang = self.event
+        self.faults = FaultInjector(env.rank, env.world)
+        self.faults.install(raw)
+        self.timer = ComputeTimer(env.device)  # this rank's own compute time, for the straggler check
+        self.slow_streak = [0] * env.world  # log steps in a row each rank was a straggler
+        self.disagreements = [0] * env.world  # consistency checks each rank failed
         self.checkpointer = Checkpointer(self.run_dir, tc.keep_last, background=tc.async_checkpoint)
         self.evaluator = Evaluator(cfg, env, prep.data_dir, raw, self.logger, self.event, self.faults)
         self.accum = cfg.grad_accum_steps(env.world)
@@ -157,23 +175,26 @@ class Trainer:
                 if read.verdict == ROLLBACK:
                     self.roll_back()
                     continue
+                if due.consistency and self.replicas_differ():
+                    continue
                 spent: dict[str, float] = {}
                 stopping = read.stop and not due.last  # checkpoint and go: the flow evaluates that checkpoint
                 troubled = self.guard.nonfinite or self.guard.spiking  # an interval checkpoint waits for a healthy step
                 if due.last or stopping or (due.checkpoint and not troubled):
-                    with timed(spent, "checkpoint"):
+                    with timed(spent, "checkpoint", self.watchdog):
                         self.checkpoint("end" if due.last else "stop" if stopping else "interval", read.loss)
                 if due.eval and not stopping:
-                    with timed(spent, "eval"):
+                    with timed(spent, "eval", self.watchdog):
                         self.evaluate(due.last)
                 if due.sample and not stopping and self.env.master:
-                    with timed(spent, "sample"):
+                    with timed(spent, "sample", self.watchdog):
                         self.evaluator.sample(self.step)
                 self.log_time_spent(spent)
                 if stopping:
                     return self.stopped()
             return self.finished()
         finally:
+            self.watchdog.stop()
             self.checkpointer.close()  # a write in flight ends before the process does
             self.logger.close()
 
@@ -183,8 +204,11 @@ class Trainer:
         checkpoint = step % tc.checkpoint_interval == 0
         evaluate = last or bool(ev.eval_interval and step % ev.eval_interval == 0)
         sample = last or bool(ev.sample_interval and step % ev.sample_interval == 0)
-        read = last or checkpoint or evaluate or sample or step == 1 or step % tc.log_interval == 0
-        return Due(last, checkpoint, evaluate, sample, read)
+        every = self.cfg.guard.consistency_interval
+        # and before every checkpoint: rank 0 alone writes it, and its replica may be the odd one
+        consistency = self.env.ddp and bool(every) and (last or checkpoint or step % every == 0)
+        read = last or checkpoint or evaluate or sample or consistency or step == 1 or step % tc.log_interval == 0
+        return Due(last, checkpoint, evaluate, sample, consistency, read)
 
     # --- step and log -----------------------------------------------------------------------------
 
@@ -194,8 +218,9 @@ class Trainer:
         vote = self.stop_vote()
         self.faults.before_step(self.raw)
         stats = train_step(self.model, self.optimizer, self.loader, self.accum, self.env, self.scaler,
-                           self.cfg.optim.grad_clip, vote)
+                           self.cfg.optim.grad_clip, vote, self.timer)
         self.step += 1
+        self.watchdog.beat("training", step=self.step)
         self.pending.append(Pending(self.step, lr, self.loader.epoch, stats))
 
     def stop_vote(self) -> bool:
@@ -212,9 +237,11 @@ class Trainer:
         """The one host sync of the pending steps (the same steps on every rank): log each, let the guard
         judge each, and learn how a checkpoint write in flight ended."""
         cfg, env, guard = self.cfg, self.env, self.guard
-        now = time.time()
-        dt = (now - self.t_read) / len(self.pending)
         rows = [StepStats(*r) for r in torch.stack([p.stats for p in self.pending]).tolist()]
+        now = time.time()  # after the read: the host has waited for the device, so dt is the steps' real time
+        dt = (now - self.t_read) / len(self.pending)
+        self.watchdog.beat("training", step_time=dt)
+        ranks = self.compare_compute_times(self.pending[-1].step, self.timer.take() / len(self.pending))
         batch = cfg.train.total_batch_tokens
         tok_s = batch / dt
         mfu = {"train/mfu": self.raw.estimate_mfu(tok_s, self.peak_flops, cfg.train.seq_len)} if self.peak_flops else {}
@@ -223,7 +250,8 @@ class Trainer:
             read.loss, read.stop = s.loss_sum / env.world, read.stop or s.stop_votes > 0
             self.logger.log(p.step, {"train/loss": read.loss, "train/lr": p.lr, "train/grad_norm": s.grad_norm,
                                      "train/step_time": dt, "train/tokens_per_s": tok_s,
-                                     "train/tokens_seen": p.step * batch, "train/epoch": p.epoch, **mfu})
+                                     "train/tokens_seen": p.step * batch, "train/epoch": p.epoch, **mfu,
+                                     **(ranks if p is self.pending[-1] else {})})
             if read.verdict != ROLLBACK:
                 read.verdict = guard.observe(read.loss, s.nonfinite_ranks == 0)
                 if read.verdict == SKIP:
@@ -237,6 +265,51 @@ class Trainer:
         self.t_read = now
         self.confirm_checkpoint(wait=False)
         return read
+
+    def compare_compute_times(self, step: int, mine: float) -> dict[str, float]:
+        """The ranks exchange their own compute time per step (host values: the read has synced already);
+        returns the slowest rank's, for the metrics row. A rank over guard.straggler_ratio x the median at
+        guard.straggler_logs log steps in a row is named in an event, once per streak."""
+        if not self.env.ddp:
+            return {}
+        times, g = distributed.all_gather_object(mine), self.cfg.guard
+        slowest, median = max(range(len(times)), key=times.__getitem__), statistics.median(times)
+        slow = set(stragglers(times, g.straggler_ratio))
+        for r in range(len(times)):
+            self.slow_streak[r] = self.slow_streak[r] + 1 if r in slow else 0
+            if self.slow_streak[r] == g.straggler_logs:
+                self.event(step, f"straggler: rank {r} on host {self.hosts[r]} computed {times[r] * 1000:.1f} ms "
+                           f"per step, {times[r] / median:.2f}x the median {median * 1000:.1f} ms, at "
+                           f"{g.straggler_logs} log steps in a row; every rank waits for it in each all-reduce "
+                           "(check that host's GPU clocks, temperature and neighbours)",
+                           **{"straggler/rank": r, "straggler/ratio": times[r] / median})
+        return {"straggler/slowest_s": times[slowest], "straggler/slowest_rank": slowest,
+                "straggler/median_s": median}
+
+    def replicas_differ(self) -> bool:
+        """Compare the ranks' weight checksums (collective). Equal: False. A rank that differs for the first
+        time: an event, a rollback to the newest good checkpoint (every rank loads the same weights), True.
+        A rank that differs again: ReplicasDisagree, naming its host."""
+        sums = distributed.all_gather_object(int(weights_checksum(self.raw).item()))
+        if len(set(sums)) == 1:
+            return False
+        odd = odd_ranks(sums)
+        names = ", ".join(f"rank {r} on host {self.hosts[r]}" for r in odd)
+        for r in odd:
+            self.disagreements[r] += 1
+        again = [r for r in odd if self.disagreements[r] > 1]
+        if again:
+            hosts = sorted({self.hosts[r] for r in again})
+            raise ReplicasDisagree(
+                f"the replicas' weights differ again at step {self.step} ({names}); weights of one replica change "
+                f"on their own, a silent data corruption: drain host(s) {', '.join(hosts)} (GPU memory or compute "
+                "errors: nvidia-smi -q -d ECC,ROW_REMAPPER; dcgmi diag), then run the same command without them "
+                "to continue from the newest checkpoint")
+        self.event(self.step, f"replicas disagree at step {self.step}: the weights of {names} differ from "
+                   f"{'the majority' if len(odd) < len(sums) else 'each other'} (checksums {sums}); rolling back",
+                   **{"guard/replica_mismatch": len(odd)})
+        self.roll_back(why="replicas disagree")
+        return True
 
     def log_time_spent(self, spent: dict[str, float]) -> None:
         """Time outside training steps at this sync point, as metrics; step times leave it out."""
@@ -292,13 +365,14 @@ class Trainer:
             self.checkpointer.attach(self.step, EVAL_FILE, {**record, "target": str(step_dir(self.run_dir, self.step)),
                                                             "manifest_id": self.meta["manifest_id"]})
 
-    def roll_back(self) -> None:
+    def roll_back(self, why: str | None = None) -> None:
         """Reload the newest good checkpoint (weights, optimizer, RNG) but keep the data position, so the
         batches since that checkpoint, which led into the trouble, are skipped. Raises Diverged when there is
         nothing to roll back to or it happened too often in a row."""
         self.confirm_checkpoint(wait=True)  # a write in flight is on disk (or known lost) before choosing
         cfg, loader, guard, step = self.cfg, self.loader, self.guard, self.step
-        why = "non-finite steps" if guard.nonfinite else "loss spike"  # read before rolled_back resets the counts
+        # read before rolled_back resets the counts
+        why = why or ("non-finite steps" if guard.nonfinite else "loss spike")
         if not guard.rolled_back():
             raise Diverged(f"the run diverged again ({why} at step {step}) after {cfg.guard.max_rollbacks} "
                            "rollbacks with no checkpoint written in between; the checkpoints are intact. Lower "
@@ -348,16 +422,21 @@ class Trainer:
 
 
 class timed:
-    """`with timed(spent, "eval"):` adds the block's wall time to spent["eval"]."""
+    """`with timed(spent, "eval", watchdog):` adds the block's wall time to spent["eval"]; its start and end
+    are progress for the hang watchdog."""
 
-    def __init__(self, spent: dict[str, float], name: str):
-        self.spent, self.name = spent, name
+    def __init__(self, spent: dict[str, float], name: str, watchdog: Watchdog | None = None):
+        self.spent, self.name, self.watchdog = spent, name, watchdog
 
     def __enter__(self):
         self.t0 = time.time()
+        if self.watchdog is not None:
+            self.watchdog.beat(self.name)
 
     def __exit__(self, *exc):
         self.spent[self.name] = self.spent.get(self.name, 0.0) + time.time() - self.t0
+        if self.watchdog is not None:
+            self.watchdog.beat("training")
 
 
 def write_records(prep: Prepared, step: int) -> None:
@@ -377,17 +456,19 @@ def write_records(prep: Prepared, step: int) -> None:
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loader: ShardLoader, accum: int,
-               env: distributed.Env, scaler=None, grad_clip: float = 1.0, stop_vote: bool = False) -> torch.Tensor:
+               env: distributed.Env, scaler=None, grad_clip: float = 1.0, stop_vote: bool = False,
+               timer: ComputeTimer | None = None) -> torch.Tensor:
     """One optimizer step over `accum` micro-batches, with no host sync: returns StepStats as one device
     tensor. A step that is non-finite on any rank applies no update (the fused optimizer skips it on the
-    device, as GradScaler does). The learning rate is set by the caller. (bench_train times this.)"""
+    device, as GradScaler does). The learning rate is set by the caller. `timer` times the forward passes
+    (no collective runs in them: this rank's own speed). (bench_train times this.)"""
     loss_sum = torch.zeros((), device=env.device)
     for micro in range(accum):
         x, y = loader.next_batch()
         # under DDP, gradients are all-reduced only on the last micro-step
         sync = model.no_sync() if env.ddp and micro < accum - 1 else nullcontext()
         with sync:
-            with env.autocast():
+            with env.autocast(), timer or nullcontext():
                 _, loss = model(x, y, return_logits=False)
             loss = loss / accum  # the mean over the whole step's micro-batches
             loss_sum += loss.detach()

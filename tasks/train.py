@@ -31,14 +31,12 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from gptcore.config import flatten, load_config
+from gptcore.config import load_config
+from gptcore.launch import SHUTDOWN_SECONDS, torchrun_cmd
 from gptcore.run_files import run_dir_for, run_state
 from integrations import processes
 
 TRAIN_LOG = "train.log"  # the trainer's stdout/stderr, appended per invocation
-# SIGTERM -> SIGKILL, for torchrun's workers: time for a 124M stop checkpoint (1.5 GB with optimizer state)
-# even on slow shared storage; torchrun's own default of 30 s is not (measured: docs/training.md).
-SHUTDOWN_SECONDS = 300
 GRACE_SECONDS = SHUTDOWN_SECONDS + 30.0  # this task's SIGKILL comes only after torchrun's has had its turn
 LEASE_SECONDS = 60  # Prefect's minimum; a killed holder's slot is reclaimed this long after its death
 
@@ -54,16 +52,6 @@ _PDEATHSIG_EXEC = (
 
 class TrainError(RuntimeError):
     """Training could not run or failed; the message says why and what to do."""
-
-
-def override_args(overrides: dict | None) -> list[str]:
-    """{"train.max_steps": 50, "model": {"n_layer": 2}} -> ["train.max_steps=50", "model.n_layer=2"]."""
-    return [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in flatten(overrides or {}).items()]
-
-
-def torchrun_cmd(preset: str, overrides: dict | None, nproc: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            f"--shutdown-timeout={SHUTDOWN_SECONDS}", "-m", "gptcore.train", preset, *override_args(overrides)]
 
 
 # --- one trainer per run directory -----------------------------------------------------------------
@@ -184,7 +172,8 @@ def train_task(preset: str, overrides: dict | None, run_name: str, nproc: int, w
                                                                 "pid": os.getpid()}))
         progress = TrainProgress(run_dir, run_name, cfg.train.max_steps, cfg.train.max_minutes * 60, shipper, log)
         try:
-            rc, tail = launch(torchrun_cmd(preset, overrides, nproc), run_dir, log, env, on_tick=progress.tick)
+            cmd = torchrun_cmd(preset, overrides, nproc, max_restarts=cfg.train.max_restarts)
+            rc, tail = launch(cmd, run_dir, log, env, on_tick=progress.tick)
             progress.tick(final=True)
         finally:
             if shipper is not None and not shipper.stop():

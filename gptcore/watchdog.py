@@ -1,0 +1,101 @@
+"""The hang watchdog: each rank watches its own progress and ends itself when it stops.
+
+A rank that stops making progress (a collective whose peer died or was stopped, a GPU that no longer
+answers) would otherwise wait out the process group's timeout, and the night with it. Here every step,
+evaluation batch and checkpoint counts as progress (`beat`); with none for the limit, a thread writes every
+thread's Python stack to <run_dir>/hangs/<time>/rank<r>.txt, logs an event, and the process exits with
+HANG_EXIT. torchrun (`--max-restarts`, train.max_restarts) then restarts every rank, and the run continues
+from its newest checkpoint.
+
+The limit: train.hang_timeout_s when set; else HANG_FACTOR x the run's median step time, within
+[FLOOR_S, CEILING_S], and CEILING_S until there are step times (the first steps compile). The process
+group's timeout is set above the largest limit (gptcore/distributed.py), so the watchdog speaks first.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import statistics
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+
+HANG_EXIT = 5  # distinct from 2 (bad input), 3 (diverged), 4 (replicas disagree)
+HANG_FACTOR = 50.0  # x the median step time: an evaluation or a checkpoint beats well within that
+FLOOR_S = 300.0
+CEILING_S = 1200.0  # 20 min, under the 30-min process group timeout
+
+
+def limit_for(timeout_s: float, step_times: list[float]) -> float:
+    """Seconds without progress that count as a hang."""
+    if timeout_s > 0:
+        return timeout_s
+    if not step_times:
+        return CEILING_S
+    return min(max(HANG_FACTOR * statistics.median(step_times), FLOOR_S), CEILING_S)
+
+
+class Watchdog:
+    def __init__(self, run_dir: Path, rank: int, timeout_s: float = 0.0, poll_s: float | None = None):
+        self.run_dir, self.rank, self.timeout_s = Path(run_dir), rank, timeout_s
+        # the trainer's EventLog, once it has one: (step, text, who=...). Never a bound method of the
+        # trainer: that cycle would keep the DDP module alive past the process group's teardown
+        self.on_hang: Callable[..., None] | None = None
+        self.step = 0  # the newest step, for the event
+        self.step_times: deque[float] = deque(maxlen=100)
+        self.last = time.monotonic()
+        self.doing = "starting"
+        self.poll_s = poll_s if poll_s is not None else min(5.0, max(timeout_s / 10, 0.1) if timeout_s else 5.0)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="hang-watchdog", daemon=True)
+
+    def start(self) -> Watchdog:
+        self._thread.start()
+        return self
+
+    def beat(self, doing: str = "training", step_time: float | None = None, step: int | None = None) -> None:
+        """Progress: called from the training loop (cheap: no lock, no device work)."""
+        self.last, self.doing = time.monotonic(), doing
+        if step is not None:
+            self.step = step
+        if step_time is not None:
+            self.step_times.append(step_time)
+
+    def limit(self) -> float:
+        return limit_for(self.timeout_s, list(self.step_times))
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            idle, limit = time.monotonic() - self.last, self.limit()
+            if idle > limit:
+                self._hang(idle, limit)
+
+    def _hang(self, idle: float, limit: float) -> None:
+        folder = self.run_dir / "hangs" / time.strftime("%Y%m%d-%H%M%S")
+        path = folder / f"rank{self.rank}.txt"
+        text = (f"rank {self.rank} (pid {os.getpid()}, host {os.uname().nodename}) made no progress for "
+                f"{idle:.0f}s (limit {limit:.0f}s) while {self.doing}; exiting with {HANG_EXIT} so that torchrun "
+                f"restarts the job from its newest checkpoint (train.max_restarts)")
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            with open(path, "w") as f:
+                f.write(text + "\n\n")
+                f.flush()
+                faulthandler.dump_traceback(f, all_threads=True)
+        except OSError as e:  # a full or gone disk: the stacks go to stderr instead
+            print(f"hang watchdog: cannot write {path}: {e}", file=sys.stderr, flush=True)
+            faulthandler.dump_traceback(sys.stderr, all_threads=True)
+        print(f"error: {text}; stacks in {path}", file=sys.stderr, flush=True)
+        if self.on_hang is not None:
+            try:
+                self.on_hang(self.step, f"{text}; stacks in {path}", who="watchdog")
+            except Exception:  # noqa: BLE001 - the exit below must happen whatever the event log does
+                pass
+        os._exit(HANG_EXIT)  # the main thread is stuck: no clean shutdown is possible

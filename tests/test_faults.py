@@ -1,0 +1,162 @@
+"""The hardware faults a long job meets, injected into a real torchrun job (gloo, CPU): a rank that hangs,
+a rank that straggles, a replica whose weights silently change. The job must survive each with nothing
+lost, or stop with the exit code that names the trouble.
+
+- hang: one rank of two is SIGSTOPped mid-run; the other's watchdog writes its stacks and exits 5,
+  torchrun (--max-restarts, train.max_restarts) restarts both, and the run ends bit-identical to an
+  uninterrupted one;
+- straggler: rank 1 is slowed (GPTPIPE_TEST_FAULT=slow@1) and named in an event; an even job gets none;
+- replicas: a bit flips in rank 2's weights (flip@5) and the next check rolls every rank back to the newest
+  checkpoint, naming rank 2 by majority; a second flip on the same rank stops the run with exit 4.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from gptcore import checkpoint as C
+from gptcore import run_files as R
+from gptcore.launch import torchrun_cmd
+from gptcore.metrics import read_metrics
+from gptcore.watchdog import HANG_EXIT
+from tests.test_train_utils import descendants, kill_tree, losses, make_dataset, run, start, wait_for_step
+
+pytestmark = pytest.mark.slow
+STEPS = 14
+
+
+def overrides(ds: Path, run_dir: Path, nproc: int = 2, **extra) -> dict:
+    # B=2, T=32, 2 micro-steps per rank per step
+    return {"data.dataset_dir": str(ds), "train.run_dir": str(run_dir), "train.micro_batch": 2,
+            "train.seq_len": 32, "train.total_batch_tokens": 2 * 32 * 2 * nproc, "train.max_steps": STEPS,
+            "train.checkpoint_interval": 4, "train.keep_last": 10, "train.log_interval": 1,
+            "optim.warmup_steps": 3, "eval.eval_interval": 0, "eval.sample_interval": 0, "eval.val_tokens": 128,
+            **extra}
+
+
+def events(run_dir: Path) -> list[str]:
+    return [r["event"] for r in read_metrics(run_dir / "metrics.jsonl", "event")]
+
+
+def rank_exit_codes(out: str) -> dict[str, str]:
+    """Each failed rank's own exit code, from torchrun's failure report (torchrun itself exits 1)."""
+    return dict(re.findall(r"rank\s*: (\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*: (-?\d+)", out))
+
+
+def rank_pid(launcher_pid: int, rank: int) -> int | None:
+    for pid in descendants(launcher_pid):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in environ and b"TORCHELASTIC_RUN_ID=" in b"\0".join(environ):
+            return pid
+    return None
+
+
+@pytest.fixture(scope="module")
+def ds(tmp_path_factory):
+    return make_dataset(tmp_path_factory.mktemp("ds"))
+
+
+@pytest.fixture(scope="module")
+def reference(ds, tmp_path_factory):
+    """Two ranks, no trouble: the trajectory the faulty runs must reproduce."""
+    tmp = tmp_path_factory.mktemp("ref")
+    r = run(torchrun_cmd("micro", overrides(ds, tmp / "run", **{"guard.straggler_ratio": 3}), 2), tmp, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return tmp / "run"
+
+
+def final_weights(run_dir: Path) -> dict:
+    model, meta = C.load_model(R.step_dir(run_dir, STEPS))
+    assert meta["step"] == STEPS
+    return model.state_dict()
+
+
+def assert_same_weights(run_dir: Path, ref: Path) -> None:
+    a, b = final_weights(run_dir), final_weights(ref)
+    for k in b:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_a_stopped_rank_is_caught_by_the_watchdog_and_the_job_restarts(ds, reference, tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = torchrun_cmd("micro", overrides(ds, run_dir, **{"train.hang_timeout_s": 6}), 2, max_restarts=1,
+                       shutdown_seconds=5)
+    proc = start(cmd, tmp_path, tmp_path / "log")
+    try:
+        wait_for_step(proc, run_dir / "metrics.jsonl", 6, timeout=180)
+        victim = rank_pid(proc.pid, 1)
+        assert victim is not None
+        stopped_at = time.monotonic()
+        # SIGSTOP rank 1, for good: rank 0 waits in its next all-reduce; torchrun must SIGKILL rank 1
+        os.kill(victim, signal.SIGSTOP)
+        rc = proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
+    log = (tmp_path / "log").read_text()
+    assert rc == 0, log[-4000:]
+    # rank 0 reported the hang within the limit (+ its poll) and wrote its stacks
+    stacks = list(run_dir.glob("hangs/*/rank0.txt"))
+    assert len(stacks) == 1, log[-3000:]
+    text = stacks[0].read_text()
+    assert "made no progress" in text and "Thread" in text and "gptcore/trainer.py" in text, text[:2000]
+    hang_events = [e for e in events(run_dir) if "made no progress" in e]
+    assert len(hang_events) == 1 and f"exiting with {HANG_EXIT}" in hang_events[0]
+    assert time.monotonic() - stopped_at < 120
+    # torchrun restarted both ranks, which resumed from the newest checkpoint and finished
+    assert "Restarting" in log or "restart" in log.lower(), log[-3000:]
+    assert (run_dir / "DONE").is_file()
+    assert_same_weights(run_dir, reference)
+    got, want = losses(run_dir / "metrics.jsonl"), losses(reference / "metrics.jsonl")
+    assert got == want
+
+
+def test_a_slow_rank_is_named(ds, reference, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start(torchrun_cmd("micro", overrides(ds, run_dir, **{"guard.straggler_logs": 2}), 2), tmp_path,
+                 tmp_path / "log", GPTPIPE_TEST_FAULT="slow@1")
+    assert proc.wait(timeout=300) == 0, (tmp_path / "log").read_text()[-3000:]
+    named = [e for e in events(run_dir) if e.startswith("straggler")]
+    assert len(named) == 1 and named[0].startswith("straggler: rank 1 on host "), named
+    rows = read_metrics(run_dir / "metrics.jsonl", "train")
+    slowest = [row["straggler/slowest_rank"] for row in rows if "straggler/slowest_rank" in row]
+    assert len(slowest) == STEPS and slowest.count(1) >= STEPS - 1, slowest
+    # the reference (no fault, a 3x rule against noise on a busy machine) names nobody
+    assert not [e for e in events(reference) if e.startswith("straggler")]
+    assert all("straggler/slowest_s" in row for row in read_metrics(reference / "metrics.jsonl", "train"))
+
+
+def test_a_replica_that_drifts_is_rolled_back_then_its_host_named(ds, tmp_path):
+    # three ranks: the odd one is known by majority
+    three = tmp_path / "three"
+    proc = start(torchrun_cmd("micro", overrides(ds, three / "run", 3, **{"guard.consistency_interval": 2}), 3),
+                 tmp_path, tmp_path / "log3", GPTPIPE_TEST_FAULT="flip@5")
+    assert proc.wait(timeout=400) == 0, (tmp_path / "log3").read_text()[-3000:]
+    found = [e for e in events(three / "run") if "replicas disagree" in e]
+    assert len(found) == 2, found  # the event, then the rollback it caused
+    assert found[0].startswith("replicas disagree at step 6: the weights of rank 2 on host ") and "majority" in found[0]
+    assert found[1].startswith("replicas disagree: rolled back to ")
+    rollback = [r for r in read_metrics(three / "run" / "metrics.jsonl", "event") if "guard/rollback_to" in r]
+    assert [(r["guard/rollback_from"], r["guard/rollback_to"]) for r in rollback] == [(6, 4)]
+    assert (three / "run" / "DONE").is_file()  # and the checks after it, the last at step 14, agreed
+
+    # the same rank again: exit 4, naming the host to drain
+    again = tmp_path / "again"
+    proc = start(torchrun_cmd("micro", overrides(ds, again / "run", 3, **{"guard.consistency_interval": 2}), 3),
+                 tmp_path, tmp_path / "log4", GPTPIPE_TEST_FAULT="flip@5,flip@9")
+    rc = proc.wait(timeout=400)
+    out = (tmp_path / "log4").read_text()
+    assert rc == 1, out[-3000:]
+    codes = rank_exit_codes(out)
+    assert "4" in codes.values() and set(codes.values()) <= {"4", "-15"}, (codes, out[-3000:])
+    assert "replicas' weights differ again" in out and "drain host(s)" in out
