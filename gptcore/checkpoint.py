@@ -175,7 +175,15 @@ def _same_hash(path: Path, expected, what: str) -> None:
 
 def load_for_resume(ckpt_dir: Path, model: torch.nn.Module) -> tuple[dict, dict]:
     """Check `ckpt_dir` whole and load its weights into `model`; returns (meta, trainer state).
-    CheckpointError says what is wrong: a file missing, a hash mismatch, unreadable, non-finite weights."""
+    CheckpointError says what is wrong: a file missing, a hash mismatch, unreadable, non-finite weights.
+    An OSError while reading is one too (e.g. rank 0 moved the directory to rejected/ meanwhile)."""
+    try:
+        return _load_for_resume(ckpt_dir, model)
+    except OSError as e:
+        raise CheckpointError(f"cannot be read: {type(e).__name__}: {e}") from e
+
+
+def _load_for_resume(ckpt_dir: Path, model: torch.nn.Module) -> tuple[dict, dict]:
     meta = read_meta(ckpt_dir)
     for name in (MODEL_FILE, TRAINER_FILE):
         if not (ckpt_dir / name).is_file():

@@ -164,7 +164,10 @@ class OptimConfig:
 class TrainConfig:
     run_name: str = ""  # the run's stable identity; "" = the preset name
     total_batch_tokens: int = 524_288  # tokens per optimizer step, across all ranks and micro-steps
-    micro_batch: int = 64  # B: sequences per rank per micro-step
+    # B: sequences per rank per micro-step, or "auto": the largest that fits the device, at most
+    # micro_batch_max (gptcore/microbatch.py; the GPU presets' default)
+    micro_batch: int | str = 64
+    micro_batch_max: int = 64
     seq_len: int = 1024  # T: tokens per sequence (<= model.block_size)
     max_steps: int = 19_073  # ~10B tokens at 0.5M tokens/step
     seed: int = 1337
@@ -186,6 +189,11 @@ class TrainConfig:
     hang_timeout_s: float = 0.0
     max_restarts: int = 1  # torchrun restarts of every rank after one fails (a hang, a crash), per launch
 
+    def resolved_micro_batch(self) -> int:
+        """micro_batch, or for "auto" before a trainer chose (an evaluation outside training) micro_batch_max.
+        The trainer replaces "auto" by its choice in its own config."""
+        return self.micro_batch_max if self.micro_batch == "auto" else int(self.micro_batch)
+
     def validate(self) -> None:
         choices = {"device": ("auto", "cpu", "cuda"), "dtype": ("auto", "float32", "bfloat16", "float16"),
                    "compile": ("auto", "true", "false"), "loss": ("auto", "fused", "plain")}
@@ -193,7 +201,10 @@ class TrainConfig:
             value = getattr(self, name)
             if value not in allowed:  # e.g. "train.loss='x'; use auto, fused or plain"
                 raise ConfigError(f"train.{name}={value!r}; use {', '.join(allowed[:-1])} or {allowed[-1]}")
-        for name in ("total_batch_tokens", "micro_batch", "seq_len", "max_steps", "checkpoint_interval",
+        if self.micro_batch != "auto" and not (isinstance(self.micro_batch, int) and self.micro_batch > 0):
+            raise ConfigError(f"train.micro_batch must be a positive number of sequences or auto, got "
+                              f"{self.micro_batch!r}")
+        for name in ("total_batch_tokens", "micro_batch_max", "seq_len", "max_steps", "checkpoint_interval",
                      "keep_last", "log_interval"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"train.{name} must be positive, got {getattr(self, name)}")
@@ -279,11 +290,12 @@ class RunConfig:
         t = self.train
         if t.seq_len > self.model.block_size:
             raise ConfigError(f"train.seq_len={t.seq_len} exceeds model.block_size={self.model.block_size}")
-        per_micro = t.micro_batch * t.seq_len * world_size
+        micro = 1 if t.micro_batch == "auto" else t.micro_batch  # auto: any divisor of the share will do
+        per_micro = micro * t.seq_len * world_size
         if t.total_batch_tokens % per_micro != 0:
             raise ConfigError(
                 f"train.total_batch_tokens={t.total_batch_tokens} is not divisible by micro_batch*seq_len*"
-                f"world_size = {t.micro_batch}*{t.seq_len}*{world_size} = {per_micro}; adjust "
+                f"world_size = {micro}*{t.seq_len}*{world_size} = {per_micro}; adjust "
                 "train.micro_batch or train.total_batch_tokens")
         if self.optim.warmup_steps > t.max_steps:
             raise ConfigError(f"optim.warmup_steps={self.optim.warmup_steps} exceeds "
@@ -294,7 +306,8 @@ class RunConfig:
         return self
 
     def grad_accum_steps(self, world_size: int = 1) -> int:
-        return self.train.total_batch_tokens // (self.train.micro_batch * self.train.seq_len * world_size)
+        micro = self.train.resolved_micro_batch()
+        return self.train.total_batch_tokens // (micro * self.train.seq_len * world_size)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -315,7 +328,9 @@ class RunConfig:
 
 def _gpt2_124m() -> RunConfig:
     # build-nanogpt's recipe: 0.5M-token batches, 6e-4 cosine to 6e-5, 715 warmup, 19,073 steps ~ 10B tokens.
-    return RunConfig(preset="gpt2-124m", model=model_preset("gpt2"), data=DataConfig(source="hf"))
+    # micro_batch auto: 64 (build-nanogpt's, for an 80 GB card) where it fits, less on smaller cards
+    return RunConfig(preset="gpt2-124m", model=model_preset("gpt2"), data=DataConfig(source="hf"),
+                     train=TrainConfig(micro_batch="auto"))
 
 
 def _gpt2_124m_muon() -> RunConfig:
@@ -364,6 +379,9 @@ PRESETS = {"gpt2-124m": _gpt2_124m, "gpt2-124m-muon": _gpt2_124m_muon, "tiny-cpu
 
 def _coerce(value: str, typ: type, key: str):
     """Turn an override string into the field's type, with an error that names the key."""
+    if typ == int | str:  # a number or a word (train.micro_batch: 16 or auto)
+        text = str(value).replace("_", "")
+        return int(text) if text.isdigit() else value
     if isinstance(value, typ) and not (typ is int and isinstance(value, bool)):
         return value
     try:

@@ -8,6 +8,7 @@ Runs the same under `torchrun` (RANK/WORLD_SIZE/LOCAL_RANK in the environment) a
 from __future__ import annotations
 
 import os
+import sys
 from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
@@ -81,12 +82,27 @@ def select(tc: TrainConfig) -> Env:
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = True  # TF32 tensor cores for the fp32 parts
-        torch.backends.cudnn.allow_tf32 = True
-        torch.set_float32_matmul_precision("high")
+        use_tf32()
+        if tc.loss == "fused":
+            print("warning: train.loss=fused on CUDA reads the loss back once per 256-row chunk (a host sync "
+                  "each) and copies the head's weights per chunk: slower than train.loss=auto (plain) there",
+                  file=sys.stderr, flush=True)
     compile_ = tc.compile == "true" or (tc.compile == "auto" and cuda)
     return Env(rank, local_rank, world_size(), device, select_dtype(tc.dtype, device), compile_,
                select_loss(tc.loss, device))
+
+
+def use_tf32() -> None:
+    """TF32 tensor cores for the fp32 parts. Through the fp32_precision settings where torch has them
+    (2.9+): the older allow_tf32 switches are deprecated there, and mixing the two makes torch.compile fail."""
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    if hasattr(matmul, "fp32_precision") and hasattr(cudnn, "conv"):
+        matmul.fp32_precision = "tf32"
+        cudnn.conv.fp32_precision = "tf32"
+    else:
+        matmul.allow_tf32 = True
+        cudnn.allow_tf32 = True
+        torch.set_float32_matmul_precision("high")
 
 
 def init_process_group(env: Env, hang_limit_s: float = 0.0) -> None:

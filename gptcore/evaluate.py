@@ -32,7 +32,7 @@ def validation_sums(model: torch.nn.Module, cfg: RunConfig, manifest_dir: Path, 
                     autocast_ctx=None, rank: int = 0, world: int = 1) -> torch.Tensor:
     """This rank's [sum of batch mean losses, batch count] (float64, on `device`), on the plain model through
     the loss path (no logits kept); no collective, so a rank that fails here cannot leave others waiting."""
-    B, T = cfg.train.micro_batch, cfg.train.seq_len
+    B, T = cfg.train.resolved_micro_batch(), cfg.train.seq_len
     total = torch.zeros(2, dtype=torch.float64, device=device)
     with evaluating(model) as plain:
         for x, y in val_batches(manifest_dir, B, T, cfg.eval.val_tokens, rank, world):
@@ -46,7 +46,7 @@ def validation_sums(model: torch.nn.Module, cfg: RunConfig, manifest_dir: Path, 
 
 def mean_loss(total: torch.Tensor, cfg: RunConfig) -> float:
     """The validation loss from the all-reduced [sum, count] of validation_sums."""
-    B, T = cfg.train.micro_batch, cfg.train.seq_len
+    B, T = cfg.train.resolved_micro_batch(), cfg.train.seq_len
     wanted = max(1, cfg.eval.val_tokens // (B * T))
     if total[1] < wanted:
         log.warning("eval.val_tokens=%d but the val split holds only %d full batches (%d tokens); "

@@ -72,23 +72,38 @@ class FaultInjector:
     loss is NaN until a rollback); before the 9th it is multiplied by -30 (the model now favours what it had
     ruled out: a loss spike that lasts); before the 4th, one bit of that weight flips on the last rank only
     (a silent corruption of one replica). Counting calls, not steps, means a rollback does not replay the
-    fault. slow@1: rank 1 sleeps SLOW_SECONDS in every forward pass (a straggler). The 1st evaluation raises
+    fault. slow@1: rank 1 sleeps SLOW_SECONDS in every forward pass (a straggler). oomabove@4: a forward pass
+    of more than 4 sequences runs out of memory (a smaller card); oom@6: the 6th call's second forward pass
+    runs out of memory once (after a micro-step's gradients exist). The 1st evaluation raises
     a RuntimeError and the 2nd an out-of-memory error, on rank 0 only (the other ranks finish their share:
     the failure must still be agreed on). Unset: nothing."""
 
     def __init__(self, rank: int = 0, world: int = 1):
         spec = os.environ.get("GPTPIPE_TEST_FAULT", "")
         faults = [(kind, int(at)) for kind, _, at in (f.partition("@") for f in spec.split(",") if f)]
-        self.faults = {at: kind for kind, at in faults if kind in ("nan", "spike", "flip")}
+        self.faults = {at: kind for kind, at in faults if kind in ("nan", "spike", "flip", "oom")}
+        self.oom_above = min((at for kind, at in faults if kind == "oomabove"), default=None)
+        self.oom_in = 0  # forward passes until the injected out-of-memory error (0: none pending)
         self.eval_faults = {at: kind for kind, at in faults if kind.startswith("eval")}
         self.slow = rank in {at for kind, at in faults if kind == "slow"}
         self.rank, self.world = rank, world
         self.calls = self.eval_calls = 0
 
     def install(self, model: torch.nn.Module) -> None:
-        """The straggler: this rank's forward passes take SLOW_SECONDS longer (a hook on the plain model)."""
+        """Hooks on the plain model's forward pass: the straggler's sleep, the out-of-memory errors."""
         if self.slow:
             model.register_forward_pre_hook(lambda module, args: time.sleep(SLOW_SECONDS))
+        if self.oom_above is not None or any(k == "oom" for k in self.faults.values()):
+            model.register_forward_pre_hook(self._out_of_memory)
+
+    def _out_of_memory(self, module, args) -> None:
+        if self.oom_above is not None and args[0].shape[0] > self.oom_above:
+            raise torch.OutOfMemoryError(f"injected out of memory: {args[0].shape[0]} sequences > "
+                                         f"{self.oom_above} (GPTPIPE_TEST_FAULT)")
+        if self.oom_in:
+            self.oom_in -= 1
+            if not self.oom_in:
+                raise torch.OutOfMemoryError(f"injected out of memory (GPTPIPE_TEST_FAULT, call {self.calls})")
 
     @torch.no_grad()
     def before_step(self, model: torch.nn.Module) -> None:
@@ -101,6 +116,8 @@ class FaultInjector:
             w.fill_(float("nan"))
         elif kind == "spike":
             w.mul_(-30.0)
+        elif kind == "oom":
+            self.oom_in = 2
         elif kind == "flip" and self.rank == self.world - 1:
             w.view(torch.int32)[0] ^= 1 << 12  # a low mantissa bit: the loss barely moves, the bits do
 

@@ -206,10 +206,11 @@ def unwrap(model: nn.Module) -> GPT:
 # Dense (no sparsity) bf16 tensor-core peak FLOP/s by the name torch.cuda.get_device_name reports, most
 # specific first (vendor datasheets; V100 has no bf16: its fp16 peak, which is what it trains in).
 PEAK_FLOPS = (
-    (r"GH200", 989e12), (r"H200", 989e12),
+    (r"GH200", 989e12), (r"H200.*NVL", 835e12), (r"H200", 989e12),
     (r"H100.*NVL", 835e12), (r"H100.*PCIE", 756e12), (r"H100", 989e12),  # H100 SXM ("H100 80GB HBM3")
-    (r"B200", 2250e12),
-    (r"A100", 312e12),  # SXM4 and PCIe, 40 and 80 GB: the same tensor-core peak
+    (r"H800.*PCIE", 756e12), (r"H800", 989e12),  # the export H100: the same compute, less interconnect
+    (r"GB200", 2500e12), (r"B200", 2250e12),
+    (r"A100", 312e12), (r"A800", 312e12),  # SXM4 and PCIe, 40 and 80 GB: the same tensor-core peak
     (r"L40S", 362e12), (r"\bL40\b", 181e12), (r"\bL4\b", 121e12),
     (r"A10G", 70e12), (r"\bA10\b", 125e12),
     (r"4090", 165e12),

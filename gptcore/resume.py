@@ -133,6 +133,31 @@ def newest_intact(run_dir: Path, model: GPT, master: bool, healthy_only: bool = 
     return None, None, stuck
 
 
+def agreed_checkpoint(run_dir: Path, model: GPT, master: bool, healthy_only: bool = False
+                      ) -> tuple[Path | None, dict | None]:
+    """newest_intact, chosen once for every rank (collective): rank 0 verifies and chooses (moving bad ones
+    to rejected/), the others load the one it chose. Ranks choosing on their own could read a directory
+    rank 0 is moving, or, when one node reads a file differently, train from different weights (DDP
+    copies weights only when it is built). A rank that cannot load rank 0's choice is a RunError on every
+    rank."""
+    choice = newest_intact(run_dir, model, master, healthy_only)[:2] if master else (None, None)
+    name = distributed.broadcast_object(choice[0].name if choice[0] is not None else None)
+    if name is None:
+        return None, None
+    ck, state, error = *choice, None
+    if not master:
+        ck = run_files.checkpoints_dir(run_dir) / name
+        try:
+            state = checkpoint.load_for_resume(ck, model)[1]
+        except run_files.CheckpointError as e:
+            error = f"{ck}: {e}"
+    failed = [f"rank {r}: {e}" for r, e in enumerate(distributed.all_gather_object(error)) if e]
+    if failed:
+        raise RunError(f"rank 0 chose checkpoint {name}, which other ranks cannot load ({'; '.join(failed)}); "
+                       "the run directory must be the same shared filesystem on every node")
+    return ck, state
+
+
 def resume_point(run_dir: Path, model: GPT, master: bool) -> tuple[Path | None, dict | None]:
     """Load the newest checkpoint that verifies whole into `model` (newest_intact). (None, None) for a run
     with no checkpoint yet; RunError if the run had checkpoints and none is intact (starting over would

@@ -124,7 +124,7 @@ def eval_settings(cfg: RunConfig, val: bool, hellaswag: bool | None = None) -> d
     """What an evaluation's numbers depend on besides the weights, recorded in eval.json: a change means
     evaluate again. `hellaswag` (default cfg.eval.hellaswag): whether HellaSwag was part of it."""
     return {"val": val, "val_tokens": cfg.eval.val_tokens if val else None,
-            "micro_batch": cfg.train.micro_batch, "seq_len": cfg.train.seq_len,
+            "micro_batch": cfg.train.resolved_micro_batch(), "seq_len": cfg.train.seq_len,
             "hellaswag": cfg.eval.hellaswag if hellaswag is None else hellaswag,
             "hellaswag_limit": cfg.eval.hellaswag_limit}
 

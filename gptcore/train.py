@@ -34,6 +34,7 @@ import time
 from gptcore import distributed, run_files, watchdog
 from gptcore.config import ConfigError, load_config
 from gptcore.data.shard_format import ShardError
+from gptcore.microbatch import NothingFits
 from gptcore.resume import RunError, prepare
 from gptcore.runlock import LockHeld
 from gptcore.trainer import STOP_FILE, STOP_SIGNAL, Diverged, ReplicasDisagree, Trainer
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         return Trainer(prep, t_start).run()
     # RunError: found only once the ranks talk (e.g. a run dir not shared between nodes); OSError after
     # the checks: e.g. the disk filled up, or a file turned into a directory
-    except (RunError, Diverged, ReplicasDisagree, OSError) as e:
+    except (RunError, Diverged, ReplicasDisagree, NothingFits, OSError) as e:
         return fail(e)
     finally:
         distributed.teardown()

@@ -77,7 +77,7 @@ class Evaluator:
     def _record(self, step: int, packed: torch.Tensor, with_hellaswag: bool, seconds: dict[str, float]) -> dict:
         val, tc = mean_loss(packed[VAL].cpu(), self.cfg), self.cfg.train
         # per-part times and sizes: what benchmarks/gpu_check projects to a run's cadence
-        row = {"val/loss": val, "val/tokens": int(packed[VAL][1]) * tc.micro_batch * tc.seq_len,
+        row = {"val/loss": val, "val/tokens": int(packed[VAL][1]) * tc.resolved_micro_batch() * tc.seq_len,
                **{f"time/{k}_s": v for k, v in seconds.items()}}
         if self.env.compile:  # graphs dynamo compiled so far: evaluation must not add any (tests assert it)
             row["compile/unique_graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]

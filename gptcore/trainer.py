@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gptcore import distributed
+from gptcore import distributed, microbatch
 from gptcore.checkpointer import FAILED, SKIPPED, Checkpointer
 from gptcore.data.loader import ShardLoader
 from gptcore.files import write_json
@@ -34,7 +34,7 @@ from gptcore.metrics import METRICS_FILE, JsonlLogger, NullLogger
 from gptcore.model import peak_flops_guess
 from gptcore.optim import build_optimizer, lr_at, set_lr, skips_on_device
 from gptcore.replicas import ComputeTimer, odd_ranks, stragglers, weights_checksum
-from gptcore.resume import Prepared, RunError, newest_intact, restore
+from gptcore.resume import Prepared, RunError, agreed_checkpoint, restore
 from gptcore.run_files import DONE_FILE, EVAL_FILE, RUN_FILE, step_dir
 from gptcore.train_eval import Evaluator
 from gptcore.watchdog import Watchdog
@@ -109,15 +109,23 @@ class Trainer:
         self.cfg, self.env, self.run_dir, self.raw, self.t_start = cfg, env, prep.run_dir, raw, t_start
         # first: a peer that never joins the collectives below is a hang too
         self.watchdog = Watchdog(prep.run_dir, env.rank, tc.hang_timeout_s).start()
+        self.faults = FaultInjector(env.rank, env.world)  # test-only trouble (GPTPIPE_TEST_FAULT)
+        self.faults.install(raw)
         raw.head_loss = make_loss(env.loss)  # train.loss; the trainer owns the fused loss's reusable buffers
         self.optimizer = build_optimizer(raw, cfg.optim, env.device.type)
         self.scaler = torch.amp.GradScaler(env.device.type) if env.dtype == torch.float16 else None
+        self.auto_micro = tc.micro_batch == microbatch.AUTO
+        self.micro_how = "set"
+        if self.auto_micro:  # from here on this invocation's config holds the choice (eval, records)
+            tc.micro_batch, self.micro_how = microbatch.choose(prep.run_dir, raw, cfg, env)
         self.loader = ShardLoader(prep.data_dir, tc.micro_batch, tc.seq_len, tc.total_batch_tokens, tc.seed,
                                   env.rank, env.world, env.device, manifest=prep.manifest)
         torch.manual_seed(tc.seed + env.rank)  # per-rank randomness (dropout) from here on
         self.step = 0  # steps done; tokens seen = step * train.total_batch_tokens (part of the run identity)
         if prep.trainer_state is not None:
             self.step = restore(prep.trainer_state, self.optimizer, self.loader, self.scaler, env)
+            # the optimizer holds its own copy now: the loaded one (~1 GB per rank at 124M) goes
+            prep.trainer_state = None
         self.hosts = distributed.all_gather_object(socket.gethostname())  # names events use for ranks
         seen = distributed.all_gather_object(self.step)  # every rank must resume from the same checkpoint
         if len(set(seen)) > 1:
@@ -126,15 +134,13 @@ class Trainer:
         self.model = self.wrap(raw)
         self.logger = JsonlLogger(self.run_dir / METRICS_FILE) if env.master else NullLogger()
         if env.master:
-            write_records(prep, self.step)
+            write_records(prep, self.step, self.micro_how)
         peak_one = float(os.environ.get(PEAK_ENV) or 0) or peak_flops_guess(env.device)  # None: unknown GPU
         self.peak_flops = peak_one * env.world if peak_one else None  # all devices together, for MFU
         self.meta = {"config": cfg.to_dict(), "model_config": asdict(cfg.model), "manifest_id": prep.manifest.id,
                      "run_name": cfg.run_name, "identity_hash": cfg.identity_hash()}  # in every checkpoint
         self.guard, self.event = Guard(cfg.guard), EventLog(self.logger, env.master)
         self.watchdog.on_hang = self.event
-        self.faults = FaultInjector(env.rank, env.world)
-        self.faults.install(raw)
         self.timer = ComputeTimer(env.device)  # this rank's own compute time, for the straggler check
         self.slow_streak = [0] * env.world  # log steps in a row each rank was a straggler
         self.disagreements = [0] * env.world  # consistency checks each rank failed
@@ -217,11 +223,42 @@ class Trainer:
         set_lr(self.optimizer, lr)
         vote = self.stop_vote()
         self.faults.before_step(self.raw)
-        stats = train_step(self.model, self.optimizer, self.loader, self.accum, self.env, self.scaler,
-                           self.cfg.optim.grad_clip, vote, self.timer)
+        before = self.loader.state_dict()
+        while True:
+            try:
+                stats = train_step(self.model, self.optimizer, self.loader, self.accum, self.env, self.scaler,
+                                   self.cfg.optim.grad_clip, vote, self.timer)
+                break
+            except torch.OutOfMemoryError as e:
+                self.smaller_micro_batch(before, e)
         self.step += 1
         self.watchdog.beat("training", step=self.step)
         self.pending.append(Pending(self.step, lr, self.loader.epoch, stats))
+
+    def smaller_micro_batch(self, before: dict, error: torch.OutOfMemoryError) -> None:
+        """A step ran out of memory with train.micro_batch=auto: drop its partial gradients, rewind the data
+        to the step's start and split it into smaller micro-batches (the next step retries the same data,
+        so no update is lost or doubled). Under DDP the other ranks wait in a collective this rank will not
+        join: the smaller size is kept in micro_batch.json and the rank exits, for torchrun to restart the
+        job from its newest checkpoint with it. An explicit micro_batch, or nothing smaller: the error."""
+        tc, env = self.cfg.train, self.env
+        micro = microbatch.smaller(tc.micro_batch, microbatch.share(self.cfg, env.world))
+        if not self.auto_micro or micro is None:
+            raise error
+        self.optimizer.zero_grad(set_to_none=True)
+        microbatch.free_memory(env.device)
+        old, tc.micro_batch = tc.micro_batch, micro
+        text = (f"out of memory at micro-batch {old} (step {self.step + 1}): the step is retried with the same "
+                f"data at micro-batch {micro}")
+        if env.master or env.ddp:
+            microbatch.remember(self.run_dir, self.cfg, env, micro)
+        if env.ddp:
+            raise RunError(f"{text} after a restart (train.max_restarts): under DDP the other ranks wait in a "
+                           f"collective; {microbatch.CHOICE_FILE} keeps micro-batch {micro} for it") from error
+        self.loader.load_state_dict(before)
+        self.loader.set_micro_batch(micro)
+        self.accum = self.loader.accum
+        self.event(self.step + 1, text, who="micro-batch", **{"train/micro_batch": micro})
 
     def stop_vote(self) -> bool:
         """This rank votes to stop: a signal on any rank, rank 0's clock, a STOP file or unwritable metrics.
@@ -251,6 +288,7 @@ class Trainer:
             self.logger.log(p.step, {"train/loss": read.loss, "train/lr": p.lr, "train/grad_norm": s.grad_norm,
                                      "train/step_time": dt, "train/tokens_per_s": tok_s,
                                      "train/tokens_seen": p.step * batch, "train/epoch": p.epoch, **mfu,
+                                     "train/micro_batch": self.loader.B,
                                      **(ranks if p is self.pending[-1] else {})})
             if read.verdict != ROLLBACK:
                 read.verdict = guard.observe(read.loss, s.nonfinite_ranks == 0)
@@ -380,7 +418,7 @@ class Trainer:
                            f"{loader.position}, then run the same command to continue from the newest checkpoint "
                            "(guard.max_rollbacks allows more tries)")
         # healthy only: a checkpoint written during the trouble is no way out of it
-        ck, ts, _ = newest_intact(self.run_dir, self.raw, self.env.master, healthy_only=True)
+        ck, ts = agreed_checkpoint(self.run_dir, self.raw, self.env.master, healthy_only=True)
         if ck is None:
             raise Diverged(f"the run diverged ({why} at step {step}) before it had a good checkpoint to roll "
                            "back to; lower optim.max_lr or raise optim.warmup_steps, or lower "
@@ -439,7 +477,7 @@ class timed:
             self.watchdog.beat("training")
 
 
-def write_records(prep: Prepared, step: int) -> None:
+def write_records(prep: Prepared, step: int, micro_how: str = "set") -> None:
     """run.json (the run's identity, once), config.json (this invocation's) and the start line (rank 0)."""
     cfg, run_dir, env = prep.cfg, prep.run_dir, prep.env
     if not (run_dir / RUN_FILE).is_file():  # a new run (check_run accepted an existing one)
@@ -450,8 +488,9 @@ def write_records(prep: Prepared, step: int) -> None:
     (run_dir / STOP_FILE).unlink(missing_ok=True)  # a stop request was for the previous invocation
     how = f"resuming from {prep.ckpt.name}" if prep.ckpt else "starting"
     print(f"run {cfg.run_name} ({run_dir}): {how} at step {step}/{cfg.train.max_steps}; world={env.world} "
-          f"accum={cfg.grad_accum_steps(env.world)} device={env.device} dtype={env.dtype} compile={env.compile} "
-          f"loss={env.loss} params={prep.model.num_params():,} dataset={prep.data_dir} ({prep.manifest.id})",
+          f"micro_batch={cfg.train.micro_batch} ({micro_how}) accum={cfg.grad_accum_steps(env.world)} "
+          f"device={env.device} dtype={env.dtype} compile={env.compile} loss={env.loss} "
+          f"params={prep.model.num_params():,} dataset={prep.data_dir} ({prep.manifest.id})",
           flush=True)
 
 

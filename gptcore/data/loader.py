@@ -142,6 +142,13 @@ class ShardLoader:
     def epoch(self) -> int:
         return self.locate(self.position)[0]
 
+    def set_micro_batch(self, B: int) -> None:
+        """Split the following steps into micro-batches of B sequences (train.micro_batch=auto after an
+        out-of-memory step). Between steps only; each step still covers the same sequences."""
+        if self.micro != 0 or self.seqs_per_step % (B * self.world):
+            raise ValueError(f"micro-batch {B} mid-step or not a divisor of this rank's share")
+        self.B, self.accum = B, self.seqs_per_step // (B * self.world)
+
     def state_dict(self) -> dict:
         if self.micro != 0:
             raise RuntimeError("loader state saved in the middle of an optimizer step")

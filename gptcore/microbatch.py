@@ -1,0 +1,147 @@
+"""train.micro_batch = "auto": the largest micro-batch that fits this device, found by trying.
+
+The preset's 64 x 1024 is build-nanogpt's micro-batch for an 80 GB card; on a 40 GB A100 or a 24 GB card
+its first step runs out of memory. The data order does not depend on the micro-batch (gptcore/data/
+loader.py: a step covers the same sequences whatever the split), so it can be chosen per device: gradient
+accumulation makes up the rest, and the trajectory is the same up to float summation order (llm-foundry's
+`device_train_microbatch_size: auto` does the same).
+
+Before the first step each rank tries the divisors of its share of the batch (sequences per rank per step),
+largest first and at most train.micro_batch_max, with one full step of the real model: forward and backward
+at the real dtype (compiled when the run compiles), with the optimizer's state allocated beside it. A size
+that runs out of memory is freed and the next one tried; the ranks adopt the smallest answer. The choice is
+kept in <run_dir>/micro_batch.json for this hardware and settings, so a nightly resume does not probe again.
+A step that still runs out of memory later (fragmentation, a longer evaluation before it) is retried with
+the same data at the next smaller size (gptcore/trainer.py).
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import asdict
+
+import torch
+
+from gptcore import distributed
+from gptcore.config import RunConfig
+from gptcore.files import read_json, write_json
+
+AUTO = "auto"
+CHOICE_FILE = "micro_batch.json"
+
+
+class NothingFits(RuntimeError):
+    """Not even a micro-batch of one sequence fits the device."""
+
+
+def share(cfg: RunConfig, world: int) -> int:
+    """Sequences per rank per optimizer step: what the micro-batches of one step add up to."""
+    return cfg.train.total_batch_tokens // (cfg.train.seq_len * world)
+
+
+def candidates(n: int, cap: int) -> list[int]:
+    """The micro-batches that divide a share of n sequences, at most `cap`, largest first."""
+    return [d for d in range(min(n, cap), 0, -1) if n % d == 0]
+
+
+def smaller(micro: int, n: int) -> int | None:
+    """The next micro-batch to try after `micro` ran out of memory: the largest divisor of n at most half
+    of it (halving, as llm-foundry does, but always a divisor)."""
+    below = candidates(n, micro // 2)
+    return below[0] if below else None
+
+
+def fingerprint(cfg: RunConfig, env: distributed.Env) -> dict:
+    """What the answer depends on: the device and its memory, the model, the shape, dtype and compile."""
+    device = "cpu"
+    if env.device.type == "cuda":
+        props = torch.cuda.get_device_properties(env.device)
+        device = f"{props.name} ({props.total_memory} bytes)"
+    return {"device": device, "world": env.world, "model": asdict(cfg.model), "seq_len": cfg.train.seq_len,
+            "share": share(cfg, env.world), "max": cfg.train.micro_batch_max, "dtype": str(env.dtype),
+            "compile": env.compile, "loss": env.loss, "optimizer": cfg.optim.name}
+
+
+def memory_text(env: distributed.Env) -> str:
+    if env.device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(env.device)
+        return f"{env.device} has {total / 2**30:.1f} GiB ({free / 2**30:.1f} GiB free now)"
+    return "the host's memory"
+
+
+def free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def fits(raw: torch.nn.Module, model: torch.nn.Module, micro: int, cfg: RunConfig, env: distributed.Env,
+         reserve: bool) -> bool:
+    """One forward + backward of `model` on `micro` random sequences, with the optimizer's state (two
+    fp32 copies of the weights, AdamW's moments) held beside it when `reserve`. The weights, gradients,
+    optimizer and random streams are as they were afterwards; False when it ran out of memory."""
+    T = cfg.train.seq_len
+    rng = torch.get_rng_state(), (torch.cuda.get_rng_state(env.device) if env.device.type == "cuda" else None)
+    held: list[torch.Tensor] = []
+    try:
+        if reserve:
+            held = [torch.empty_like(p, dtype=torch.float32) for p in raw.parameters() for _ in range(2)]
+        gen = torch.Generator(device="cpu").manual_seed(micro)
+        x = torch.randint(0, cfg.model.vocab_size, (micro, T + 1), generator=gen).to(env.device)
+        with env.autocast():
+            _, loss = model(x[:, :-1], x[:, 1:], return_logits=False)
+        loss.backward()
+        if env.device.type == "cuda":
+            torch.cuda.synchronize(env.device)  # an asynchronous out-of-memory error surfaces here
+        return True
+    except torch.OutOfMemoryError:
+        return False
+    finally:
+        held, x, loss = [], None, None  # noqa: F841 - dropped before freeing
+        for p in raw.parameters():
+            p.grad = None
+        torch.set_rng_state(rng[0])
+        if rng[1] is not None:
+            torch.cuda.set_rng_state(rng[1], env.device)
+        free_memory(env.device)
+
+
+def probe(raw: torch.nn.Module, cfg: RunConfig, env: distributed.Env) -> tuple[int | None, list[int]]:
+    """(the largest candidate that fits, the ones that did not), on the plain model: no collective runs,
+    so a rank that runs out of memory cannot leave the others waiting."""
+    model = torch.compile(raw) if env.compile else raw
+    failed = []
+    for micro in candidates(share(cfg, env.world), cfg.train.micro_batch_max):
+        if fits(raw, model, micro, cfg, env, reserve=True):
+            return micro, failed
+        failed.append(micro)
+    return None, failed
+
+
+def choose(run_dir, raw: torch.nn.Module, cfg: RunConfig, env: distributed.Env) -> tuple[int, str]:
+    """The micro-batch every rank uses (collective), and how it was found (for the start line). Reuses
+    <run_dir>/micro_batch.json when this hardware and these settings made it. NothingFits when some rank
+    cannot fit a single sequence."""
+    fp = fingerprint(cfg, env)
+    kept = read_json(run_dir / CHOICE_FILE) or {}
+    if all(distributed.all_gather_object(kept.get("fingerprint") == fp)):
+        return int(kept["micro_batch"]), f"auto, kept from {CHOICE_FILE}"
+    mine, failed = probe(raw, cfg, env)
+    answers = distributed.all_gather_object((mine, failed[-1] if failed else None, memory_text(env)))
+    if any(a is None for a, _, _ in answers):
+        r, (_, smallest, memory) = next((r, a) for r, a in enumerate(answers) if a[0] is None)
+        raise NothingFits(f"train.micro_batch=auto: not even {smallest} sequence(s) of train.seq_len="
+                          f"{cfg.train.seq_len} fit rank {r}: {memory}. Use a GPU with more memory, a shorter "
+                          "train.seq_len or a smaller model")
+    chosen = min(a for a, _, _ in answers)
+    if env.master:
+        write_json(run_dir / CHOICE_FILE, {"micro_batch": chosen, "fingerprint": fp,
+                                           "out_of_memory_at": sorted({f for _, f, _ in answers if f})})
+    tried = ", ".join(str(f) for f in failed)
+    return chosen, f"auto: {chosen} fits" + (f", {tried} ran out of memory" if failed else "")
+
+
+def remember(run_dir, cfg: RunConfig, env: distributed.Env, micro: int) -> None:
+    """Keep a micro-batch the trainer fell back to after an out-of-memory step, for the next start."""
+    write_json(run_dir / CHOICE_FILE, {"micro_batch": micro, "fingerprint": fingerprint(cfg, env),
+                                       "after_out_of_memory": True})

@@ -1,0 +1,118 @@
+"""train.micro_batch=auto on a device with less memory than the preset assumes, with out-of-memory errors
+injected where a smaller card would raise them (GPTPIPE_TEST_FAULT: oomabove@N for any forward pass of more
+than N sequences, oom@k for one error inside the k-th step): the run chooses the largest micro-batch that
+fits on every rank and trains exactly as a run given that size; a step that runs out of memory later is
+retried with the same data at a smaller size; nothing that fits is a clear exit 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from gptcore import checkpoint as C
+from gptcore import run_files as R
+from gptcore.launch import torchrun_cmd
+from gptcore.metrics import read_metrics
+from gptcore.microbatch import CHOICE_FILE, candidates, smaller
+from tests.test_train_utils import losses, make_dataset, python_cmd, start
+
+pytestmark = pytest.mark.slow
+STEPS = 10
+
+
+def overrides(ds, run_dir, world: int = 1, **extra) -> dict:
+    # 8 sequences of 32 tokens per rank per step
+    return {"data.dataset_dir": str(ds), "train.run_dir": str(run_dir), "train.seq_len": 32,
+            "train.total_batch_tokens": 8 * 32 * world, "train.max_steps": STEPS, "train.checkpoint_interval": 5,
+            "train.keep_last": 10, "optim.warmup_steps": 2, "eval.eval_interval": 0, "eval.sample_interval": 0,
+            "eval.val_tokens": 128, **extra}
+
+
+def args(o: dict) -> list[str]:
+    return ["micro", *(f"{k}={v}" for k, v in o.items())]
+
+
+def final(run_dir):
+    model, meta = C.load_model(R.step_dir(run_dir, STEPS))
+    return model.state_dict(), meta
+
+
+@pytest.fixture(scope="module")
+def ds(tmp_path_factory):
+    return make_dataset(tmp_path_factory.mktemp("ds"))
+
+
+def test_the_candidates_divide_the_share():
+    assert candidates(48, 64) == [48, 24, 16, 12, 8, 6, 4, 3, 2, 1]
+    assert candidates(512, 64) == [64, 32, 16, 8, 4, 2, 1]
+    assert smaller(64, 512) == 32 and smaller(12, 48) == 6 and smaller(3, 48) == 1 and smaller(1, 48) is None
+
+
+def test_auto_chooses_what_fits_on_every_rank_and_trains_as_that_size(ds, tmp_path):
+    """Two ranks on a 'card' where more than 4 sequences run out of memory: both choose 4 (not the
+    preset's 8), and the run equals one told micro_batch=4."""
+    auto, fixed = tmp_path / "auto", tmp_path / "fixed"
+    p = start(torchrun_cmd("micro", overrides(ds, auto, 2, **{"train.micro_batch": "auto",
+                                                              "train.micro_batch_max": 8}), 2),
+              tmp_path, tmp_path / "auto.log", GPTPIPE_TEST_FAULT="oomabove@4")
+    q_log = tmp_path / "fixed.log"
+    assert p.wait(timeout=300) == 0, (tmp_path / "auto.log").read_text()[-3000:]
+    q = start(torchrun_cmd("micro", overrides(ds, fixed, 2, **{"train.micro_batch": 4}), 2), tmp_path, q_log)
+    assert q.wait(timeout=300) == 0, q_log.read_text()[-3000:]
+    log = (tmp_path / "auto.log").read_text()
+    assert "micro_batch=4 (auto: 4 fits, 8 ran out of memory) accum=2" in log, log[-3000:]
+    choice = json.loads((auto / CHOICE_FILE).read_text())
+    assert choice["micro_batch"] == 4 and choice["fingerprint"]["world"] == 2
+    assert losses(auto / "metrics.jsonl") == losses(fixed / "metrics.jsonl")
+    (a, meta), (b, _) = final(auto), final(fixed)
+    assert meta["config"]["train"]["micro_batch"] == 4  # the checkpoint records the size it trained with
+    for k in b:
+        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0, msg=k)
+    rows = read_metrics(auto / "metrics.jsonl", "train")
+    assert {r["train/micro_batch"] for r in rows} == {4}
+
+
+def test_a_step_that_runs_out_of_memory_is_retried_with_the_same_data(ds, tmp_path):
+    """One process, micro-batch 4 (accumulation 2); the 6th step runs out of memory in its second
+    micro-step. It is retried at micro-batch 2 from the step's first sequence: every step once, and the
+    run matches one at micro-batch 4 up to float summation order."""
+    oom, ref = tmp_path / "oom", tmp_path / "ref"
+    auto = {"train.micro_batch": "auto", "train.micro_batch_max": 4}
+    p = start(python_cmd(args(overrides(ds, oom, **auto))), tmp_path, tmp_path / "oom.log",
+              GPTPIPE_TEST_FAULT="oom@6")
+    assert p.wait(timeout=300) == 0, (tmp_path / "oom.log").read_text()[-3000:]
+    q = start(python_cmd(args(overrides(ds, ref, **{"train.micro_batch": 4}))), tmp_path, tmp_path / "ref.log")
+    assert q.wait(timeout=300) == 0, (tmp_path / "ref.log").read_text()[-3000:]
+    events = [r for r in read_metrics(oom / "metrics.jsonl", "event")]
+    assert [e["event"] for e in events] == [
+        "out of memory at micro-batch 4 (step 6): the step is retried with the same data at micro-batch 2"]
+    rows = read_metrics(oom / "metrics.jsonl", "train")
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))  # none lost, none doubled
+    assert [r["train/micro_batch"] for r in rows] == [4] * 5 + [2] * 5
+    got, want = losses(oom / "metrics.jsonl"), losses(ref / "metrics.jsonl")
+    assert max(abs(got[s] - want[s]) for s in want) < 1e-5
+    (a, _), (b, _) = final(oom), final(ref)
+    for k in b:
+        torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=0, msg=k)
+    assert json.loads((oom / CHOICE_FILE).read_text())["micro_batch"] == 2  # the next start begins there
+
+    # an explicit micro-batch is the user's: the same error ends the run, as before
+    fixed = tmp_path / "fixed"
+    r = start(python_cmd(args(overrides(ds, fixed, **{"train.micro_batch": 4}))), tmp_path, tmp_path / "fixed.log",
+              GPTPIPE_TEST_FAULT="oom@3")
+    assert r.wait(timeout=300) != 0
+    assert "OutOfMemoryError" in (tmp_path / "fixed.log").read_text()
+
+
+def test_nothing_fits_is_a_clear_exit_2(ds, tmp_path):
+    run_dir = tmp_path / "run"
+    p = start(python_cmd(args(overrides(ds, run_dir, **{"train.micro_batch": "auto"}))), tmp_path,
+              tmp_path / "log", GPTPIPE_TEST_FAULT="oomabove@0")
+    assert p.wait(timeout=300) == 2
+    out = (tmp_path / "log").read_text()
+    assert "error: train.micro_batch=auto: not even 1 sequence(s) of train.seq_len=32 fit rank 0: the host's memory" \
+        in out, out[-2000:]
+    assert "Traceback" not in out
+    assert not list((run_dir / "checkpoints").glob("step_*")) if (run_dir / "checkpoints").exists() else True
