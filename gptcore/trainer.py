@@ -19,6 +19,7 @@ import statistics
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -27,14 +28,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from gptcore import distributed, microbatch
 from gptcore.checkpointer import FAILED, SKIPPED, Checkpointer
 from gptcore.data.loader import ShardLoader
-from gptcore.files import write_json
+from gptcore.files import read_json, write_json
 from gptcore.guard import OK, ROLLBACK, SKIP, FaultInjector, Guard
 from gptcore.loss import make_loss
 from gptcore.metrics import METRICS_FILE, JsonlLogger, NullLogger
 from gptcore.model import peak_flops_guess
 from gptcore.optim import build_optimizer, lr_at, set_lr, skips_on_device
 from gptcore.replicas import ComputeTimer, odd_ranks, stragglers, weights_checksum
-from gptcore.resume import Prepared, RunError, agreed_checkpoint, restore
+from gptcore.resume import SHARD_HASHES, Prepared, RunError, agreed_checkpoint, restore
 from gptcore.run_files import DONE_FILE, EVAL_FILE, RUN_FILE, step_dir
 from gptcore.train_eval import Evaluator
 from gptcore.watchdog import Watchdog
@@ -144,6 +145,8 @@ class Trainer:
         self.timer = ComputeTimer(env.device)  # this rank's own compute time, for the straggler check
         self.slow_streak = [0] * env.world  # log steps in a row each rank was a straggler
         self.disagreements = [0] * env.world  # consistency checks each rank failed
+        self.damaged_shards: set[str] = set()  # reported by the loaders' background checks
+        self.data_dir = prep.data_dir
         self.checkpointer = Checkpointer(self.run_dir, tc.keep_last, background=tc.async_checkpoint)
         self.evaluator = Evaluator(cfg, env, prep.data_dir, raw, self.logger, self.event, self.faults)
         self.accum = cfg.grad_accum_steps(env.world)
@@ -278,7 +281,11 @@ class Trainer:
         now = time.time()  # after the read: the host has waited for the device, so dt is the steps' real time
         dt = (now - self.t_read) / len(self.pending)
         self.watchdog.beat("training", step_time=dt)
-        ranks = self.compare_compute_times(self.pending[-1].step, self.timer.take() / len(self.pending))
+        # what each rank learned since the last read: its own compute time, shards that failed their check
+        mine = (self.timer.take() / len(self.pending), self.loader.damaged())
+        heard = distributed.all_gather_object(mine) if env.ddp else [mine]
+        ranks = self.compare_compute_times(self.pending[-1].step, [t for t, _ in heard])
+        self.report_damaged_shards(self.pending[-1].step, [d for _, d in heard])
         batch = cfg.train.total_batch_tokens
         tok_s = batch / dt
         mfu = {"train/mfu": self.raw.estimate_mfu(tok_s, self.peak_flops, cfg.train.seq_len)} if self.peak_flops else {}
@@ -304,13 +311,13 @@ class Trainer:
         self.confirm_checkpoint(wait=False)
         return read
 
-    def compare_compute_times(self, step: int, mine: float) -> dict[str, float]:
-        """The ranks exchange their own compute time per step (host values: the read has synced already);
-        returns the slowest rank's, for the metrics row. A rank over guard.straggler_ratio x the median at
+    def compare_compute_times(self, step: int, times: list[float]) -> dict[str, float]:
+        """Every rank's own compute time per step (host values: the read has synced already); returns the
+        slowest rank's, for the metrics row. A rank over guard.straggler_ratio x the median at
         guard.straggler_logs log steps in a row is named in an event, once per streak."""
         if not self.env.ddp:
             return {}
-        times, g = distributed.all_gather_object(mine), self.cfg.guard
+        g = self.cfg.guard
         slowest, median = max(range(len(times)), key=times.__getitem__), statistics.median(times)
         slow = set(stragglers(times, g.straggler_ratio))
         for r in range(len(times)):
@@ -323,6 +330,24 @@ class Trainer:
                            **{"straggler/rank": r, "straggler/ratio": times[r] / median})
         return {"straggler/slowest_s": times[slowest], "straggler/slowest_rank": slowest,
                 "straggler/median_s": median}
+
+    def report_damaged_shards(self, step: int, found: list[list[str]]) -> None:
+        """Shards whose bytes no longer hash to the manifest (bit rot that kept size and mtime): an event,
+        and out of both hash caches (the dataset's and this run's), so the next data stage re-hashes and
+        rebuilds them and the next trainer start refuses them until then. Training goes on: the damage is
+        already in this run, and stopping would not undo it."""
+        for rank, names in enumerate(found):
+            for name in names:
+                if name in self.damaged_shards:
+                    continue
+                self.damaged_shards.add(name)
+                self.event(step, f"shard {name} (read by rank {rank} on host {self.hosts[rank]}) no longer "
+                           "matches its sha256 in the manifest: its bytes changed on disk or in memory "
+                           "without a new size or mtime (bit rot). This run goes on with it; the next data "
+                           "stage rebuilds it (it is dropped from the hash caches)", who="data")
+                if self.env.master:
+                    for cache in (self.data_dir / SHARD_HASHES, self.run_dir / SHARD_HASHES):
+                        forget_hash(cache, name)
 
     def replicas_differ(self) -> bool:
         """Compare the ranks' weight checksums (collective). Equal: False. A rank that differs for the first
@@ -477,6 +502,16 @@ class timed:
             self.watchdog.beat("training")
 
 
+def forget_hash(cache: Path, name: str) -> None:
+    """Drop `name` from a hash cache (files.cached_sha256's JSON), so its next check re-hashes it."""
+    hashes = read_json(cache, {})
+    if hashes.pop(name, None) is not None:
+        try:
+            write_json(cache, hashes)
+        except OSError:  # a read-only dataset: the data stage's own check then hashes anyway on --full-verify
+            pass
+
+
 def write_records(prep: Prepared, step: int, micro_how: str = "set") -> None:
     """run.json (the run's identity, once), config.json (this invocation's) and the start line (rank 0)."""
     cfg, run_dir, env = prep.cfg, prep.run_dir, prep.env
@@ -488,7 +523,7 @@ def write_records(prep: Prepared, step: int, micro_how: str = "set") -> None:
     (run_dir / STOP_FILE).unlink(missing_ok=True)  # a stop request was for the previous invocation
     how = f"resuming from {prep.ckpt.name}" if prep.ckpt else "starting"
     print(f"run {cfg.run_name} ({run_dir}): {how} at step {step}/{cfg.train.max_steps}; world={env.world} "
-          f"micro_batch={cfg.train.micro_batch} ({micro_how}) accum={cfg.grad_accum_steps(env.world)} "
+          f"accum={cfg.grad_accum_steps(env.world)} micro_batch={cfg.train.micro_batch} ({micro_how}) "
           f"device={env.device} dtype={env.dtype} compile={env.compile} loss={env.loss} "
           f"params={prep.model.num_params():,} dataset={prep.data_dir} ({prep.manifest.id})",
           flush=True)

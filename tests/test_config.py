@@ -47,7 +47,9 @@ def test_gpt2_124m_recipe_is_pinned():
         "eps": 1e-8, "grad_clip": 1.0, "name": "adamw", "schedule": "cosine", "decay_frac": 0.2,
         "muon_lr": 0.02, "muon_momentum": 0.95, "muon_weight_decay": 0.0, "muon_ns_dtype": "auto"}
     t = cfg.train
-    assert (t.total_batch_tokens, t.micro_batch, t.seq_len, t.max_steps, t.seed) == (524_288, 64, 1024, 19_073, 1337)
+    # the micro-batch is chosen per device (gptcore/microbatch.py), up to build-nanogpt's 64 on an 80 GB card
+    assert (t.total_batch_tokens, t.micro_batch, t.micro_batch_max, t.seq_len, t.max_steps, t.seed) == \
+        (524_288, "auto", 64, 1024, 19_073, 1337)
     assert t.total_batch_tokens * t.max_steps == 9_999_745_024  # 524,288 * 19,073: ~10B tokens
     assert (cfg.data.source, cfg.data.hf_repo, cfg.data.hf_config) == ("hf", "HuggingFaceFW/fineweb-edu",
                                                                        "sample-10BT")
@@ -81,7 +83,8 @@ def test_gpt2_124m_muon_recipe_is_pinned():
         "eps": 1e-8, "grad_clip": 1.0, "name": "muon", "schedule": "wsd", "decay_frac": 0.3,
         "muon_lr": 0.02, "muon_momentum": 0.95, "muon_weight_decay": 0.0, "muon_ns_dtype": "auto"}
     t = cfg.train
-    assert (t.total_batch_tokens, t.micro_batch, t.seq_len, t.max_steps, t.seed) == (524_288, 64, 1024, 9_537, 1337)
+    assert (t.total_batch_tokens, t.micro_batch, t.micro_batch_max, t.seq_len, t.max_steps, t.seed) == \
+        (524_288, "auto", 64, 1024, 9_537, 1337)
     assert t.total_batch_tokens * t.max_steps == 5_000_134_656  # 524,288 * 9,537: ~5.0B tokens
 
     # warmup-stable-decay, by hand: decay_steps = round(0.3 * 9537) = round(2861.1) = 2861, from 9537 - 2861 = 6676

@@ -7,7 +7,9 @@ lost, or stop with the exit code that names the trouble.
   uninterrupted one;
 - straggler: rank 1 is slowed (GPTPIPE_TEST_FAULT=slow@1) and named in an event; an even job gets none;
 - replicas: a bit flips in rank 2's weights (flip@5) and the next check rolls every rank back to the newest
-  checkpoint, naming rank 2 by majority; a second flip on the same rank stops the run with exit 4.
+  checkpoint, naming rank 2 by majority; a second flip on the same rank stops the run with exit 4;
+- bit rot: a byte flips in a shard that keeps its size and mtime; the loader's background check finds it
+  in the same epoch and the next data stage rebuilds it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -160,3 +163,49 @@ def test_a_replica_that_drifts_is_rolled_back_then_its_host_named(ds, tmp_path):
     codes = rank_exit_codes(out)
     assert "4" in codes.values() and set(codes.values()) <= {"4", "-15"}, (codes, out[-3000:])
     assert "replicas' weights differ again" in out and "drain host(s)" in out
+
+
+def test_a_shard_that_rots_in_place_is_caught_within_the_epoch_and_rebuilt(tmp_path, monkeypatch):
+    """A byte flips in a train shard and the file keeps its size, mtime and inode (what failing disks and
+    memory do): the trainer's cached check at start-up cannot see it, the loader's background check of the
+    shard's first read does, as an event; the next data stage rebuilds it byte-identical."""
+    from gptcore.config import load_config
+    from gptcore.data import build
+    from gptcore.data.loader import ShardLoader
+
+    home = tmp_path / "home"
+    monkeypatch.setenv("GPTPIPE_HOME", str(home))
+    small = ["data.shard_tokens=20000", "data.max_docs=8", "data.piece_bytes=150000"]
+    cfg = load_config("micro", small)
+    m = build.run(cfg, workers=1)
+    out = build.dataset_dir(cfg)
+    good = {p.name: p.read_bytes() for p in out.glob("*.bin")}
+    # the shard the first step reads
+    first = ShardLoader(out, 2, 32, 256, cfg.train.seed, manifest=m).locate(0)[1]
+    victim = out / m.split("train")[first].name
+    st = victim.stat()
+    with open(victim, "r+b") as f:  # in place: same inode
+        f.seek(st.st_size // 2)
+        byte = f.read(1)
+        f.seek(st.st_size // 2)
+        f.write(bytes([byte[0] ^ 0x10]))
+    os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert build.why_incomplete(cfg) is None  # the cached check: size, mtime and inode unchanged
+
+    run_dir = tmp_path / "run"
+    # a run that verified these shards on an earlier night holds their hashes by (size, mtime, inode) too
+    run_dir.mkdir()
+    (run_dir / "shard_hashes.json").write_bytes((out / build.SHARD_HASHES).read_bytes())
+    args = ["micro", *small, f"train.run_dir={run_dir}", "train.micro_batch=2", "train.seq_len=32",
+            "train.total_batch_tokens=256", "train.max_steps=8", "train.log_interval=1",
+            "train.checkpoint_interval=8", "eval.eval_interval=0", "eval.sample_interval=0", "eval.val_tokens=128"]
+    p = start([sys.executable, "-m", "gptcore.train", *args], tmp_path, tmp_path / "log", GPTPIPE_HOME=str(home))
+    assert p.wait(timeout=300) == 0, (tmp_path / "log").read_text()[-3000:]
+    found = [e for e in events(run_dir) if "no longer matches its sha256" in e]
+    assert len(found) == 1 and found[0].startswith(f"shard {victim.name} (read by rank 0 on host "), found
+    assert (run_dir / "DONE").is_file()  # the run went on
+
+    why = build.why_incomplete(cfg)  # the next data stage sees it ...
+    assert why is not None and victim.name in why
+    build.run(cfg, workers=1)  # ... and rebuilds it
+    assert {p.name: p.read_bytes() for p in out.glob("*.bin")} == good

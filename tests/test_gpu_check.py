@@ -38,6 +38,7 @@ def test_every_check_runs_and_passes_on_cpu_without_prefect_or_mlflow(tmp_path):
     env = without_the_pipeline_packages(tmp_path)
     probe = subprocess.run([sys.executable, "-c", "import prefect"], env=env, capture_output=True, text=True)
     assert probe.returncode == 1 and "not on a bare CUDA image" in probe.stderr  # the stubs work
+    (tmp_path / "work").mkdir()
     r = gpu_check("--device", "cpu", "--speed-steps", "5", "--work", str(tmp_path / "work"), env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     table = r.stdout.split("gpu_check on", 1)[1]

@@ -62,7 +62,7 @@ def test_auto_chooses_what_fits_on_every_rank_and_trains_as_that_size(ds, tmp_pa
     q = start(torchrun_cmd("micro", overrides(ds, fixed, 2, **{"train.micro_batch": 4}), 2), tmp_path, q_log)
     assert q.wait(timeout=300) == 0, q_log.read_text()[-3000:]
     log = (tmp_path / "auto.log").read_text()
-    assert "micro_batch=4 (auto: 4 fits, 8 ran out of memory) accum=2" in log, log[-3000:]
+    assert "accum=2 micro_batch=4 (auto: 4 fits, 8 ran out of memory)" in log, log[-3000:]
     choice = json.loads((auto / CHOICE_FILE).read_text())
     assert choice["micro_batch"] == 4 and choice["fingerprint"]["world"] == 2
     assert losses(auto / "metrics.jsonl") == losses(fixed / "metrics.jsonl")

@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import bisect
 import functools
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from gptcore.data.shard_format import Manifest, ShardError, read_shard
+from gptcore.files import file_sha256
 
 
 def open_dataset(dataset_dir: Path) -> Manifest:
@@ -82,6 +84,11 @@ class ShardLoader:
         self._epoch_starts = [0]  # global index where each epoch begins (grown on demand)
         self.position = 0  # global sequence index at the start of the next optimizer step
         self.micro = 0  # micro-batch of the current step handed out so far
+        # bit rot: each shard is re-hashed in the background at its first read of every epoch (a flipped
+        # byte keeps size, mtime and inode, so the cached check at start-up cannot see it)
+        self._hashed: set[tuple[int, int]] = set()  # (epoch, shard) already submitted
+        self._hashes: list[tuple[str, Future]] = []
+        self._hasher: ThreadPoolExecutor | None = None
 
     # --- the global stream ---------------------------------------------------------------------
 
@@ -118,11 +125,28 @@ class ShardLoader:
         """`count` sequences of T+1 tokens starting at global index g, as an int64 (count, T+1) array."""
         out = np.empty((count, self.T + 1), dtype=np.int64)
         for i in range(count):
-            _, shard, start = self.locate(g + i)
+            epoch, shard, start = self.locate(g + i)
+            if (epoch, shard) not in self._hashed:
+                self._check_in_background(epoch, shard)
             if shard not in self._tokens:
                 self._tokens[shard] = read_shard(self.dir / self.shards[shard].name)
             out[i] = self._tokens[shard][start:start + self.T + 1]
         return out
+
+    def _check_in_background(self, epoch: int, shard: int) -> None:
+        self._hashed.add((epoch, shard))
+        if self._hasher is None:  # one thread: sha256 reads far faster than training consumes tokens
+            self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-sha256")
+        info = self.shards[shard]
+        self._hashes.append((info.name, self._hasher.submit(
+            lambda: file_sha256(self.dir / info.name) == info.sha256)))
+
+    def damaged(self) -> list[str]:
+        """Shards whose background check has finished since the last call and found bytes that do not
+        hash to the manifest's sha256 (or could not be read). Never waits."""
+        done = [(name, f) for name, f in self._hashes if f.done()]
+        self._hashes = [(name, f) for name, f in self._hashes if not f.done()]
+        return [name for name, f in done if f.exception() is not None or not f.result()]
 
     # --- per rank ------------------------------------------------------------------------------
 
