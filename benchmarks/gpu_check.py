@@ -22,6 +22,11 @@ Each check is a row of the table it prints, PASS or FAIL (exit 1 if any fails):
           loops do the same work but for the trainer's stop vote, non-finite check and gradient norm
           (a few small kernels per step), so parity is the target and 3% is the noise allowance one
           ratio of two ~equal timings needs (on CPU the row is informational)
+  guards  the replica consistency check (a bitwise checksum of the weights, gptcore/replicas.py) timed on
+          the speed row's model, projected to gpt2-124m's cadence (every guard.consistency_interval steps of
+          524,288 tokens at the speed row's tokens/s): on CUDA it must cost <= 1% of wall time
+  micro-batch  what train.micro_batch=auto chooses for gpt2-124m here (seq_len 1024, at most 64), probed
+          as the trainer probes it (informational: it depends on the card's memory)
 """
 
 from __future__ import annotations
@@ -281,7 +286,57 @@ def check_speed(device: torch.device, shape: dict, dataset: Path, steps: int, ro
     detail = (f"{B * T / ours_s:,.0f} vs {B * T / base_s:,.0f} tok/s: median {ratio:.3f}x the plain loop over "
               f"{len(ratios)} rounds ({min(ratios):.3f}..{max(ratios):.3f}; pass >= 0.97) "
               f"({env.dtype}, B={B}, T={T}){mfu}{mem}")
-    return (ratio >= 0.97 if cuda else None), detail
+    return (ratio >= 0.97 if cuda else None), detail, B * T / ours_s
+
+
+def check_guards(device: torch.device, shape: dict, tokens_per_s: float) -> tuple[bool | None, str]:
+    """The consistency check's cost per call on this model, and its share of wall time at gpt2-124m's
+    cadence (the step time of a 524,288-token batch at the speed row's tokens/s)."""
+    import statistics
+
+    from gptcore.config import GuardConfig, ModelConfig, load_config
+    from gptcore.model import GPT
+    from gptcore.replicas import weights_checksum
+
+    raw = GPT(ModelConfig(**shape["model"])).to(device)
+    times = []
+    for _ in range(12):
+        t0 = time.perf_counter()
+        int(weights_checksum(raw).item())  # .item(): the host waits for the device, as the trainer's read does
+        times.append(time.perf_counter() - t0)
+    per_call = statistics.median(times[2:])
+    every = GuardConfig().consistency_interval
+    step_s = load_config("gpt2-124m").train.total_batch_tokens / tokens_per_s
+    share = per_call / (every * step_s + per_call)
+    detail = (f"consistency check {per_call * 1000:.2f} ms per call ({raw.num_params() / 1e6:.1f}M parameters; "
+              f"spread {min(times[2:]) * 1000:.2f}..{max(times[2:]) * 1000:.2f} ms); every {every} steps of "
+              f"{step_s:.2f} s: {share:.3%} of wall time (pass <= 1%)")
+    return (share <= 0.01 if device.type == "cuda" else None), detail
+
+
+def check_auto_micro_batch(device: torch.device) -> tuple[None, str]:
+    """What train.micro_batch=auto picks for gpt2-124m on this device (on CPU: a small stand-in, since
+    probing 64 x 1024 sequences there would only measure the host's swap)."""
+    from gptcore.config import load_config
+    from gptcore.distributed import select
+    from gptcore.loss import make_loss
+    from gptcore.microbatch import probe
+    from gptcore.model import GPT
+
+    if device.type == "cuda":
+        cfg = load_config("gpt2-124m", ["train.device=cuda"])
+    else:
+        cfg = load_config("micro", ["train.micro_batch=auto", "train.micro_batch_max=8", "train.seq_len=32",
+                                    "train.total_batch_tokens=512"])
+    env = select(cfg.train)
+    raw = GPT(cfg.model).to(env.device)
+    raw.head_loss = make_loss(env.loss)
+    t0 = time.perf_counter()
+    chosen, failed = probe(raw, cfg, env)
+    tried = f"; out of memory at {', '.join(map(str, failed))}" if failed else ""
+    return None, (f"{cfg.preset}: micro_batch {chosen} of at most {cfg.train.micro_batch_max} x seq_len "
+                  f"{cfg.train.seq_len} ({env.dtype}, compile={env.compile}){tried}; probed in "
+                  f"{time.perf_counter() - t0:.1f} s")
 
 
 # --- the run ---------------------------------------------------------------------------------------
@@ -328,7 +383,10 @@ def main(argv: list[str] | None = None) -> int:
                     rows.append((f"{ndev} ranks == 1 rank", *check_ranks(t, full, tol)))
         big = list(all_shapes)[-1]
         device = torch.device("cuda", 0) if a.device == "cuda" else torch.device("cpu")
-        rows.append((f"speed {big}", *check_speed(device, all_shapes[big], dataset, a.speed_steps, a.speed_rounds)))
+        ok, detail, tokens_per_s = check_speed(device, all_shapes[big], dataset, a.speed_steps, a.speed_rounds)
+        rows.append((f"speed {big}", ok, detail))
+        rows.append((f"guards {big}", *check_guards(device, all_shapes[big], tokens_per_s)))
+        rows.append(("micro-batch auto", *check_auto_micro_batch(device)))
     from gptcore.distributed import select_dtype
 
     name = torch.cuda.get_device_name(0) if a.device == "cuda" else "CPU"

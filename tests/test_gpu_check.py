@@ -43,9 +43,11 @@ def test_every_check_runs_and_passes_on_cpu_without_prefect_or_mlflow(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     table = r.stdout.split("gpu_check on", 1)[1]
     for row in ("PASS  train micro", "PASS  resume after SIGKILL", "PASS  2 ranks == 1 rank",
-                "PASS  train gpt2-shaped", "info  speed gpt2-shaped"):
+                "PASS  train gpt2-shaped", "info  speed gpt2-shaped", "info  guards gpt2-shaped",
+                "info  micro-batch auto"):
         assert row in table, table
     assert "killed mid-run: True" in table and "auto dtype float32)" in table
+    assert "consistency check" in table and "micro: micro_batch 8 of at most 8" in table
     assert json.loads(r.stdout.strip().splitlines()[-1]) == {"passed": True}
 
 
