@@ -106,7 +106,8 @@ def read_summary(flow_run_id) -> dict:
 
 def report(s: dict, stack: Stack, seconds: float) -> str:
     hs = s.get("hellaswag")
-    hs_text = (f"acc {hs['acc']:.4f}, acc_norm {hs['acc_norm']:.4f} on {hs['n']} examples"
+    hs_text = (f"acc {hs['acc']:.4f} ± {hs.get('acc_stderr', float('nan')):.4f}, acc_norm {hs['acc_norm']:.4f} "
+               f"± {hs.get('acc_norm_stderr', float('nan')):.4f} on {hs['n']} examples (± one standard error)"
                if isinstance(hs, dict) and "acc" in hs else str(hs))
     val = s.get("val_loss")
     stages = ", ".join(f"{k} {v}" for k, v in (s.get("stages") or {}).items())

@@ -49,7 +49,12 @@ ALLOW_OUTSIDE_HOME = "GPTPIPE_ALLOW_OUTSIDE_HOME"  # =1 in the worker's environm
 WRITE_DIRS = ("train.run_dir", "data.dataset_dir")  # the overrides that name a directory the flow run writes
 
 
+# HellaSwag's numbers as the eval table and the summary show them: each accuracy with its standard error
+HELLASWAG_KEYS = ("acc", "acc_stderr", "acc_norm", "acc_norm_stderr", "n")
+
+
 # --- config, checked before any work -------------------------------------------------------------------
+
 
 def check_config(preset: str, overrides: dict | None, nproc: int) -> RunConfig:
     """The validated config, or ConfigError naming the problem (the flow run fails right away)."""
@@ -221,7 +226,7 @@ def evaluate_stage(ckpt: str, cfg: RunConfig, stage: Stages) -> dict:
     hs = result.get("hellaswag") or {}
     rows = [{"metric": "val_loss", "value": result.get("val_loss")},
             {"metric": "val_tokens", "value": result.get("val_tokens")}]
-    rows += ([{"metric": f"hellaswag_{k}", "value": hs[k]} for k in ("acc", "acc_norm", "n") if k in hs]
+    rows += ([{"metric": f"hellaswag_{k}", "value": hs[k]} for k in HELLASWAG_KEYS if k in hs]
              or [{"metric": "hellaswag", "value": f"skipped: {hs.get('skipped', 'disabled')}"}])
     create_table_artifact(rows, key=artifact_key(cfg.run_name, "eval"),
                           description=f"Evaluation of {ckpt} (step {result.get('step')})")
@@ -300,7 +305,7 @@ def pretrain(preset: str = "tiny-cpu", overrides: dict | None = None, nproc: int
         "step": state["step"], "done": state["done"], "checkpoint": ckpt,
         "tokens_seen": read_meta(Path(ckpt)).get("tokens_seen"),
         "val_loss": (result or {}).get("val_loss"),
-        "hellaswag": ({k: hs[k] for k in ("acc", "acc_norm", "n") if k in hs}
+        "hellaswag": ({k: hs[k] for k in HELLASWAG_KEYS if k in hs}
                       or ("skipped: " + hs.get("skipped", "evaluation disabled"))),
         "model_version": reg["model_uri"] if reg else None,
         "mlflow_uri": reg["tracking_uri"] if reg else None,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import urllib.request
 from contextlib import nullcontext
@@ -248,10 +249,20 @@ def local_counts(model: torch.nn.Module, examples: list[Example], device, autoca
     return torch.tensor([*correct, len(mine)], dtype=torch.float64, device=device)
 
 
+def stderr(p: float, n: int) -> float:
+    """The standard error of an accuracy p over n examples: the sample standard deviation of the 0/1
+    outcomes over sqrt(n), sqrt(p (1 - p) / (n - 1)), as lm-evaluation-harness reports it."""
+    return math.sqrt(p * (1 - p) / (n - 1)) if n > 1 else float("nan")
+
+
 def summary(totals: torch.Tensor) -> dict:
-    """{"acc", "acc_norm", "n"} from the all-reduced local_counts."""
+    """{"acc", "acc_stderr", "acc_norm", "acc_norm_stderr", "n"} from the all-reduced local_counts: 200
+    examples score +-3.5 points (one standard error at acc 0.3), so two checkpoints whose accuracies differ
+    by less than about twice that are not told apart."""
     c, cn, n = (int(v) for v in totals.cpu())
-    return {"acc": c / n if n else 0.0, "acc_norm": cn / n if n else 0.0, "n": n}
+    acc, acc_norm = (c / n, cn / n) if n else (0.0, 0.0)
+    return {"acc": acc, "acc_stderr": stderr(acc, n), "acc_norm": acc_norm,
+            "acc_norm_stderr": stderr(acc_norm, n), "n": n}
 
 
 def evaluate(model: torch.nn.Module, examples: list[Example], device, autocast_ctx=None,

@@ -87,10 +87,30 @@ def client(uri: str | None = None):
     return MlflowClient(tracking_uri=uri, registry_uri=uri)
 
 
+# MLflow's UI picks its views by this experiment tag: model development opens on training runs, metrics and
+# models (untagged, an empty experiment's UI is MLflow 3's GenAI views: "Agent versions", traces)
+EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
+
+
 def experiment_id(mlc, name: str = EXPERIMENT) -> str:
+    """The id of experiment `name` (created when missing), tagged as model development for MLflow's UI."""
     exp = mlc.get_experiment_by_name(name)
-    if exp is not None:
-        return exp.experiment_id
+    if exp is None:
+        exp_id = _create_experiment(mlc, name)
+    else:
+        exp_id = exp.experiment_id
+        if exp.tags.get(EXPERIMENT_KIND[0]) == EXPERIMENT_KIND[1]:
+            return exp_id
+    from mlflow.exceptions import MlflowException
+
+    try:
+        mlc.set_experiment_tag(exp_id, *EXPERIMENT_KIND)
+    except MlflowException:  # a user who may not tag it (READ): the UI's default views, nothing worse
+        pass
+    return exp_id
+
+
+def _create_experiment(mlc, name: str) -> str:
     from mlflow.exceptions import MlflowException
 
     # The embedded SQLite store keeps artifacts beside the database (MLflow would otherwise use ./mlruns

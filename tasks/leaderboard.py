@@ -2,8 +2,9 @@
 
     python -m tasks.leaderboard [tiny-cpu] [--csv board.csv] [--sort val_loss]
     leaderboard("tiny-cpu") -> DataFrame, one row per version:
-        version, aliases, step, tokens_seen, val_loss, hellaswag_acc, hellaswag_acc_norm, optimizer,
-        schedule, run_name, run_id, manifest_id, model_id, created
+        version, aliases, step, tokens_seen, val_loss, hellaswag_acc(_stderr), hellaswag_acc_norm(_stderr),
+        hellaswag_acc_norm_vs_best ("best", "within 2 SE": not told apart at this sample size, "better",
+        "worse"), optimizer, schedule, run_name, run_id, manifest_id, model_id, created
 
 Measurements (val loss, HellaSwag, step, tokens) are the metrics of each version's LoggedModel (what the
 MLflow UI's Models tab sorts by); identity (recipe, manifest id, run) comes from the version's tags. Three
@@ -29,11 +30,13 @@ from gptcore.config import ConfigError
 from integrations import mlflow_store as store
 
 # metric of the logged model -> leaderboard column
-METRICS = {"val/loss": "val_loss", "hellaswag/acc": "hellaswag_acc", "hellaswag/acc_norm": "hellaswag_acc_norm",
+METRICS = {"val/loss": "val_loss", "hellaswag/acc": "hellaswag_acc", "hellaswag/acc_stderr": "hellaswag_acc_stderr",
+           "hellaswag/acc_norm": "hellaswag_acc_norm", "hellaswag/acc_norm_stderr": "hellaswag_acc_norm_stderr",
            "train/step": "step", "train/tokens_seen": "tokens_seen"}
 TAGS = ("optimizer", "schedule", "run_name", "manifest_id")
-COLUMNS = ["version", "aliases", "step", "tokens_seen", "val_loss", "hellaswag_acc", "hellaswag_acc_norm",
-           "optimizer", "schedule", "run_name", "run_id", "manifest_id", "model_id", "created"]
+COLUMNS = ["version", "aliases", "step", "tokens_seen", "val_loss", "hellaswag_acc", "hellaswag_acc_stderr",
+           "hellaswag_acc_norm", "hellaswag_acc_norm_stderr", "hellaswag_acc_norm_vs_best", "optimizer", "schedule",
+           "run_name", "run_id", "manifest_id", "model_id", "created"]
 
 
 def _model_id(mv) -> str:
@@ -100,8 +103,29 @@ def leaderboard(name: str, tracking_uri: str | None = None, mlc=None) -> pd.Data
         rows.append(row)
     df = pd.DataFrame(rows, columns=COLUMNS)
     df = df.astype({"step": "Int64", "tokens_seen": "Int64", "val_loss": "Float64", "hellaswag_acc": "Float64",
-                    "hellaswag_acc_norm": "Float64"})
+                    "hellaswag_acc_stderr": "Float64", "hellaswag_acc_norm": "Float64",
+                    "hellaswag_acc_norm_stderr": "Float64"})
+    df["hellaswag_acc_norm_vs_best"] = compared_with_best(df, "hellaswag_acc_norm")
     return df.sort_values("version", ignore_index=True)
+
+
+def compared_with_best(board: pd.DataFrame, column: str) -> pd.Series:
+    """Per version, how its `column` compares with the `best` version's: "best", "within 2 SE" (the
+    difference is within two standard errors of the difference, sqrt(se_a^2 + se_b^2): noise at this
+    sample size), "better" or "worse"; None without the numbers (e.g. no standard error recorded)."""
+    out = pd.Series([None] * len(board), index=board.index, dtype=object)
+    best = best_version(board) if len(board) else None
+    if best is None:
+        return out
+    b = board[board["version"] == int(best)].iloc[0]
+    for i, row in board.iterrows():
+        a, se_a, vb, se_b = row[column], row[f"{column}_stderr"], b[column], b[f"{column}_stderr"]
+        if row["version"] == int(best):
+            out[i] = "best"
+        elif not any(pd.isna(v) for v in (a, se_a, vb, se_b)):
+            out[i] = ("within 2 SE" if abs(a - vb) <= 2 * math.sqrt(se_a ** 2 + se_b ** 2)
+                      else "better" if a > vb else "worse")
+    return out
 
 
 def best_version(board: pd.DataFrame) -> str | None:

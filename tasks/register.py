@@ -78,9 +78,13 @@ def checkpoint_metrics(ckpt_dir: Path, meta: dict) -> dict[str, float]:
     ev = read_json(ckpt_dir / EVAL_FILE, {})
     if isinstance(ev.get("hellaswag"), dict) and ev["hellaswag"].get("acc") is not None:
         hs = ev["hellaswag"]
-    values = {"val/loss": val, "hellaswag/acc": hs.get("acc"), "hellaswag/acc_norm": hs.get("acc_norm"),
-              "train/step": meta["step"], "train/tokens_seen": meta.get("tokens_seen")}
-    return {k: float(v) for k, v in values.items() if v is not None}
+    values = {"val/loss": val, "train/step": meta["step"], "train/tokens_seen": meta.get("tokens_seen"),
+              # each accuracy with its standard error (<metric>_stderr), HellaSwag's and the harness tasks'
+              **{f"hellaswag/{k}": hs.get(k) for k in ("acc", "acc_stderr", "acc_norm", "acc_norm_stderr")},
+              **{f"harness/{task}/{k}": v for task, scores in (ev.get("harness") or {}).items()
+                 if isinstance(scores, dict) for k, v in scores.items()
+                 if isinstance(v, (int, float)) and k != "n"}}
+    return {k: float(v) for k, v in values.items() if v is not None and not isinstance(v, bool)}
 
 
 def _version_tags(ckpt_dir: Path, meta: dict, sha: str, flow_run_id: str | None) -> dict[str, str]:

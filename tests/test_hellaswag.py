@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import http.server
 import json
+import math
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -182,7 +184,12 @@ def test_batched_scores_equal_per_ending_reference():
     torch.testing.assert_close(sums / counts, torch.tensor(ref_means, dtype=torch.float64),
                                rtol=1e-5, atol=1e-5)
     assert counts.tolist() == [[len(t) for t in ex.ending_tokens] for ex in examples]
-    assert hellaswag.evaluate(model, examples, "cpu") == reference_accuracy(model, records)
+    got, want = hellaswag.evaluate(model, examples, "cpu"), reference_accuracy(model, records)
+    assert {k: got[k] for k in want} == want
+    n = want["n"]  # the binomial standard error lm-evaluation-harness reports: sample std / sqrt(n)
+    for k in ("acc", "acc_norm"):
+        outcomes = [1.0] * round(want[k] * n) + [0.0] * (n - round(want[k] * n))
+        assert got[f"{k}_stderr"] == pytest.approx(statistics.stdev(outcomes) / math.sqrt(n))
 
 
 @pytest.mark.slow  # torch.compile
@@ -243,8 +250,9 @@ def test_model_taught_the_labelled_endings_scores_one():
     train_to_prefer(model, examples, taught)
     relabelled = [hellaswag.Example(ex.ctx, ex.endings, t, ex.ctx_tokens, ex.ending_tokens)
                   for ex, t in zip(examples, taught, strict=True)]
-    assert hellaswag.evaluate(model, relabelled, "cpu") == {"acc": 1.0, "acc_norm": 1.0, "n": 7}
-    assert hellaswag.evaluate(model, examples, "cpu") == {"acc": 0.0, "acc_norm": 0.0, "n": 7}
+    certain = {"acc_stderr": 0.0, "acc_norm_stderr": 0.0, "n": 7}  # every outcome the same: no spread
+    assert hellaswag.evaluate(model, relabelled, "cpu") == {"acc": 1.0, "acc_norm": 1.0, **certain}
+    assert hellaswag.evaluate(model, examples, "cpu") == {"acc": 0.0, "acc_norm": 0.0, **certain}
 
 
 DDP_SCRIPT = """

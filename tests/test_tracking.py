@@ -273,6 +273,9 @@ def test_embedded_sqlite_store(tmp_path, monkeypatch):
     assert history(mlc, out["run_id"], "val/loss") == expected(recs, "val/loss")
     art_root = tmp_path / "home" / "mlflow" / "artifacts"
     assert list(art_root.rglob("config.json")) and list(art_root.rglob("step_00000010.txt"))
+    # the UI opens the pipeline's experiment on training runs and models, not MLflow 3's GenAI views
+    exp = mlc.get_experiment(mlc.get_run(out["run_id"]).info.experiment_id)
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
 
 
 def test_stop_is_bounded_while_the_server_hangs(tmp_path, monkeypatch):
