@@ -228,6 +228,8 @@ def evaluate_stage(ckpt: str, cfg: RunConfig, stage: Stages) -> dict:
             {"metric": "val_tokens", "value": result.get("val_tokens")}]
     rows += ([{"metric": f"hellaswag_{k}", "value": hs[k]} for k in HELLASWAG_KEYS if k in hs]
              or [{"metric": "hellaswag", "value": f"skipped: {hs.get('skipped', 'disabled')}"}])
+    for name, scores in (result.get("harness") or {}).items():  # lm-evaluation-harness tasks, if configured
+        rows += [{"metric": f"{name}_{k}", "value": v} for k, v in scores.items()]
     create_table_artifact(rows, key=artifact_key(cfg.run_name, "eval"),
                           description=f"Evaluation of {ckpt} (step {result.get('step')})")
     return result

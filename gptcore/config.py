@@ -229,10 +229,19 @@ class EvalConfig:
     sample_prompt: str = "Hello, I'm a language model,"
     sample_tokens: int = 32
     max_failures: int = 3  # evaluations failing in a row before evaluation is off for this invocation; 0 = never
+    # lm-evaluation-harness tasks (comma-separated) scored on each evaluated checkpoint (gptcore/harness.py);
+    # "" = none. harness_include_path: a folder of your own task YAMLs; harness_limit: examples per task (0 = all)
+    harness_tasks: str = ""
+    harness_include_path: str = ""
+    harness_limit: int = 0
+
+    @property
+    def harness_task_list(self) -> list[str]:
+        return [t.strip() for t in self.harness_tasks.split(",") if t.strip()]
 
     def validate(self) -> None:
         for name in ("eval_interval", "hellaswag_interval", "val_tokens", "hellaswag_limit", "sample_interval",
-                     "sample_tokens", "max_failures"):
+                     "sample_tokens", "max_failures", "harness_limit"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"eval.{name} must be >= 0, got {getattr(self, name)}")
 
@@ -329,8 +338,10 @@ class RunConfig:
 def _gpt2_124m() -> RunConfig:
     # build-nanogpt's recipe: 0.5M-token batches, 6e-4 cosine to 6e-5, 715 warmup, 19,073 steps ~ 10B tokens.
     # micro_batch auto: 64 (build-nanogpt's, for an 80 GB card) where it fits, less on smaller cards
+    # the harness's share of the suite GPT-2 reproductions report (HellaSwag is the project's own scorer)
     return RunConfig(preset="gpt2-124m", model=model_preset("gpt2"), data=DataConfig(source="hf"),
-                     train=TrainConfig(micro_batch="auto"))
+                     train=TrainConfig(micro_batch="auto"),
+                     eval=EvalConfig(harness_tasks="arc_easy,arc_challenge,piqa,winogrande,lambada_openai"))
 
 
 def _gpt2_124m_muon() -> RunConfig:

@@ -86,9 +86,11 @@ def load_target(path: Path, device="cpu") -> tuple[torch.nn.Module, dict]:
 def evaluate_model(model: torch.nn.Module, cfg: RunConfig, device, autocast_ctx=None, *,
                    hellaswag: bool = True, hellaswag_path: Path | None = None, limit: int = 0,
                    val: bool = False, manifest_dir: Path | None = None, rank: int = 0,
-                   world: int = 1) -> dict:
-    """Validation loss and/or HellaSwag for an already-loaded model (a checkpoint, an HF export, or a
-    registered MLflow model loaded by tasks/). HellaSwag that cannot be fetched is reported, not raised."""
+                   world: int = 1, harness_tasks: list[str] | None = None, harness_include_path: str | None = None,
+                   harness_limit: int = 0) -> dict:
+    """Validation loss, HellaSwag and lm-evaluation-harness tasks for an already-loaded model (a checkpoint,
+    an HF export, or a registered MLflow model loaded by tasks/). HellaSwag or a task that cannot be fetched
+    is reported, not raised. The harness runs on rank 0 (it has no notion of our ranks)."""
     from gptcore import hellaswag as hs
 
     out: dict = {}
@@ -106,6 +108,11 @@ def evaluate_model(model: torch.nn.Module, cfg: RunConfig, device, autocast_ctx=
             out["hellaswag"] = {"skipped": reason}
         else:
             out["hellaswag"] = hs.evaluate(model, examples, device, autocast_ctx, rank, world)
+    if harness_tasks and rank == 0:
+        from gptcore.harness import run_tasks  # lm-eval: only when tasks are asked for
+
+        out["harness"] = run_tasks(model, harness_tasks, device, autocast_ctx, harness_include_path or None,
+                                   harness_limit or None)
     return out
 
 
@@ -126,6 +133,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--label", help="name the target by this in the output (e.g. the model URI it came from)")
+    p.add_argument("--tasks", help="lm-evaluation-harness tasks, comma-separated (default: the config's "
+                   "eval.harness_tasks; 'none' for none)")
+    p.add_argument("--include-path", metavar="DIR", help="a folder of your own harness task YAMLs")
+    p.add_argument("--harness-limit", type=int, help="examples per harness task (default: eval.harness_limit)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
@@ -140,9 +151,15 @@ def main(argv: list[str] | None = None) -> int:
             cfg = apply_overrides(from_dict(info["meta"]["config"]), args.set)
         else:
             cfg = load_config(args.config or "gpt2-124m", args.set)
+        tasks = cfg.eval.harness_task_list if args.tasks is None else \
+            [t.strip() for t in args.tasks.split(",") if t.strip() and t.strip() != "none"]
         result = evaluate_model(model, cfg, device, autocast_ctx, hellaswag=not args.no_hellaswag,
                                 hellaswag_path=args.hellaswag, limit=args.limit, val=args.val,
-                                manifest_dir=Path(args.data) if args.data else None, rank=rank, world=world)
+                                manifest_dir=Path(args.data) if args.data else None, rank=rank, world=world,
+                                harness_tasks=tasks,
+                                harness_include_path=args.include_path or cfg.eval.harness_include_path,
+                                harness_limit=cfg.eval.harness_limit if args.harness_limit is None
+                                else args.harness_limit)
         distributed.barrier()  # every rank is done with its collectives before any tears the group down
     except (OSError, ValueError, ShardError, CheckpointError, ConfigError, ImportError) as e:
         # bad input (HellaSwagError and ConfigError are ValueErrors); a RuntimeError such as CUDA out of

@@ -120,13 +120,17 @@ def checkpoint_of(path: Path) -> Path:
     return path
 
 
-def eval_settings(cfg: RunConfig, val: bool, hellaswag: bool | None = None) -> dict:
+def eval_settings(cfg: RunConfig, val: bool, hellaswag: bool | None = None, harness: bool = True) -> dict:
     """What an evaluation's numbers depend on besides the weights, recorded in eval.json: a change means
-    evaluate again. `hellaswag` (default cfg.eval.hellaswag): whether HellaSwag was part of it."""
+    evaluate again. `hellaswag` (default cfg.eval.hellaswag): whether HellaSwag was part of it; `harness`:
+    whether the configured lm-evaluation-harness tasks were (the trainer's own evaluation runs none)."""
     return {"val": val, "val_tokens": cfg.eval.val_tokens if val else None,
             "micro_batch": cfg.train.resolved_micro_batch(), "seq_len": cfg.train.seq_len,
             "hellaswag": cfg.eval.hellaswag if hellaswag is None else hellaswag,
-            "hellaswag_limit": cfg.eval.hellaswag_limit}
+            "hellaswag_limit": cfg.eval.hellaswag_limit,
+            **({"harness_tasks": cfg.eval.harness_task_list, "harness_limit": cfg.eval.harness_limit,
+                "harness_include_path": cfg.eval.harness_include_path}
+               if harness and cfg.eval.harness_task_list else {})}
 
 
 def val_loss_of(ckpt: Path, meta: dict) -> float | None:

@@ -4,7 +4,8 @@
     leaderboard("tiny-cpu") -> DataFrame, one row per version:
         version, aliases, step, tokens_seen, val_loss, hellaswag_acc(_stderr), hellaswag_acc_norm(_stderr),
         hellaswag_acc_norm_vs_best ("best", "within 2 SE": not told apart at this sample size, "better",
-        "worse"), optimizer, schedule, run_name, run_id, manifest_id, model_id, created
+        "worse"), optimizer, schedule, run_name, then harness_<task>_<metric> for each lm-evaluation-harness
+        metric the versions have (acc, acc_stderr, acc_norm, ...), run_id, manifest_id, model_id, created
 
 Measurements (val loss, HellaSwag, step, tokens) are the metrics of each version's LoggedModel (what the
 MLflow UI's Models tab sorts by); identity (recipe, manifest id, run) comes from the version's tags. Three
@@ -100,8 +101,11 @@ def leaderboard(name: str, tracking_uri: str | None = None, mlc=None) -> pd.Data
             value = values.get(key, _legacy(mv.tags, column))
             row[column] = value if value is not None and math.isfinite(value) else None
         row.update({t: mv.tags.get(t) for t in TAGS})
+        # lm-evaluation-harness tasks: one column per task and metric (harness_arc_easy_acc, ..._stderr)
+        row.update({k.replace("/", "_"): v for k, v in values.items() if k.startswith("harness/")})
         rows.append(row)
-    df = pd.DataFrame(rows, columns=COLUMNS)
+    harness = sorted({k for row in rows for k in row if k.startswith("harness_")})
+    df = pd.DataFrame(rows, columns=COLUMNS[:-4] + harness + COLUMNS[-4:])
     df = df.astype({"step": "Int64", "tokens_seen": "Int64", "val_loss": "Float64", "hellaswag_acc": "Float64",
                     "hellaswag_acc_stderr": "Float64", "hellaswag_acc_norm": "Float64",
                     "hellaswag_acc_norm_stderr": "Float64"})

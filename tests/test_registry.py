@@ -329,3 +329,34 @@ def test_models_compare_by_their_metrics_and_the_leaderboard(mlflow_server, tmp_
     assert list(pd.read_csv(out)["version"]) == [2, 3, 1]
     assert leaderboard.main(["nobody", "--tracking-uri", uri]) == 2
     assert "has no versions" in capsys.readouterr().err
+
+
+def test_error_bars_and_harness_scores_reach_the_logged_model_and_the_leaderboard(mlflow_server, tmp_path):
+    """eval.json as the evaluate stage writes it (HellaSwag with standard errors, lm-evaluation-harness
+    tasks): each number becomes a metric of the logged model (<metric>_stderr beside it) and a leaderboard
+    column, and the board marks a version whose accuracy is within two standard errors of best's."""
+    from tasks import leaderboard
+
+    uri = mlflow_server.uri
+    mlc = MlflowClient(uri, registry_uri=uri)
+    evals = [  # version 1 is best (lower val loss); 2 is within noise of it on acc_norm; 3 is clearly worse
+        (7.0, {"acc": 0.30, "acc_stderr": 0.03, "acc_norm": 0.31, "acc_norm_stderr": 0.03, "n": 240}),
+        (7.5, {"acc": 0.33, "acc_stderr": 0.03, "acc_norm": 0.35, "acc_norm_stderr": 0.03, "n": 240}),
+        (8.0, {"acc": 0.05, "acc_stderr": 0.01, "acc_norm": 0.05, "acc_norm_stderr": 0.01, "n": 240}),
+    ]
+    for i, (val, hs) in enumerate(evals):
+        ckpt = save_ckpt(tmp_path / "bars", 10 * (i + 1), val, seed=20 + i)
+        (ckpt / "eval.json").write_text(json.dumps({
+            "val_loss": val, "hellaswag": hs,
+            "harness": {"toy_choice": {"acc": 0.5 + i / 10, "acc_stderr": 0.1, "n": 24},
+                        "gone": {"skipped": "its dataset could not be loaded"}}}))
+        r = register.register_checkpoint(ckpt, model_name="bars", tracking_uri=uri, hf=False)
+    metrics = {m.key: m.value for m in mlc.get_logged_model(r["model_id"]).metrics}
+    assert metrics["hellaswag/acc_norm_stderr"] == 0.01 and metrics["harness/toy_choice/acc"] == 0.7
+    assert metrics["harness/toy_choice/acc_stderr"] == 0.1 and not any("gone" in k for k in metrics)
+
+    board = leaderboard.leaderboard("bars", uri)
+    assert list(board["hellaswag_acc_norm_stderr"]) == [0.03, 0.03, 0.01]
+    assert list(board["harness_toy_choice_acc"]) == [0.5, 0.6, 0.7]
+    assert list(board["hellaswag_acc_norm_vs_best"]) == ["best", "within 2 SE", "worse"]
+    assert list(board.columns[-4:]) == ["run_id", "manifest_id", "model_id", "created"]

@@ -1,0 +1,152 @@
+"""EleutherAI's lm-evaluation-harness on the project's own GPT: the standard benchmark suite, no HF export.
+
+    results = run_tasks(model, ["arc_easy", "piqa"], device, autocast_ctx)   # {task: {acc, acc_stderr, ...}}
+    python -m gptcore.evaluate runs/gpt2-124m --tasks arc_easy,piqa [--include-path DIR]
+
+`GPTHarness` implements the harness's language-model interface through its `TemplateLM` (which turns a
+(context, continuation) pair into tokens exactly as its Hugging Face model class does): log-likelihoods of
+continuations and rolling log-likelihoods of whole documents, scored on the device in batches of similar
+length with the trainer's autocast. Tasks that generate text are not supported (GPT-2's suite scores
+choices). A task whose dataset cannot be fetched (offline, a hub outage) is skipped with the reason, as
+HellaSwag is, never a failed evaluation.
+
+lm-eval is imported here only: the trainer and gpu_check never need it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+from lm_eval.api.model import TemplateLM
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+from gptcore.model import GPT, unwrap
+from gptcore.tokenizer import EOT, get_encoding
+
+log = logging.getLogger(__name__)
+BATCH_TOKENS = 16 * 1024  # tokens per forward pass (rows x padded length)
+
+
+class GPTHarness(TemplateLM):
+    """The harness's model interface over a plain GPT (unwrapped from DDP / torch.compile, in eval mode)."""
+
+    def __init__(self, model: torch.nn.Module, device, autocast_ctx=None, batch_tokens: int = BATCH_TOKENS):
+        super().__init__()
+        self.model: GPT = unwrap(model)
+        self._device = torch.device(device)
+        self.autocast_ctx = autocast_ctx
+        self.batch_tokens = batch_tokens
+        self.max_length = self.model.config.block_size
+        self.encoding = get_encoding()
+
+    @property
+    def eot_token_id(self) -> int:
+        return EOT
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
+        # as GPT-2's Hugging Face tokenizer encodes: "<|endoftext|>" in the text is the special token
+        return self.encoding.encode(string, allowed_special="all")
+
+    def tok_decode(self, tokens) -> str:
+        return self.encoding.decode(list(tokens))
+
+    @torch.no_grad()
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+        """(sum of the continuation's log-probabilities, whether greedy decoding gives it) per request of
+        (key, context tokens, continuation tokens). The input is the last block_size tokens before each
+        continuation token, as the harness's HF model class truncates."""
+        rows = []
+        for _, context, continuation in requests:
+            whole = (context + continuation)[-(self.max_length + 1):]
+            rows.append((whole[:-1], continuation))
+        order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))  # similar lengths share a batch
+        out: list[tuple[float, bool] | None] = [None] * len(rows)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            i = 0
+            while i < len(order):
+                width = len(rows[order[i]][0])
+                batch = order[i:i + max(1, self.batch_tokens // max(width, 1))]
+                i += len(batch)
+                x = torch.full((len(batch), width), EOT, dtype=torch.long)
+                for r, k in enumerate(batch):
+                    inp = rows[k][0]
+                    x[r, :len(inp)] = torch.tensor(inp)
+                with self.autocast_ctx or nullcontext():
+                    logits, _ = self.model(x.to(self._device))
+                logprobs = F.log_softmax(logits.float(), dim=-1)
+                for r, k in enumerate(batch):
+                    inp, cont = rows[k]
+                    n = len(cont)
+                    lp = logprobs[r, len(inp) - n:len(inp)]
+                    target = torch.tensor(cont, device=lp.device)
+                    score = float(lp.gather(1, target[:, None]).sum())
+                    out[k] = (score, bool((lp.argmax(-1) == target).all()))
+        finally:
+            self.model.train(was_training)
+        return out  # type: ignore[return-value]
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        """Each document's log-likelihood, in windows of block_size tokens that predict every token once
+        (the harness's own windowing), conditioned on the end-of-text token."""
+        totals = []
+        for (string,) in (r.args for r in requests):
+            windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
+                self.tok_encode(string), self.prefix_token_id, self.max_length, 1)]
+            scores = self._loglikelihood_tokens([(None, ctx, cont) for ctx, cont in windows])
+            totals.append(sum(s for s, _ in scores))
+        return totals
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        raise NotImplementedError("generation tasks are not supported by gptcore.harness (GPT-2's suite scores "
+                                  "choices with log-likelihoods); pick multiple-choice or perplexity tasks")
+
+
+def summarize(results: dict) -> dict[str, dict]:
+    """{task: {"acc": .., "acc_stderr": .., "acc_norm": .., ...}} from simple_evaluate's results: each metric
+    under its plain name (the harness writes "acc,none"), with its standard error beside it."""
+    out: dict[str, dict] = {}
+    for task, metrics in results.get("results", {}).items():
+        row: dict[str, float] = {}
+        for key, value in metrics.items():
+            name, _, _filter = key.partition(",")
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and name != "alias":
+                row[name] = float(value) if math.isfinite(float(value)) else float("nan")
+        n = results.get("n-samples", {}).get(task, {})
+        if "effective" in n:
+            row["n"] = int(n["effective"])
+        out[task] = row
+    return out
+
+
+def run_tasks(model: torch.nn.Module, tasks: list[str], device, autocast_ctx=None,
+              include_path: str | None = None, limit: int | None = None) -> dict[str, dict]:
+    """Score `model` on each of the harness's `tasks` (names it knows, or defined under `include_path`):
+    {task: metrics} or {task: {"skipped": reason}} when the task or its data cannot be had."""
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    manager = TaskManager(include_path=include_path) if include_path else TaskManager()
+    lm = GPTHarness(model, device, autocast_ctx)
+    out: dict[str, dict] = {}
+    for task in tasks:  # one at a time: a task that cannot run costs only itself
+        if task not in manager.all_tasks:
+            out[task] = {"skipped": f"lm-evaluation-harness knows no task {task!r}; check the name "
+                         "(`lm-eval ls tasks`) or pass the folder of its YAML (eval.harness_include_path)"}
+            continue
+        try:
+            results = simple_evaluate(model=lm, tasks=[task], task_manager=manager, limit=limit,
+                                      bootstrap_iters=1000, log_samples=False, verbosity="WARNING")
+        except Exception as e:  # noqa: BLE001 - the hub unreachable, a file missing: whatever `datasets` raises
+            log.warning("harness task %s skipped: %s", task, e)
+            out[task] = {"skipped": f"{type(e).__name__}: {e}. Its dataset could not be loaded: connect to the "
+                         "Hugging Face hub (or set HF_ENDPOINT to a mirror), or use a local copy through a task "
+                         "YAML in eval.harness_include_path"}
+            continue
+        out.update(summarize(results or {}))
+    return out

@@ -1,0 +1,151 @@
+"""lm-evaluation-harness on the project's GPT (gptcore/harness.py): the adapter scores what the harness's
+own Hugging Face model class scores on the HF export of the same weights (log-likelihoods to 1e-4, the same
+greedy flags and accuracies), a task defined in a user's folder runs through the harness end to end with
+standard errors, and a task that cannot run is skipped with the reason."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from lm_eval.api.instance import Instance
+from lm_eval.models.huggingface import HFLM
+
+from gptcore.config import ModelConfig
+from gptcore.harness import GPTHarness, run_tasks
+from gptcore.hf import export_hf
+from gptcore.model import GPT
+
+pytestmark = pytest.mark.slow
+
+CONTEXTS = ["The cat sat on the", "Paris is the capital of", "1, 2, 3, 4,", "A long time ago in a galaxy far,"]
+ENDINGS = [" mat", " France", " 5", " far away", " the", "!", " <|endoftext|> and more"]
+DOCUMENT = " ".join(["The quick brown fox jumps over the lazy dog."] * 30)  # > block_size tokens
+
+
+def model() -> GPT:
+    torch.manual_seed(0)
+    gpt = GPT(ModelConfig(block_size=64, n_layer=2, n_head=4, n_embd=64)).eval()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # random everything (fresh inits leave LayerNorms 1 and biases 0)
+        for p in gpt.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.2)
+    return gpt
+
+
+def requests(kind: str, args: list[tuple]) -> list[Instance]:
+    return [Instance(request_type=kind, doc={}, arguments=a, idx=i) for i, a in enumerate(args)]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    ours = model()
+    hf_dir = export_hf(ours, tmp_path_factory.mktemp("export") / "hf")
+    theirs = HFLM(pretrained=str(hf_dir), device="cpu", batch_size=3, dtype="float32")
+    return GPTHarness(ours, "cpu", batch_tokens=3 * 64), theirs
+
+
+def test_log_likelihoods_equal_the_harness_hf_model_on_the_export(pair):
+    ours, theirs = pair
+    pairs = [(c, e) for c in CONTEXTS for e in ENDINGS] + [("", " hello world")]
+    a = ours.loglikelihood(requests("loglikelihood", pairs))
+    b = theirs.loglikelihood(requests("loglikelihood", pairs))
+    assert len(a) == len(b) == len(pairs)
+    for (la, ga), (lb, gb), p in zip(a, b, pairs, strict=True):
+        assert la == pytest.approx(lb, abs=1e-4), p
+        assert ga == gb, p
+    # whole documents longer than the model's context: the same windows, the same sums
+    docs = [(DOCUMENT,), ("short one",)]
+    ra = ours.loglikelihood_rolling(requests("loglikelihood_rolling", docs))
+    rb = theirs.loglikelihood_rolling(requests("loglikelihood_rolling", docs))
+    assert ra == pytest.approx(rb, abs=1e-3) and ra[0] < ra[1] < 0
+
+
+def toy_task(folder, n: int = 24):
+    """A multiple-choice task in a user's folder (the harness's include path), its data in a local file."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = [{"question": f"Question {i}: which word follows 'the quick brown'?", "choices": ["fox", "sky", "cat"],
+             "label": i % 3} for i in range(n)]
+    data = folder / "toy_choice.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "toy_choice.yaml").write_text(f"""task: toy_choice
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{label}}}}"
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+  - metric: acc_norm
+    aggregation: mean
+    higher_is_better: true
+""")
+    return folder
+
+
+def test_a_task_from_a_users_folder_runs_through_the_harness_with_error_bars(pair, tmp_path):
+    ours, theirs = pair
+    folder = toy_task(tmp_path / "tasks")
+    got = run_tasks(ours.model, ["toy_choice", "no_such_task"], "cpu", include_path=str(folder))
+    toy = got["toy_choice"]
+    assert toy["n"] == 24 and set(toy) >= {"acc", "acc_stderr", "acc_norm", "acc_norm_stderr"}
+    p = toy["acc"]
+    assert toy["acc_stderr"] == pytest.approx((p * (1 - p) / 23) ** 0.5)
+    assert "no task 'no_such_task'" in got["no_such_task"]["skipped"]
+    # the harness's own HF model class on the export scores the same accuracies
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    ref = simple_evaluate(model=theirs, tasks=["toy_choice"], task_manager=TaskManager(include_path=str(folder)),
+                          bootstrap_iters=1000, log_samples=False)["results"]["toy_choice"]
+    assert (toy["acc"], toy["acc_norm"]) == (ref["acc,none"], ref["acc_norm,none"])
+
+
+def test_a_task_whose_data_cannot_be_had_is_skipped_with_the_reason(pair, tmp_path, monkeypatch):
+    ours, _ = pair
+    folder = tmp_path / "tasks"
+    folder.mkdir()
+    (folder / "gone.yaml").write_text("""task: gone
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: /nonexistent/gone.jsonl
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{q}}"
+doc_to_choice: "{{c}}"
+doc_to_target: 0
+metric_list:
+  - metric: acc
+""")
+    got = run_tasks(ours.model, ["gone"], "cpu", include_path=str(folder))
+    assert "could not be loaded" in got["gone"]["skipped"] and "eval.harness_include_path" in got["gone"]["skipped"]
+
+
+def test_the_evaluate_command_scores_a_checkpoint_on_harness_tasks(tmp_path):
+    """`python -m gptcore.evaluate <checkpoint> --tasks ... --include-path DIR` (what `python -m
+    tasks.evaluate models:/name@alias --tasks ...` runs after fetching the version's weights)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from gptcore import checkpoint
+    from gptcore.config import load_config
+
+    cfg = load_config("micro", ["train.run_name=harness"])
+    ckpt = checkpoint.save_checkpoint(tmp_path / "run", 5, model(), {"optimizer": {}},
+                                      {"config": cfg.to_dict(), "run_name": "harness"}, keep_last=3)
+    folder = toy_task(tmp_path / "tasks", n=12)
+    r = subprocess.run([sys.executable, "-m", "gptcore.evaluate", str(ckpt), "--no-hellaswag", "--tasks",
+                        "toy_choice", "--include-path", str(folder), "--device", "cpu"],
+                       capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[1])
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    assert out["harness"]["toy_choice"]["n"] == 12 and "acc_norm_stderr" in out["harness"]["toy_choice"]
