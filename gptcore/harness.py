@@ -28,7 +28,7 @@ from gptcore.model import GPT, unwrap
 from gptcore.tokenizer import EOT, get_encoding
 
 log = logging.getLogger(__name__)
-BATCH_TOKENS = 16 * 1024  # tokens per forward pass (rows x padded length)
+BATCH_TOKENS = 4096  # tokens per forward pass (rows x padded length): the logits are 50,257 wide per token
 
 
 class GPTHarness(TemplateLM):
@@ -79,11 +79,11 @@ class GPTHarness(TemplateLM):
                     x[r, :len(inp)] = torch.tensor(inp)
                 with self.autocast_ctx or nullcontext():
                     logits, _ = self.model(x.to(self._device))
-                logprobs = F.log_softmax(logits.float(), dim=-1)
                 for r, k in enumerate(batch):
                     inp, cont = rows[k]
                     n = len(cont)
-                    lp = logprobs[r, len(inp) - n:len(inp)]
+                    # the positions that predict the continuation only: no softmax over the context's
+                    lp = F.log_softmax(logits[r, len(inp) - n:len(inp)].float(), dim=-1)
                     target = torch.tensor(cont, device=lp.device)
                     score = float(lp.gather(1, target[:, None]).sum())
                     out[k] = (score, bool((lp.argmax(-1) == target).all()))

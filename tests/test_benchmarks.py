@@ -51,6 +51,11 @@ LINES = {
         rf"^  ranks blocked per save: async {N}% of sync .*target <= 15%: (?:PASS|FAIL)$",
         rf"^  verification adds {N}x the plain load at resume",
     ],
+    "bench_harness": [
+        rf"^micro: ours {N} req/s \| lm-eval HFLM {N} req/s \| ratio {N}x \({N}-{N}, 1 rounds\) \| largest "
+        r"log-likelihood difference",
+        r"^target \(ours >= 1\.0x HFLM\): (?:met|MISSED)$",
+    ],
     "bench_eval": [
         rf"^  eager \(trainer\) +first +{N} s, later median {N} s",
         rf"^  compiled +first +{N} s, later median {N} s",
