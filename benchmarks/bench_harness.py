@@ -4,8 +4,9 @@ Hugging Face model class on the HF export of the same weights, on the same reque
     python -m benchmarks.bench_harness [--preset tiny-cpu] [--requests 256] [--rounds 3] [--smoke]
 
 The requests are HellaSwag-shaped log-likelihoods (contexts and endings from the bundled fixture, each
-context numbered so that no two requests are identical), the kind GPT-2's suite is made of. The two are timed alternately, --rounds times; the
-line reports the median ratio with its spread. Target: the adapter >= 1.0x the HF model class.
+context numbered so that no two requests are identical), the kind GPT-2's suite is made of. The two are
+timed alternately, --rounds times; the line reports the median ratio with its spread. Target: the adapter
+>= 1.0x the HF model class.
 """
 
 from __future__ import annotations

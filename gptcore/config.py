@@ -234,6 +234,9 @@ class EvalConfig:
     harness_tasks: str = ""
     harness_include_path: str = ""
     harness_limit: int = 0
+    # evaluated checkpoints report the share of HellaSwag examples that share an n-gram of this many tokens
+    # with the training shards (gptcore/contamination.py; GPT-3 used 13); 0 = off
+    contamination_ngram: int = 0
 
     @property
     def harness_task_list(self) -> list[str]:
@@ -241,7 +244,7 @@ class EvalConfig:
 
     def validate(self) -> None:
         for name in ("eval_interval", "hellaswag_interval", "val_tokens", "hellaswag_limit", "sample_interval",
-                     "sample_tokens", "max_failures", "harness_limit"):
+                     "sample_tokens", "max_failures", "harness_limit", "contamination_ngram"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"eval.{name} must be >= 0, got {getattr(self, name)}")
 
@@ -341,7 +344,8 @@ def _gpt2_124m() -> RunConfig:
     # the harness's share of the suite GPT-2 reproductions report (HellaSwag is the project's own scorer)
     return RunConfig(preset="gpt2-124m", model=model_preset("gpt2"), data=DataConfig(source="hf"),
                      train=TrainConfig(micro_batch="auto"),
-                     eval=EvalConfig(harness_tasks="arc_easy,arc_challenge,piqa,winogrande,lambada_openai"))
+                     eval=EvalConfig(harness_tasks="arc_easy,arc_challenge,piqa,winogrande,lambada_openai",
+                                     contamination_ngram=13))
 
 
 def _gpt2_124m_muon() -> RunConfig:

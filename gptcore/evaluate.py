@@ -87,10 +87,11 @@ def evaluate_model(model: torch.nn.Module, cfg: RunConfig, device, autocast_ctx=
                    hellaswag: bool = True, hellaswag_path: Path | None = None, limit: int = 0,
                    val: bool = False, manifest_dir: Path | None = None, rank: int = 0,
                    world: int = 1, harness_tasks: list[str] | None = None, harness_include_path: str | None = None,
-                   harness_limit: int = 0) -> dict:
+                   harness_limit: int = 0, contamination_ngram: int = 0) -> dict:
     """Validation loss, HellaSwag and lm-evaluation-harness tasks for an already-loaded model (a checkpoint,
     an HF export, or a registered MLflow model loaded by tasks/). HellaSwag or a task that cannot be fetched
-    is reported, not raised. The harness runs on rank 0 (it has no notion of our ranks)."""
+    is reported, not raised. The harness runs on rank 0 (it has no notion of our ranks). With
+    `contamination_ngram`, the share of HellaSwag examples found in the training shards (rank 0)."""
     from gptcore import hellaswag as hs
 
     out: dict = {}
@@ -108,6 +109,15 @@ def evaluate_model(model: torch.nn.Module, cfg: RunConfig, device, autocast_ctx=
             out["hellaswag"] = {"skipped": reason}
         else:
             out["hellaswag"] = hs.evaluate(model, examples, device, autocast_ctx, rank, world)
+            if contamination_ngram and rank == 0:
+                from gptcore.contamination import contamination
+                from gptcore.data.build import dataset_dir
+
+                data = manifest_dir or dataset_dir(cfg)
+                tokens = [ex.ctx_tokens + [t for e in ex.ending_tokens for t in e] for ex in examples]
+                report = contamination(data, {"hellaswag": tokens}, contamination_ngram)
+                out["contamination"] = {k: {f: v[f] for f in ("n", "examples", "contaminated", "share")}
+                                        for k, v in report.items()}
     if harness_tasks and rank == 0:
         from gptcore.harness import run_tasks  # lm-eval: only when tasks are asked for
 
@@ -137,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
                    "eval.harness_tasks; 'none' for none)")
     p.add_argument("--include-path", metavar="DIR", help="a folder of your own harness task YAMLs")
     p.add_argument("--harness-limit", type=int, help="examples per harness task (default: eval.harness_limit)")
+    p.add_argument("--contamination", type=int, metavar="N", help="report HellaSwag examples sharing an N-token "
+                   "n-gram with the training shards (default: eval.contamination_ngram; 0 = off)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
@@ -159,7 +171,9 @@ def main(argv: list[str] | None = None) -> int:
                                 harness_tasks=tasks,
                                 harness_include_path=args.include_path or cfg.eval.harness_include_path,
                                 harness_limit=cfg.eval.harness_limit if args.harness_limit is None
-                                else args.harness_limit)
+                                else args.harness_limit,
+                                contamination_ngram=cfg.eval.contamination_ngram if args.contamination is None
+                                else args.contamination)
         distributed.barrier()  # every rank is done with its collectives before any tears the group down
     except (OSError, ValueError, ShardError, CheckpointError, ConfigError, ImportError) as e:
         # bad input (HellaSwagError and ConfigError are ValueErrors); a RuntimeError such as CUDA out of

@@ -130,7 +130,9 @@ def eval_settings(cfg: RunConfig, val: bool, hellaswag: bool | None = None, harn
             "hellaswag_limit": cfg.eval.hellaswag_limit,
             **({"harness_tasks": cfg.eval.harness_task_list, "harness_limit": cfg.eval.harness_limit,
                 "harness_include_path": cfg.eval.harness_include_path}
-               if harness and cfg.eval.harness_task_list else {})}
+               if harness and cfg.eval.harness_task_list else {}),
+            **({"contamination_ngram": cfg.eval.contamination_ngram}
+               if harness and cfg.eval.contamination_ngram else {})}
 
 
 def val_loss_of(ckpt: Path, meta: dict) -> float | None:

@@ -69,7 +69,8 @@ def evaluate_dir(target: str | Path, cfg_dict: dict | None = None, val: bool = T
                                 hellaswag_path=None, limit=cfg.eval.hellaswag_limit, val=val,
                                 harness_tasks=cfg.eval.harness_task_list,
                                 harness_include_path=cfg.eval.harness_include_path,
-                                harness_limit=cfg.eval.harness_limit)
+                                harness_limit=cfg.eval.harness_limit,
+                                contamination_ngram=cfg.eval.contamination_ngram)
         result = {"target": str(ckpt), "kind": info["kind"], "step": info.get("step"), **result,
                   "settings": eval_settings(cfg, val), "seconds": round(time.time() - t0, 2)}
         write_json(ckpt / EVAL_FILE, result)

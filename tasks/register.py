@@ -83,7 +83,10 @@ def checkpoint_metrics(ckpt_dir: Path, meta: dict) -> dict[str, float]:
               **{f"hellaswag/{k}": hs.get(k) for k in ("acc", "acc_stderr", "acc_norm", "acc_norm_stderr")},
               **{f"harness/{task}/{k}": v for task, scores in (ev.get("harness") or {}).items()
                  if isinstance(scores, dict) for k, v in scores.items()
-                 if isinstance(v, (int, float)) and k != "n"}}
+                 if isinstance(v, (int, float)) and k != "n"},
+              # the share of each evaluation's examples found in the training shards (gptcore/contamination.py)
+              **{f"contamination/{name}/share": c.get("share") for name, c in (ev.get("contamination") or {}).items()
+                 if isinstance(c, dict)}}
     return {k: float(v) for k, v in values.items() if v is not None and not isinstance(v, bool)}
 
 

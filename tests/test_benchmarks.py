@@ -56,6 +56,11 @@ LINES = {
         r"log-likelihood difference",
         r"^target \(ours >= 1\.0x HFLM\): (?:met|MISSED)$",
     ],
+    "bench_contamination": [
+        rf"^scan 200,000 tokens against 100 examples \(n=13, {N} found, same as the baseline\): ours {N}M tok/s "
+        rf"\| numpy baseline {N}M tok/s \| ratio {N}x \({N}-{N}\)$",
+        rf"^projected for 10B tokens on one core: {N} min",
+    ],
     "bench_eval": [
         rf"^  eager \(trainer\) +first +{N} s, later median {N} s",
         rf"^  compiled +first +{N} s, later median {N} s",

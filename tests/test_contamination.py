@@ -1,0 +1,92 @@
+"""Contamination (gptcore/contamination.py): evaluation examples that share a 13-token n-gram with the
+training shards are found, the others are not, and the answer is cached beside the manifest."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gptcore import contamination as C
+from gptcore import hellaswag
+from gptcore.data.shard_format import Manifest, ShardInfo, write_shard
+from tests.test_hellaswag import FIXTURE
+
+
+def tokens_of(ex: hellaswag.Example) -> list[int]:
+    """An example as the evaluation sees it: its context and every ending."""
+    return ex.ctx_tokens + [t for ending in ex.ending_tokens for t in ending]
+
+
+def dataset(directory, planted: list[np.ndarray], val_plant: np.ndarray):
+    rng = np.random.default_rng(0)
+    directory.mkdir()
+    infos = []
+    for i in range(3):
+        toks = rng.integers(0, 300, 5000)  # token ids no English word of the fixture uses
+        if i == 1:  # the planted windows, in the middle of a train shard
+            toks = np.concatenate([toks[:1000], *planted, toks[1000:]])
+        if i == 0:  # a val shard may hold an example: it is not training data
+            toks = np.concatenate([toks, val_plant])
+        split = "val" if i == 0 else "train"
+        name = f"c_{split}_{i}.bin"
+        infos.append(ShardInfo(name, split, len(toks), write_shard(directory / name, toks)))
+    Manifest(shard_tokens=10_000, source={"test": 0}, shards=infos).save(directory)
+    return directory
+
+
+def test_ngram_hashes_match_windows_not_neighbours():
+    a = np.arange(40)
+    h = C.ngram_hashes(a, 13)
+    assert len(h) == 28 and len(set(h.tolist())) == 28
+    assert C.ngram_hashes(a[5:18], 13)[0] == h[5]  # the same 13 tokens anywhere hash the same
+    assert len(C.ngram_hashes(a[:12], 13)) == 0  # shorter than n: no n-gram
+    assert C.ngram_hashes(np.zeros(13), 13)[0] != C.ngram_hashes(np.array([0] * 12 + [1]), 13)[0]
+
+
+def test_planted_examples_are_found_and_clean_ones_not(tmp_path, monkeypatch):
+    examples = [hellaswag.make_example(*r) for r in hellaswag.read_records(FIXTURE)]
+    evals = [tokens_of(ex) for ex in examples]
+    assert len(evals) == 7 and min(len(t) for t in evals) > 20
+    planted = [np.array(evals[1][3:16]),  # exactly 13 tokens of example 1's context
+               np.array(evals[4][-20:])]  # the tail of example 4's last ending
+    near_miss = np.array(evals[2][:12])  # 12 tokens of example 2: not a 13-gram
+    d = dataset(tmp_path / "ds", [*planted, near_miss], val_plant=np.array(evals[5][:30]))
+    report = C.contamination(d, {"hellaswag": evals})["hellaswag"]
+    assert report["ids"] == [1, 4], report  # 2 (12 tokens) and 5 (in the val split only) are clean
+    assert report["contaminated"] == 2 and report["examples"] == 7 and report["share"] == pytest.approx(2 / 7)
+    cached = list((d / C.CACHE_DIR).glob("hellaswag-n13-*.json"))
+    assert len(cached) == 1
+
+    # the next evaluation (any run on this dataset) reads the answer instead of scanning again
+    monkeypatch.setattr(C, "scan", lambda *a, **k: pytest.fail("scanned again"))
+    assert C.contamination(d, {"hellaswag": evals})["hellaswag"] == report
+    # other examples, or another n: a new scan
+    with pytest.raises(pytest.fail.Exception):
+        C.contamination(d, {"hellaswag": evals[:3]})
+
+
+def test_the_evaluate_command_reports_it_for_the_checkpoints_dataset(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    from gptcore import checkpoint
+    from gptcore.config import load_config
+    from gptcore.model import GPT
+
+    examples = [hellaswag.make_example(*r) for r in hellaswag.read_records(FIXTURE)]
+    d = dataset(tmp_path / "ds", [np.array(tokens_of(examples[6])[:40])], val_plant=np.arange(5))
+    cfg = load_config("micro", [f"data.dataset_dir={d}", "train.run_name=cont"])
+    torch.manual_seed(0)
+    ckpt = checkpoint.save_checkpoint(tmp_path / "run", 3, GPT(cfg.model), {"optimizer": {}},
+                                      {"config": cfg.to_dict(), "run_name": "cont"}, keep_last=2)
+    r = subprocess.run([sys.executable, "-m", "gptcore.evaluate", str(ckpt), "--hellaswag", str(FIXTURE),
+                        "--contamination", "13", "--device", "cpu"], capture_output=True, text=True, timeout=300,
+                       cwd=Path(__file__).resolve().parents[1])
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout)
+    assert out["contamination"] == {"hellaswag": {"n": 13, "examples": 7, "contaminated": 1, "share": 1 / 7}}
+    assert out["hellaswag"]["n"] == 7
