@@ -35,7 +35,7 @@ from prefect.states import Completed
 
 from gptcore.config import ConfigError, RunConfig, load_config, pipeline_home
 from gptcore.files import read_json
-from gptcore.run_files import read_meta, run_dir_for, run_state
+from gptcore.run_files import read_meta, result_metrics, run_dir_for, run_state
 from integrations.progress import artifact_key, step_label
 from integrations.secrets import mlflow_credentials_from_prefect
 from tasks.generate import SAMPLE_FILE, sample_task
@@ -223,13 +223,15 @@ def evaluate_stage(ckpt: str, cfg: RunConfig, stage: Stages) -> dict:
     else:
         result = evaluate_checkpoint(ckpt, cfg.to_dict())
         stage("evaluate", "ran", f"val loss {result.get('val_loss')}")
-    hs = result.get("hellaswag") or {}
     rows = [{"metric": "val_loss", "value": result.get("val_loss")},
             {"metric": "val_tokens", "value": result.get("val_tokens")}]
-    rows += ([{"metric": f"hellaswag_{k}", "value": hs[k]} for k in HELLASWAG_KEYS if k in hs]
-             or [{"metric": "hellaswag", "value": f"skipped: {hs.get('skipped', 'disabled')}"}])
-    for name, scores in (result.get("harness") or {}).items():  # lm-evaluation-harness tasks, if configured
-        rows += [{"metric": f"{name}_{k}", "value": v} for k, v in scores.items()]
+    # every evaluation the config asked for (gptcore/evals), each number with its standard error beside it
+    for name in (result.get("settings") or {}).get("evaluations", {}):
+        scores = result.get(name) or {}
+        if "skipped" in scores:
+            rows.append({"metric": name, "value": f"skipped: {scores['skipped']}"})
+        rows += [{"metric": k.replace("/", "_"), "value": v} for k, v in result_metrics(name, scores).items()]
+        rows += [{"metric": f"{name}_n", "value": scores["n"]}] if "n" in scores else []
     create_table_artifact(rows, key=artifact_key(cfg.run_name, "eval"),
                           description=f"Evaluation of {ckpt} (step {result.get('step')})")
     return result

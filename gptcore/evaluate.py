@@ -83,16 +83,13 @@ def load_target(path: Path, device="cpu") -> tuple[torch.nn.Module, dict]:
                             "checkpoints/) nor a Hugging Face export (no config.json)")
 
 
-def evaluate_model(model: torch.nn.Module, cfg: RunConfig, device, autocast_ctx=None, *,
-                   hellaswag: bool = True, hellaswag_path: Path | None = None, limit: int = 0,
-                   val: bool = False, manifest_dir: Path | None = None, rank: int = 0,
-                   world: int = 1, harness_tasks: list[str] | None = None, harness_include_path: str | None = None,
-                   harness_limit: int = 0, contamination_ngram: int = 0) -> dict:
-    """Validation loss, HellaSwag and lm-evaluation-harness tasks for an already-loaded model (a checkpoint,
-    an HF export, or a registered MLflow model loaded by tasks/). HellaSwag or a task that cannot be fetched
-    is reported, not raised. The harness runs on rank 0 (it has no notion of our ranks). With
-    `contamination_ngram`, the share of HellaSwag examples found in the training shards (rank 0)."""
-    from gptcore import hellaswag as hs
+def evaluate_model(model: torch.nn.Module, cfg: RunConfig, device, autocast_ctx=None, *, val: bool = False,
+                   manifest_dir: Path | None = None, rank: int = 0, world: int = 1) -> dict:
+    """Validation loss (with `val`) and every evaluation the config asks for (gptcore/evals: HellaSwag,
+    lm-evaluation-harness tasks, contamination), each under its name, for an already-loaded model (a
+    checkpoint, an HF export, or a registered MLflow model loaded by tasks/). An evaluation whose data
+    cannot be had is reported as skipped, not raised."""
+    from gptcore import evals
 
     out: dict = {}
     if val:
@@ -102,27 +99,25 @@ def evaluate_model(model: torch.nn.Module, cfg: RunConfig, device, autocast_ctx=
         out["val_loss"] = validation_loss(model, cfg, manifest_dir, device, autocast_ctx, rank, world)
         out["val_tokens"] = cfg.eval.val_tokens
         out["manifest_id"] = Manifest.load(manifest_dir).id
-    if hellaswag:
-        examples, reason = hs.shared_examples(cfg, hellaswag_path, limit, master=rank == 0)
-        if examples is None:
-            log.warning("HellaSwag evaluation skipped: %s", reason)
-            out["hellaswag"] = {"skipped": reason}
-        else:
-            out["hellaswag"] = hs.evaluate(model, examples, device, autocast_ctx, rank, world)
-            if contamination_ngram and rank == 0:
-                from gptcore.contamination import contamination
-                from gptcore.data.build import dataset_dir
+    ctx = evals.Context(model, cfg, device, autocast_ctx, rank, world, manifest_dir)
+    for evaluation in evals.enabled(cfg):
+        out[evaluation.name] = evaluation.run(ctx)
+    return out
 
-                data = manifest_dir or dataset_dir(cfg)
-                tokens = [ex.ctx_tokens + [t for e in ex.ending_tokens for t in e] for ex in examples]
-                report = contamination(data, {"hellaswag": tokens}, contamination_ngram)
-                out["contamination"] = {k: {f: v[f] for f in ("n", "examples", "contaminated", "share")}
-                                        for k, v in report.items()}
-    if harness_tasks and rank == 0:
-        from gptcore.harness import run_tasks  # lm-eval: only when tasks are asked for
 
-        out["harness"] = run_tasks(model, harness_tasks, device, autocast_ctx, harness_include_path or None,
-                                   harness_limit or None)
+def cli_overrides(args: argparse.Namespace) -> list[str]:
+    """The command line's evaluation flags as config overrides (they win over the checkpoint's config).
+    Harness tasks and the contamination scan run when asked for here (they fetch datasets and scan shards:
+    the flow's evaluate stage runs the config's), HellaSwag unless --no-hellaswag."""
+    out = [f"eval.hellaswag={not args.no_hellaswag}", f"eval.hellaswag_limit={args.limit}",
+           f"eval.harness_tasks={'' if args.tasks in (None, 'none') else args.tasks}",
+           f"eval.contamination_ngram={args.contamination or 0}"]
+    if args.hellaswag:
+        out.append(f"eval.hellaswag_path={args.hellaswag}")
+    if args.include_path:
+        out.append(f"eval.harness_include_path={args.include_path}")
+    if args.harness_limit is not None:
+        out.append(f"eval.harness_limit={args.harness_limit}")
     return out
 
 
@@ -143,12 +138,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--label", help="name the target by this in the output (e.g. the model URI it came from)")
-    p.add_argument("--tasks", help="lm-evaluation-harness tasks, comma-separated (default: the config's "
-                   "eval.harness_tasks; 'none' for none)")
+    p.add_argument("--tasks", help="lm-evaluation-harness tasks, comma-separated, e.g. arc_easy,piqa (default: "
+                   "none; the flow's evaluate stage runs the config's eval.harness_tasks)")
     p.add_argument("--include-path", metavar="DIR", help="a folder of your own harness task YAMLs")
     p.add_argument("--harness-limit", type=int, help="examples per harness task (default: eval.harness_limit)")
     p.add_argument("--contamination", type=int, metavar="N", help="report HellaSwag examples sharing an N-token "
-                   "n-gram with the training shards (default: eval.contamination_ngram; 0 = off)")
+                   "n-gram with the training shards, e.g. 13 (default: off)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
@@ -160,20 +155,11 @@ def main(argv: list[str] | None = None) -> int:
         if info["kind"] == "checkpoint" and not args.config:
             if not isinstance(info["meta"].get("config"), dict):
                 raise CheckpointError(f"{info['path']} records no training config in its meta.json; pass --config")
-            cfg = apply_overrides(from_dict(info["meta"]["config"]), args.set)
+            cfg = apply_overrides(from_dict(info["meta"]["config"]), [*args.set, *cli_overrides(args)])
         else:
-            cfg = load_config(args.config or "gpt2-124m", args.set)
-        tasks = cfg.eval.harness_task_list if args.tasks is None else \
-            [t.strip() for t in args.tasks.split(",") if t.strip() and t.strip() != "none"]
-        result = evaluate_model(model, cfg, device, autocast_ctx, hellaswag=not args.no_hellaswag,
-                                hellaswag_path=args.hellaswag, limit=args.limit, val=args.val,
-                                manifest_dir=Path(args.data) if args.data else None, rank=rank, world=world,
-                                harness_tasks=tasks,
-                                harness_include_path=args.include_path or cfg.eval.harness_include_path,
-                                harness_limit=cfg.eval.harness_limit if args.harness_limit is None
-                                else args.harness_limit,
-                                contamination_ngram=cfg.eval.contamination_ngram if args.contamination is None
-                                else args.contamination)
+            cfg = load_config(args.config or "gpt2-124m", [*args.set, *cli_overrides(args)])
+        result = evaluate_model(model, cfg, device, autocast_ctx, val=args.val,
+                                manifest_dir=Path(args.data) if args.data else None, rank=rank, world=world)
         distributed.barrier()  # every rank is done with its collectives before any tears the group down
     except (OSError, ValueError, ShardError, CheckpointError, ConfigError, ImportError) as e:
         # bad input (HellaSwagError and ConfigError are ValueErrors); a RuntimeError such as CUDA out of

@@ -120,19 +120,31 @@ def checkpoint_of(path: Path) -> Path:
     return path
 
 
-def eval_settings(cfg: RunConfig, val: bool, hellaswag: bool | None = None, harness: bool = True) -> dict:
+def result_metrics(name: str, result) -> dict[str, float]:
+    """An evaluation's result in eval.json as flat metrics, `<name>/<metric>` (nested: `<name>/<task>/
+    <metric>`), each standard error beside its number; counts (`n`, `examples`) and skips left out. What
+    the logged model in MLflow and the flow's eval table show (torch-free: a no-op re-run imports this)."""
+    out: dict[str, float] = {}
+    if not isinstance(result, dict) or "skipped" in result:
+        return out
+    for k, v in result.items():
+        if isinstance(v, dict):
+            out.update(result_metrics(f"{name}/{k}", v))
+        elif isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("n", "examples"):
+            out[f"{name}/{k}"] = float(v)
+    return out
+
+
+def eval_settings(cfg: RunConfig, val: bool, only: tuple[str, ...] | None = None) -> dict:
     """What an evaluation's numbers depend on besides the weights, recorded in eval.json: a change means
-    evaluate again. `hellaswag` (default cfg.eval.hellaswag): whether HellaSwag was part of it; `harness`:
-    whether the configured lm-evaluation-harness tasks were (the trainer's own evaluation runs none)."""
+    evaluate again. Every evaluation the config asks for (gptcore/evals) with its own settings; `only`:
+    those that were part of it (the trainer's evaluation scores HellaSwag alone, and not at every step)."""
+    from gptcore import evals
+
     return {"val": val, "val_tokens": cfg.eval.val_tokens if val else None,
             "micro_batch": cfg.train.resolved_micro_batch(), "seq_len": cfg.train.seq_len,
-            "hellaswag": cfg.eval.hellaswag if hellaswag is None else hellaswag,
-            "hellaswag_limit": cfg.eval.hellaswag_limit,
-            **({"harness_tasks": cfg.eval.harness_task_list, "harness_limit": cfg.eval.harness_limit,
-                "harness_include_path": cfg.eval.harness_include_path}
-               if harness and cfg.eval.harness_task_list else {}),
-            **({"contamination_ngram": cfg.eval.contamination_ngram}
-               if harness and cfg.eval.contamination_ngram else {})}
+            "evaluations": {ev.name: ev.settings(cfg) for ev in evals.enabled(cfg)
+                            if only is None or ev.name in only}}
 
 
 def val_loss_of(ckpt: Path, meta: dict) -> float | None:

@@ -88,7 +88,7 @@ class Evaluator:
             row.update({f"hellaswag/{k}": v for k, v in hs.items()})
             hs_text = f" | hellaswag acc_norm {hs['acc_norm']:.4f} (n={hs['n']})"
         self.logger.log(step, row, kind="eval")
-        record["settings"] = eval_settings(self.cfg, val=True, hellaswag=with_hellaswag, harness=False)
+        record["settings"] = eval_settings(self.cfg, val=True, only=("hellaswag",) if with_hellaswag else ())
         record["seconds"] = round(sum(seconds.values()), 2)
         if self.env.master:
             print(f"step {step:6d} | val loss {val:.4f}{hs_text} ({record['seconds']:.1f} s)", flush=True)

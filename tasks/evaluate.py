@@ -65,12 +65,7 @@ def evaluate_dir(target: str | Path, cfg_dict: dict | None = None, val: bool = T
         t0 = time.time()
         env = distributed.select(TrainConfig(device=device))  # the trainer's hardware rules (dtype, TF32)
         model, info = load_target(ckpt, env.device)
-        result = evaluate_model(model, cfg, env.device, env.autocast(), hellaswag=cfg.eval.hellaswag,
-                                hellaswag_path=None, limit=cfg.eval.hellaswag_limit, val=val,
-                                harness_tasks=cfg.eval.harness_task_list,
-                                harness_include_path=cfg.eval.harness_include_path,
-                                harness_limit=cfg.eval.harness_limit,
-                                contamination_ngram=cfg.eval.contamination_ngram)
+        result = evaluate_model(model, cfg, env.device, env.autocast(), val=val)
         result = {"target": str(ckpt), "kind": info["kind"], "step": info.get("step"), **result,
                   "settings": eval_settings(cfg, val), "seconds": round(time.time() - t0, 2)}
         write_json(ckpt / EVAL_FILE, result)

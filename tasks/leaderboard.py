@@ -101,16 +101,22 @@ def leaderboard(name: str, tracking_uri: str | None = None, mlc=None) -> pd.Data
             value = values.get(key, _legacy(mv.tags, column))
             row[column] = value if value is not None and math.isfinite(value) else None
         row.update({t: mv.tags.get(t) for t in TAGS})
-        # lm-evaluation-harness tasks: one column per task and metric (harness_arc_easy_acc, ..._stderr)
-        row.update({k.replace("/", "_"): v for k, v in values.items() if k.startswith("harness/")})
+        # every other evaluation's metrics (gptcore/evals), one column each: harness_arc_easy_acc, ..._stderr
+        row.update({column_of(k): v for k, v in values.items() if k not in METRICS and k.split("/")[0] not in
+                    ("train", "val", "system")})
         rows.append(row)
-    harness = sorted({k for row in rows for k in row if k.startswith("harness_")})
-    df = pd.DataFrame(rows, columns=COLUMNS[:-4] + harness + COLUMNS[-4:])
+    extra = sorted({k for row in rows for k in row} - set(COLUMNS))
+    df = pd.DataFrame(rows, columns=COLUMNS[:-4] + extra + COLUMNS[-4:])
     df = df.astype({"step": "Int64", "tokens_seen": "Int64", "val_loss": "Float64", "hellaswag_acc": "Float64",
                     "hellaswag_acc_stderr": "Float64", "hellaswag_acc_norm": "Float64",
                     "hellaswag_acc_norm_stderr": "Float64"})
     df["hellaswag_acc_norm_vs_best"] = compared_with_best(df, "hellaswag_acc_norm")
     return df.sort_values("version", ignore_index=True)
+
+
+def column_of(metric: str) -> str:
+    """harness/arc_easy/acc -> harness_arc_easy_acc"""
+    return re.sub(r"[^A-Za-z0-9_]", "_", metric)
 
 
 def compared_with_best(board: pd.DataFrame, column: str) -> pd.Series:

@@ -42,7 +42,7 @@ from prefect.cache_policies import NO_CACHE
 
 from gptcore.config import ConfigError
 from gptcore.files import file_sha256, read_json
-from gptcore.run_files import EVAL_FILE, RUN_FILE, CheckpointError, read_meta, val_loss_of
+from gptcore.run_files import EVAL_FILE, RUN_FILE, CheckpointError, read_meta, result_metrics, val_loss_of
 from integrations import mlflow_store as store
 from integrations.mlflow_store import resolve_model_uri  # noqa: F401 -- re-exported: tasks.register.resolve_model_uri
 from tasks.leaderboard import best_version, leaderboard
@@ -79,14 +79,12 @@ def checkpoint_metrics(ckpt_dir: Path, meta: dict) -> dict[str, float]:
     if isinstance(ev.get("hellaswag"), dict) and ev["hellaswag"].get("acc") is not None:
         hs = ev["hellaswag"]
     values = {"val/loss": val, "train/step": meta["step"], "train/tokens_seen": meta.get("tokens_seen"),
-              # each accuracy with its standard error (<metric>_stderr), HellaSwag's and the harness tasks'
-              **{f"hellaswag/{k}": hs.get(k) for k in ("acc", "acc_stderr", "acc_norm", "acc_norm_stderr")},
-              **{f"harness/{task}/{k}": v for task, scores in (ev.get("harness") or {}).items()
-                 if isinstance(scores, dict) for k, v in scores.items()
-                 if isinstance(v, (int, float)) and k != "n"},
-              # the share of each evaluation's examples found in the training shards (gptcore/contamination.py)
-              **{f"contamination/{name}/share": c.get("share") for name, c in (ev.get("contamination") or {}).items()
-                 if isinstance(c, dict)}}
+              **result_metrics("hellaswag", hs)}
+    # every evaluation's numbers, each accuracy with its standard error (<metric>_stderr)
+    from gptcore.evals import EVALUATIONS
+
+    for name in EVALUATIONS:
+        values.update(result_metrics(name, ev.get(name)))
     return {k: float(v) for k, v in values.items() if v is not None and not isinstance(v, bool)}
 
 

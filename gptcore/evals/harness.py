@@ -1,0 +1,26 @@
+"""lm-evaluation-harness tasks as an evaluation (gptcore/harness.py runs them): eval.harness_tasks, each
+task's metrics with the harness's standard errors; on rank 0 (the harness knows nothing of our ranks)."""
+
+from __future__ import annotations
+
+from gptcore.evals import Context, Evaluation
+
+
+class Harness(Evaluation):
+    name = "harness"
+
+    def enabled(self, cfg) -> bool:
+        return bool(cfg.eval.harness_task_list)
+
+    def settings(self, cfg) -> dict:
+        e = cfg.eval
+        return {"tasks": e.harness_task_list, "limit": e.harness_limit, "include_path": e.harness_include_path}
+
+    def run(self, ctx: Context) -> dict:
+        if ctx.rank != 0:
+            return {}
+        from gptcore.harness import run_tasks  # lm-eval: imported only when a task is asked for
+
+        e = ctx.cfg.eval
+        return run_tasks(ctx.model, e.harness_task_list, ctx.device, ctx.autocast_ctx,
+                         e.harness_include_path or None, e.harness_limit or None)
