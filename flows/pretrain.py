@@ -274,11 +274,11 @@ def pretrain(preset: str = "tiny-cpu", overrides: dict | None = None, nproc: int
              wait_seconds: float = 600.0, dask_address: str = "") -> dict:
     """Prepare data, train (or continue) the run, evaluate its newest checkpoint and register it.
 
-    preset: gpt2-124m | tiny-cpu | micro | a .toml/.json config file on the worker
+    preset: gpt2-124m | gpt2-124m-muon | tiny-cpu | micro | a .toml/.json config file on the worker
     overrides: {"section.key": value}, e.g. {"train.max_minutes": 60} for a time-boxed nightly run
     nproc: trainer processes (0 = one per GPU, 1 on CPU)
     register / model_name: register the checkpoint in MLflow (name default: the preset)
-    evaluate: validation loss + HellaSwag on the newest checkpoint
+    evaluate: validation loss + the config's evaluations (gptcore/evals) on the newest checkpoint
     tracking: ship training metrics to MLflow while training
     wait_seconds: how long to wait for another flow run training the same run before failing
     dask_address: a Dask scheduler (tcp://host:8786) whose workers tokenize the dataset's pieces (they must

@@ -8,7 +8,7 @@ processes; pass a DaskTaskRunner / RayTaskRunner from prefect-dask / prefect-ray
 machines sharing GPTPIPE_HOME), and cuts the shards in order in the flow's own process as the pieces
 before each shard's end complete (gptcore.data.build.ShardCutter). The result does not depend on how many
 workers ran or in which order pieces finished. A finished dataset is verified and skipped. While it
-works, the progress artifact `<dataset>-tokenize` counts the pieces done (tasks/progress.py).
+works, the progress artifact `<dataset>-tokenize` counts the pieces done (integrations/progress.py).
 """
 
 from __future__ import annotations
