@@ -117,15 +117,34 @@ def losses(run: Path) -> dict[int, float]:
 
 
 def kill_session(proc: subprocess.Popen) -> None:
-    """SIGKILL torchrun and its workers (they run in their own sessions: walk /proc for descendants)."""
-    from integrations.processes import tree_of
-
+    """SIGKILL torchrun and its workers (they run in their own sessions, so a process group would miss
+    them). With psutil (integrations.processes); a bare CUDA image may lack it: then /proc, Linux's."""
+    try:
+        from integrations.processes import tree_of
+    except ImportError:
+        tree_of = _proc_descendants
     for pid in tree_of(proc.pid):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
     proc.wait(timeout=60)
+
+
+def _proc_descendants(pid: int) -> list[int]:
+    parent = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    out, todo = [pid], [pid]
+    while todo:
+        p = todo.pop()
+        kids = [c for c, pp in parent.items() if pp == p]
+        out += kids
+        todo += kids
+    return out
 
 
 def worst_gap(a: dict[int, float], b: dict[int, float]) -> float:

@@ -48,6 +48,17 @@ def free_disk(path: Path) -> int:
     return shutil.disk_usage(next(p for p in [path, *path.parents] if p.exists())).free
 
 
+def _alive(pid: int) -> bool:
+    """Whether process `pid` exists on this host (signal 0: checks without signalling, on any POSIX OS)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
 def remove_stale_temps(directory: Path, recursive: bool = True) -> list[Path]:
     """Delete the temp files and directories (`.<name>.tmp-<host>-<pid>`) that killed writers on this host
     left in `directory` (and its subdirectories): a killed checkpoint save leaves 1.5 GB at 124M. On
@@ -56,7 +67,7 @@ def remove_stale_temps(directory: Path, recursive: bool = True) -> list[Path]:
     pattern = f"{'**/' if recursive else ''}.*.tmp-{_HOST}-*"
     for tmp in Path(directory).glob(pattern) if Path(directory).is_dir() else []:
         pid = tmp.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+        if pid.isdigit() and not _alive(int(pid)):
             shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
             removed.append(tmp)
     return removed
