@@ -168,11 +168,14 @@ def datasets_of(dataset_dir: str | Path) -> dict:
 
         source = HuggingFaceDatasetSource(hub["repo"], config_name=hub.get("config") or None,
                                           split=hub.get("split"), revision=hub.get("commit"))
-    else:  # MLflow registers its local-file source class at import time (no module attribute to import)
-        from mlflow.data.dataset_source_registry import get_registered_sources
+    else:  # a local path: MLflow's registry resolves it to its local-file source
+        import warnings
 
-        local = next(s for s in get_registered_sources() if s._get_source_type() == "local")
-        source = local(str(m.source.get("source") or dataset_dir))
+        from mlflow.data.dataset_source_registry import resolve_dataset_source
+
+        with warnings.catch_warnings():  # "can be interpreted in multiple ways": the same local class, twice
+            warnings.simplefilter("ignore", UserWarning)
+            source = resolve_dataset_source(str(m.source.get("source") or dataset_dir))
     name = Path(dataset_dir).name
     return {"training": MetaDataset(source=source, name=name, digest=m.id),
             "validation": MetaDataset(source=source, name=f"{name}/val", digest=m.id)}
@@ -182,11 +185,11 @@ def log_datasets(mlc, run_id: str, dataset_dir: str | Path) -> dict:
     """Record the run's training and validation datasets as MLflow dataset inputs (the run page's "Datasets
     used", with their context); MLflow keeps one input per (run, dataset, context), so calling it on every
     invocation adds nothing. Returns datasets_of(dataset_dir)."""
-    from mlflow.entities import DatasetInput, InputTag
+    from mlflow.entities import Dataset, DatasetInput, InputTag
 
     found = datasets_of(dataset_dir)
     if found:
-        mlc.log_inputs(run_id, datasets=[DatasetInput(ds._to_mlflow_entity(), [InputTag("mlflow.data.context", ctx)])
+        mlc.log_inputs(run_id, datasets=[DatasetInput(Dataset(**ds.to_dict()), [InputTag("mlflow.data.context", ctx)])
                                          for ctx, ds in found.items()])
     return found
 
