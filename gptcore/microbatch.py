@@ -109,13 +109,18 @@ def fits(raw: torch.nn.Module, model: torch.nn.Module, micro: int, cfg: RunConfi
 def probe(raw: torch.nn.Module, cfg: RunConfig, env: distributed.Env) -> tuple[int | None, list[int]]:
     """(the largest candidate that fits, the ones that did not), on the plain model: no collective runs,
     so a rank that runs out of memory cannot leave the others waiting."""
-    model = torch.compile(raw) if env.compile else raw
+    # static shapes, as the trainer's step has: one compile per size tried, not a dynamic-shape kernel
+    model = torch.compile(raw, dynamic=False) if env.compile else raw
     failed = []
-    for micro in candidates(share(cfg, env.world), cfg.train.micro_batch_max):
-        if fits(raw, model, micro, cfg, env, reserve=True):
-            return micro, failed
-        failed.append(micro)
-    return None, failed
+    try:
+        for micro in candidates(share(cfg, env.world), cfg.train.micro_batch_max):
+            if fits(raw, model, micro, cfg, env, reserve=True):
+                return micro, failed
+            failed.append(micro)
+        return None, failed
+    finally:
+        if env.compile:  # the probe's graphs must not count against the trainer's recompile limit
+            torch.compiler.reset()
 
 
 def choose(run_dir, raw: torch.nn.Module, cfg: RunConfig, env: distributed.Env) -> tuple[int, str]:

@@ -116,3 +116,16 @@ def test_nothing_fits_is_a_clear_exit_2(ds, tmp_path):
         in out, out[-2000:]
     assert "Traceback" not in out
     assert not list((run_dir / "checkpoints").glob("step_*")) if (run_dir / "checkpoints").exists() else True
+
+
+def test_the_probe_runs_compiled_as_the_gpu_job_does(ds, tmp_path):
+    """train.compile=true (the GPU default): the probe compiles each size it tries, then leaves the
+    trainer's compile to itself (torch.compiler.reset)."""
+    run_dir = tmp_path / "run"
+    o = overrides(ds, run_dir, **{"train.micro_batch": "auto", "train.micro_batch_max": 8, "train.compile": "true",
+                                  "train.max_steps": 3})
+    p = start(python_cmd(args(o)), tmp_path, tmp_path / "log", GPTPIPE_TEST_FAULT="oomabove@4")
+    assert p.wait(timeout=600) == 0, (tmp_path / "log").read_text()[-3000:]
+    log = (tmp_path / "log").read_text()
+    assert "accum=2 micro_batch=4 (auto: 4 fits, 8 ran out of memory)" in log and "compile=True" in log
+    assert "RUN_DONE" in log
