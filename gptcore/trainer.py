@@ -253,8 +253,7 @@ class Trainer:
         old, tc.micro_batch = tc.micro_batch, micro
         text = (f"out of memory at micro-batch {old} (step {self.step + 1}): the step is retried with the same "
                 f"data at micro-batch {micro}")
-        if env.master or env.ddp:
-            microbatch.remember(self.run_dir, self.cfg, env, micro)
+        microbatch.remember(self.run_dir, self.cfg, env, micro)  # the next start begins there
         if env.ddp:
             raise RunError(f"{text} after a restart (train.max_restarts): under DDP the other ranks wait in a "
                            f"collective; {microbatch.CHOICE_FILE} keeps micro-batch {micro} for it") from error
