@@ -237,6 +237,7 @@ class EvalConfig:
     # evaluated checkpoints report the share of HellaSwag examples that share an n-gram of this many tokens
     # with the training shards (gptcore/contamination.py; GPT-3 used 13); 0 = off
     contamination_ngram: int = 0
+    exclude_contaminated: bool = False  # HellaSwag also scored on its clean examples only (needs contamination_ngram)
 
     @property
     def harness_task_list(self) -> list[str]:

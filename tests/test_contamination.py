@@ -84,9 +84,13 @@ def test_the_evaluate_command_reports_it_for_the_checkpoints_dataset(tmp_path):
     ckpt = checkpoint.save_checkpoint(tmp_path / "run", 3, GPT(cfg.model), {"optimizer": {}},
                                       {"config": cfg.to_dict(), "run_name": "cont"}, keep_last=2)
     r = subprocess.run([sys.executable, "-m", "gptcore.evaluate", str(ckpt), "--hellaswag", str(FIXTURE),
-                        "--contamination", "13", "--device", "cpu"], capture_output=True, text=True, timeout=300,
+                        "--contamination", "13", "--set", "eval.exclude_contaminated=true", "--device", "cpu"],
+                       capture_output=True, text=True, timeout=300,
                        cwd=Path(__file__).resolve().parents[1])
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout)
     assert out["contamination"] == {"hellaswag": {"n": 13, "examples": 7, "contaminated": 1, "share": 1 / 7}}
     assert out["hellaswag"]["n"] == 7
+    # eval.exclude_contaminated: HellaSwag on its clean examples too (example 6 left out)
+    assert out["hellaswag"]["clean_n"] == 6 and 0 <= out["hellaswag"]["clean_acc"] <= 1
+    assert "clean_acc_norm_stderr" in out["hellaswag"]

@@ -18,7 +18,8 @@ class HellaSwag(Evaluation):
         return cfg.eval.hellaswag
 
     def settings(self, cfg) -> dict:
-        return {"limit": cfg.eval.hellaswag_limit}
+        clean = cfg.eval.exclude_contaminated and cfg.eval.contamination_ngram > 0
+        return {"limit": cfg.eval.hellaswag_limit, **({"clean_ngram": cfg.eval.contamination_ngram} if clean else {})}
 
     def run(self, ctx: Context) -> dict:
         cfg = ctx.cfg
@@ -27,4 +28,25 @@ class HellaSwag(Evaluation):
         if examples is None:
             log.warning("HellaSwag evaluation skipped: %s", reason)
             return {"skipped": reason}
-        return hs.evaluate(ctx.model, examples, ctx.device, ctx.autocast_ctx, ctx.rank, ctx.world)
+        result = hs.evaluate(ctx.model, examples, ctx.device, ctx.autocast_ctx, ctx.rank, ctx.world)
+        if "clean_ngram" in self.settings(cfg):
+            clean = self.clean(ctx, examples)
+            if clean is not None:  # the same scorer on the examples found nowhere in the training shards
+                scores = hs.evaluate(ctx.model, clean, ctx.device, ctx.autocast_ctx, ctx.rank, ctx.world)
+                result.update({f"clean_{k}": v for k, v in scores.items()})
+        return result
+
+    @staticmethod
+    def clean(ctx: Context, examples: list) -> list | None:
+        """The examples without a contamination_ngram-gram in the training shards (gptcore/contamination.py,
+        cached per dataset); None when the dataset is not on this machine. Every rank computes it (the scan's
+        answer is cached beside the manifest after the first)."""
+        from gptcore.contamination import contamination
+        from gptcore.data.build import dataset_dir
+
+        data = ctx.data_dir or dataset_dir(ctx.cfg)
+        if not (data / "manifest.json").is_file():
+            return None
+        tokens = [ex.ctx_tokens + [t for e in ex.ending_tokens for t in e] for ex in examples]
+        dirty = set(contamination(data, {"hellaswag": tokens}, ctx.cfg.eval.contamination_ngram)["hellaswag"]["ids"])
+        return [ex for i, ex in enumerate(examples) if i not in dirty]
