@@ -19,15 +19,13 @@ import torch
 
 from gptcore import checkpoint, distributed, run_files
 from gptcore.config import RunConfig
-from gptcore.data.build import dataset_dir
+from gptcore.data.build import SHARD_HASHES, dataset_dir  # the hash cache's name; the run dir keeps a copy
 from gptcore.data.loader import ShardLoader, open_dataset, verify_hashes
 from gptcore.data.shard_format import Manifest
 from gptcore.files import read_json
 from gptcore.model import GPT
 from gptcore.run_files import DONE_FILE, RUN_FILE, latest, run_dir_for
 from gptcore.runlock import RunLock
-
-SHARD_HASHES = "shard_hashes.json"  # the trainer's copy of the shards' verified sha256s, in the run dir
 
 
 class RunError(RuntimeError):

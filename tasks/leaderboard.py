@@ -29,6 +29,7 @@ from prefect.cache_policies import NO_CACHE
 
 from gptcore.config import ConfigError
 from integrations import mlflow_store as store
+from integrations.progress import artifact_key
 
 # metric of the logged model -> leaderboard column
 METRICS = {"val/loss": "val_loss", "hellaswag/acc": "hellaswag_acc", "hellaswag/acc_stderr": "hellaswag_acc_stderr",
@@ -154,17 +155,13 @@ def records(board: pd.DataFrame) -> list[dict]:
             for row in out.astype(object).to_dict("records")]
 
 
-def artifact_key(name: str) -> str:
-    return "leaderboard-" + re.sub(r"[^a-z0-9-]+", "-", name.lower()).strip("-")
-
-
 @task(name="leaderboard", cache_policy=NO_CACHE)
 def publish_leaderboard(name: str, tracking_uri: str | None = None) -> list[dict]:
     """The leaderboard of `name` as a Prefect table artifact (key leaderboard-<name>); returns its rows."""
     from prefect.artifacts import create_table_artifact
 
     rows = records(leaderboard(name, tracking_uri))
-    create_table_artifact(rows, key=artifact_key(name),
+    create_table_artifact(rows, key=artifact_key("leaderboard", name),
                           description=f"Registered versions of {name}: val loss, HellaSwag, step, tokens, recipe "
                                       "(`python -m tasks.leaderboard " + name + "`)")
     return rows
