@@ -36,6 +36,10 @@ GPU_POOL = "gpu-pool"  # the nightly gpt2-124m deployment's pool; its worker run
 
 
 LEASE_STORAGE = "prefect.server.concurrency.lease_storage.filesystem"
+# what docker/start-*.sh read (besides Prefect's own settings): only the Stack sets them for its servers
+SCRIPT_SETTINGS = ("TLS_CERT_FILE", "TLS_KEY_FILE", "MLFLOW_ADMIN_PASSWORD", "MLFLOW_AUTH_DIR", "MLFLOW_AUTH_CONFIG",
+                   "MLFLOW_ARTIFACTS_DIR", "MLFLOW_BACKEND_STORE_URI", "POSTGRES_USER", "POSTGRES_PASSWORD",
+                   "POSTGRES_HOST", "POSTGRES_PORT", "PREFECT_AUTH_STRING", "MLFLOW_FLASK_SERVER_SECRET_KEY")
 
 
 class ServiceError(RuntimeError):
@@ -302,9 +306,12 @@ class Stack:
         return self
 
     def _server_env(self) -> dict[str, str]:
-        """What both start scripts get: this interpreter, the certificate when serving https, and not the
-        servers' client URLs (a server is not its own client)."""
-        env = {k: v for k, v in self.env().items() if k not in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI")}
+        """What both start scripts get: this interpreter, the certificate when serving https, and neither the
+        servers' client URLs (a server is not its own client) nor any start-script setting from the caller's
+        environment (a TLS_CERT_FILE or MLFLOW_ADMIN_PASSWORD in your shell must not turn the demo's
+        servers into something its clients do not expect): the Stack sets those itself."""
+        env = {k: v for k, v in self.env().items()
+               if k not in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", *SCRIPT_SETTINGS)}
         env["PYTHON"] = sys.executable
         if self.certificates:
             env.update(TLS_CERT_FILE=str(self.certificates.cert), TLS_KEY_FILE=str(self.certificates.key))
