@@ -7,9 +7,9 @@ notices. `weights_checksum` is a sum of every parameter's bits as integers, on t
 compares the ranks' sums every guard.consistency_interval steps (gptcore/trainer.py).
 
 A straggler (a throttled GPU, a noisy neighbour) slows every step of every rank, since each waits for it in
-the all-reduce; its own compute time is what shows it. `ComputeTimer` measures a rank's forward passes, in
-which no collective runs: CUDA events on a GPU (read at the next host sync, so the step path gains none),
-the host clock on CPU.
+the all-reduce; its own compute time is what shows it. `ComputeTimer` measures the part of a rank's step
+in which no collective runs (train_step: forwards, and the backwards of the micro-steps before the last):
+CUDA events on a GPU (read at the next host sync, so the step path gains none), the host clock on CPU.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def stragglers(times: list[float], ratio: float) -> list[int]:
 
 
 class ComputeTimer:
-    """This rank's own compute time: `with timer:` around each forward pass; `take()` returns the seconds
+    """This rank's own compute time: `with timer:` around work no other rank takes part in; `take()` returns the seconds
     since the previous take (call it after a host sync: on a GPU the events must have completed)."""
 
     def __init__(self, device: torch.device):

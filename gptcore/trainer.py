@@ -533,19 +533,26 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loader:
                timer: ComputeTimer | None = None) -> torch.Tensor:
     """One optimizer step over `accum` micro-batches, with no host sync: returns StepStats as one device
     tensor. A step that is non-finite on any rank applies no update (the fused optimizer skips it on the
-    device, as GradScaler does). The learning rate is set by the caller. `timer` times the forward passes
-    (no collective runs in them: this rank's own speed). (bench_train times this.)"""
+    device, as GradScaler does). The learning rate is set by the caller. `timer` times this rank's own work
+    (no collective runs in it). (bench_train times this.)"""
     loss_sum = torch.zeros((), device=env.device)
     for micro in range(accum):
         x, y = loader.next_batch()
         # under DDP, gradients are all-reduced only on the last micro-step
-        sync = model.no_sync() if env.ddp and micro < accum - 1 else nullcontext()
+        all_reduces = env.ddp and micro == accum - 1
+        sync = model.no_sync() if env.ddp and not all_reduces else nullcontext()
         with sync:
-            with env.autocast(), timer or nullcontext():
-                _, loss = model(x, y, return_logits=False)
-            loss = loss / accum  # the mean over the whole step's micro-batches
-            loss_sum += loss.detach()
-            (scaler.scale(loss) if scaler is not None else loss).backward()
+            # `timer`: this rank's own work, where no collective waits for another rank: every forward, and
+            # every backward but the one whose gradient all-reduce waits for the slowest rank
+            with timer or nullcontext():
+                with env.autocast():
+                    _, loss = model(x, y, return_logits=False)
+                loss = loss / accum  # the mean over the whole step's micro-batches
+                loss_sum += loss.detach()
+                if not all_reduces:
+                    (scaler.scale(loss) if scaler is not None else loss).backward()
+            if all_reduces:
+                (scaler.scale(loss) if scaler is not None else loss).backward()
     parts = getattr(optimizer, "optimizers", (optimizer,))  # optim.name=muon: AdamW + Muon
     if scaler is not None:
         for part in parts:
