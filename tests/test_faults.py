@@ -130,7 +130,8 @@ def test_a_slow_rank_is_named(ds, reference, tmp_path):
                  tmp_path / "log", GPTPIPE_TEST_FAULT="slow@1")
     assert proc.wait(timeout=300) == 0, (tmp_path / "log").read_text()[-3000:]
     named = [e for e in events(run_dir) if e.startswith("straggler")]
-    assert len(named) == 1 and named[0].startswith("straggler: rank 1 on host "), named
+    # once per streak (noise on this 2-core machine can break a streak and start another): only rank 1
+    assert named and all(e.startswith("straggler: rank 1 on host ") for e in named), named
     rows = read_metrics(run_dir / "metrics.jsonl", "train")
     slowest = [row["straggler/slowest_rank"] for row in rows if "straggler/slowest_rank" in row]
     assert len(slowest) == STEPS and slowest.count(1) >= STEPS - 1, slowest
