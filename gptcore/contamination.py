@@ -27,6 +27,7 @@ from gptcore.data.shard_format import Manifest, read_shard
 from gptcore.files import read_json, write_json
 
 NGRAM = 13
+CHUNK = 1 << 24  # n-grams hashed at a time (256 MB of uint64 working memory, whatever the shard's size)
 FILTER_BITS = 26  # the scan's first filter: 64 MB of booleans, ~2% of lookups pass for a million n-grams
 CACHE_DIR = "contamination"  # under the dataset directory, beside manifest.json
 _BASE = np.uint64(0x9E3779B97F4A7C15)  # odd multiplier: the hash is a polynomial in it, mod 2^64
@@ -68,11 +69,14 @@ def scan(dataset_dir: Path, manifest: Manifest, wanted: np.ndarray, n: int = NGR
     table = np.zeros(1 << FILTER_BITS, dtype=bool)
     table[(wanted & mask).astype(np.int64)] = True
     for shard in manifest.split(split):
-        h = ngram_hashes(read_shard(Path(dataset_dir) / shard.name), n)
-        h = h[table[(h & mask).astype(np.int64)]]
-        idx = np.searchsorted(wanted, h)
-        idx[idx == len(wanted)] = 0
-        found[idx[wanted[idx] == h]] = True
+        tokens = read_shard(Path(dataset_dir) / shard.name)
+        # in chunks that overlap by n - 1 tokens: every n-gram once, ~16 bytes of hashes per token at a time
+        for start in range(0, max(len(tokens) - n + 1, 0), CHUNK):
+            h = ngram_hashes(tokens[start:start + CHUNK + n - 1], n)
+            h = h[table[(h & mask).astype(np.int64)]]
+            idx = np.searchsorted(wanted, h)
+            idx[idx == len(wanted)] = 0
+            found[idx[wanted[idx] == h]] = True
     return found
 
 

@@ -94,3 +94,17 @@ def test_the_evaluate_command_reports_it_for_the_checkpoints_dataset(tmp_path):
     # eval.exclude_contaminated: HellaSwag on its clean examples too (example 6 left out)
     assert out["hellaswag"]["clean_n"] == 6 and 0 <= out["hellaswag"]["clean_acc"] <= 1
     assert "clean_acc_norm_stderr" in out["hellaswag"]
+
+
+def test_the_scan_finds_n_grams_across_its_chunk_boundaries(tmp_path, monkeypatch):
+    monkeypatch.setattr(C, "CHUNK", 100)  # a shard is hashed 100 n-grams at a time
+    rng = np.random.default_rng(1)
+    toks = rng.integers(0, 50000, 1000)
+    (tmp_path / "d").mkdir()
+    Manifest(shard_tokens=1000, source={"t": 0}, shards=[
+        ShardInfo("a_train_0.bin", "train", 1000, write_shard(tmp_path / "d" / "a_train_0.bin", toks))]).save(tmp_path / "d")
+    m = Manifest.load(tmp_path / "d")
+    for start in (0, 90, 95, 99, 100, 187, 987):  # inside, straddling and at the edges of chunks
+        wanted = np.unique(C.ngram_hashes(toks[start:start + 13], 13))
+        assert C.scan(tmp_path / "d", m, wanted, 13).all(), start
+    assert not C.scan(tmp_path / "d", m, np.unique(C.ngram_hashes(np.arange(13) + 60000, 13)), 13).any()
