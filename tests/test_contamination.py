@@ -100,11 +100,12 @@ def test_the_scan_finds_n_grams_across_its_chunk_boundaries(tmp_path, monkeypatc
     monkeypatch.setattr(C, "CHUNK", 100)  # a shard is hashed 100 n-grams at a time
     rng = np.random.default_rng(1)
     toks = rng.integers(0, 50000, 1000)
-    (tmp_path / "d").mkdir()
-    Manifest(shard_tokens=1000, source={"t": 0}, shards=[
-        ShardInfo("a_train_0.bin", "train", 1000, write_shard(tmp_path / "d" / "a_train_0.bin", toks))]).save(tmp_path / "d")
-    m = Manifest.load(tmp_path / "d")
+    d = tmp_path / "d"
+    d.mkdir()
+    info = ShardInfo("a_train_0.bin", "train", 1000, write_shard(d / "a_train_0.bin", toks))
+    Manifest(shard_tokens=1000, source={"t": 0}, shards=[info]).save(d)
+    m = Manifest.load(d)
     for start in (0, 90, 95, 99, 100, 187, 987):  # inside, straddling and at the edges of chunks
         wanted = np.unique(C.ngram_hashes(toks[start:start + 13], 13))
-        assert C.scan(tmp_path / "d", m, wanted, 13).all(), start
-    assert not C.scan(tmp_path / "d", m, np.unique(C.ngram_hashes(np.arange(13) + 60000, 13)), 13).any()
+        assert C.scan(d, m, wanted, 13).all(), start
+    assert not C.scan(d, m, np.unique(C.ngram_hashes(np.arange(13) + 60000, 13)), 13).any()
