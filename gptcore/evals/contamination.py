@@ -3,7 +3,6 @@ share an eval.contamination_ngram-token n-gram with the run's training shards; o
 
 from __future__ import annotations
 
-from gptcore import hellaswag as hs
 from gptcore.evals import Context, Evaluation
 
 
@@ -17,6 +16,8 @@ class Contamination(Evaluation):
         return {"ngram": cfg.eval.contamination_ngram, "hellaswag_limit": cfg.eval.hellaswag_limit}
 
     def run(self, ctx: Context) -> dict:
+        # imported when it runs: reading the registry must not import torch (see evals/hellaswag.py)
+        from gptcore import hellaswag as hs
         from gptcore.contamination import contamination
         from gptcore.data.build import dataset_dir
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 
-from gptcore import hellaswag as hs
 from gptcore.evals import Context, Evaluation
 
 log = logging.getLogger(__name__)
@@ -22,6 +21,10 @@ class HellaSwag(Evaluation):
         return {"limit": cfg.eval.hellaswag_limit, **({"clean_ngram": cfg.eval.contamination_ngram} if clean else {})}
 
     def run(self, ctx: Context) -> dict:
+        # the scorer (torch) is imported when it runs: reading the registry (a no-op flow re-run compares
+        # eval.json's settings) must not import torch
+        from gptcore import hellaswag as hs
+
         cfg = ctx.cfg
         examples, reason = hs.shared_examples(cfg, cfg.eval.hellaswag_path or None, cfg.eval.hellaswag_limit,
                                               master=ctx.rank == 0)
