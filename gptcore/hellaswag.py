@@ -56,6 +56,11 @@ class Example:
     ctx_tokens: list[int]
     ending_tokens: list[list[int]]  # each ending encoded with its leading space, as build-nanogpt
 
+    @property
+    def tokens(self) -> list[int]:
+        """The context and every ending: the example's text as a contamination check reads it."""
+        return self.ctx_tokens + [t for ending in self.ending_tokens for t in ending]
+
 
 # --- the file ------------------------------------------------------------------------------------
 

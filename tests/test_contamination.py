@@ -12,11 +12,6 @@ from gptcore.data.shard_format import Manifest, ShardInfo, write_shard
 from tests.test_hellaswag import FIXTURE
 
 
-def tokens_of(ex: hellaswag.Example) -> list[int]:
-    """An example as the evaluation sees it: its context and every ending."""
-    return ex.ctx_tokens + [t for ending in ex.ending_tokens for t in ending]
-
-
 def dataset(directory, planted: list[np.ndarray], val_plant: np.ndarray):
     rng = np.random.default_rng(0)
     directory.mkdir()
@@ -45,7 +40,7 @@ def test_ngram_hashes_match_windows_not_neighbours():
 
 def test_planted_examples_are_found_and_clean_ones_not(tmp_path, monkeypatch):
     examples = [hellaswag.make_example(*r) for r in hellaswag.read_records(FIXTURE)]
-    evals = [tokens_of(ex) for ex in examples]
+    evals = [ex.tokens for ex in examples]
     assert len(evals) == 7 and min(len(t) for t in evals) > 20
     planted = [np.array(evals[1][3:16]),  # exactly 13 tokens of example 1's context
                np.array(evals[4][-20:])]  # the tail of example 4's last ending
@@ -78,7 +73,7 @@ def test_the_evaluate_command_reports_it_for_the_checkpoints_dataset(tmp_path):
     from gptcore.model import GPT
 
     examples = [hellaswag.make_example(*r) for r in hellaswag.read_records(FIXTURE)]
-    d = dataset(tmp_path / "ds", [np.array(tokens_of(examples[6])[:40])], val_plant=np.arange(5))
+    d = dataset(tmp_path / "ds", [np.array(examples[6].tokens[:40])], val_plant=np.arange(5))
     cfg = load_config("micro", [f"data.dataset_dir={d}", "train.run_name=cont"])
     torch.manual_seed(0)
     ckpt = checkpoint.save_checkpoint(tmp_path / "run", 3, GPT(cfg.model), {"optimizer": {}},

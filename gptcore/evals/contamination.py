@@ -18,7 +18,6 @@ class Contamination(Evaluation):
     def run(self, ctx: Context) -> dict:
         # imported when it runs: reading the registry must not import torch (see evals/hellaswag.py)
         from gptcore import hellaswag as hs
-        from gptcore.contamination import contamination
         from gptcore.data.build import dataset_dir
 
         cfg = ctx.cfg
@@ -29,10 +28,21 @@ class Contamination(Evaluation):
             return {"skipped": f"no HellaSwag examples: {reason}"}
         if ctx.rank != 0:
             return {}
-        data = ctx.data_dir or dataset_dir(cfg)
-        if not (data / "manifest.json").is_file():
-            return {"skipped": f"the training dataset {data} is not on this machine (no manifest.json); "
-                    "evaluate where the run's shards are, or pass --data DIR"}
-        tokens = [ex.ctx_tokens + [t for e in ex.ending_tokens for t in e] for ex in examples]
-        report = contamination(data, {"hellaswag": tokens}, cfg.eval.contamination_ngram)
-        return {k: {f: v[f] for f in ("n", "examples", "contaminated", "share")} for k, v in report.items()}
+        report = hellaswag_report(ctx, examples)
+        if report is None:
+            return {"skipped": f"the training dataset {ctx.data_dir or dataset_dir(cfg)} is not on this machine "
+                    "(no manifest.json); evaluate where the run's shards are, or pass --data DIR"}
+        return {"hellaswag": {f: report[f] for f in ("n", "examples", "contaminated", "share")}}
+
+
+def hellaswag_report(ctx: Context, examples: list) -> dict | None:
+    """gptcore.contamination's report on HellaSwag's `examples` against the run's training shards (cached
+    beside the manifest); None when that dataset is not on this machine."""
+    from gptcore.contamination import contamination
+    from gptcore.data.build import dataset_dir
+
+    data = ctx.data_dir or dataset_dir(ctx.cfg)
+    if not (data / "manifest.json").is_file():
+        return None
+    return contamination(data, {"hellaswag": [ex.tokens for ex in examples]}, ctx.cfg.eval.contamination_ngram
+                         )["hellaswag"]

@@ -44,12 +44,10 @@ class HellaSwag(Evaluation):
         """The examples without a contamination_ngram-gram in the training shards (gptcore/contamination.py,
         cached per dataset); None when the dataset is not on this machine. Every rank computes it (the scan's
         answer is cached beside the manifest after the first)."""
-        from gptcore.contamination import contamination
-        from gptcore.data.build import dataset_dir
+        from gptcore.evals.contamination import hellaswag_report
 
-        data = ctx.data_dir or dataset_dir(ctx.cfg)
-        if not (data / "manifest.json").is_file():
+        report = hellaswag_report(ctx, examples)
+        if report is None:
             return None
-        tokens = [ex.ctx_tokens + [t for e in ex.ending_tokens for t in e] for ex in examples]
-        dirty = set(contamination(data, {"hellaswag": tokens}, ctx.cfg.eval.contamination_ngram)["hellaswag"]["ids"])
+        dirty = set(report["ids"])
         return [ex for i, ex in enumerate(examples) if i not in dirty]
