@@ -9,7 +9,6 @@ leave the training trajectory untouched, also when they fail.
 """
 
 import json
-import re
 import sys
 import time
 from pathlib import Path
@@ -22,11 +21,13 @@ from gptcore import run_files as R
 from gptcore.metrics import read_metrics
 from gptcore.train import STOP_FILE
 from tests.test_train_utils import (
+    final_weights,
     free_port,
     kill_tree,
     losses,
     make_dataset,
     python_cmd,
+    rank_exit_codes,
     start,
     torchrun_cmd,
     wait_for_step,
@@ -49,18 +50,12 @@ def args(ds, run, *extra):
             "eval.eval_interval=0", "eval.sample_interval=0", "eval.val_tokens=128", *extra]
 
 
-def final_weights(run):
-    model, meta = C.load_model(R.step_dir(run, STEPS))
-    assert meta["step"] == STEPS
-    return model.state_dict()
-
-
 def assert_same_run(run, ref, tol):
     got, want = losses(run / "metrics.jsonl"), losses(ref / "metrics.jsonl")
     assert sorted(got) == sorted(want) == list(range(1, STEPS + 1))
     worst = max(abs(got[s] - want[s]) for s in want)
     assert worst <= tol, f"max loss difference {worst}"
-    a, b = final_weights(run), final_weights(ref)
+    a, b = final_weights(run, STEPS), final_weights(ref, STEPS)
     for k in b:
         torch.testing.assert_close(a[k], b[k], atol=tol, rtol=0, msg=k)
     assert (run / "DONE").is_file()
@@ -247,7 +242,7 @@ def test_an_unwritable_checkpoint_stops_both_ranks_without_a_hang(ds, tmp_path):
     # each rank exits with gptcore.train's EXIT_BAD_INPUT (2); the torchrun agent itself always exits 1 when
     # a worker fails, and lists every failed rank's own exit code in its ChildFailedError report
     assert proc.returncode == 1, (proc.returncode, out[-3000:])
-    codes = dict(re.findall(r"rank\s*: (\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*: (-?\d+)", out))
+    codes = rank_exit_codes(out)
     # the first rank to exit gives 2; torchrun then SIGTERMs the rest, which may beat their own exit 2 (-15);
     # a rank that hung and was killed at the timeout, or crashed with a traceback, gives something else
     assert set(codes) == {"0", "1"} and "2" in codes.values() and set(codes.values()) <= {"2", "-15"}, \

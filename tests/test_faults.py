@@ -15,7 +15,6 @@ lost, or stop with the exit code that names the trouble.
 from __future__ import annotations
 
 import os
-import re
 import signal
 import sys
 import time
@@ -24,12 +23,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from gptcore import checkpoint as C
-from gptcore import run_files as R
 from gptcore.launch import torchrun_cmd
 from gptcore.metrics import read_metrics
 from gptcore.watchdog import HANG_EXIT
-from tests.test_train_utils import descendants, kill_tree, losses, make_dataset, run, start, wait_for_step
+from tests.test_train_utils import (
+    descendants,
+    final_weights,
+    kill_tree,
+    losses,
+    make_dataset,
+    rank_exit_codes,
+    run,
+    start,
+    wait_for_step,
+)
 
 pytestmark = pytest.mark.slow
 STEPS = 14
@@ -46,11 +53,6 @@ def overrides(ds: Path, run_dir: Path, nproc: int = 2, **extra) -> dict:
 
 def events(run_dir: Path) -> list[str]:
     return [r["event"] for r in read_metrics(run_dir / "metrics.jsonl", "event")]
-
-
-def rank_exit_codes(out: str) -> dict[str, str]:
-    """Each failed rank's own exit code, from torchrun's failure report (torchrun itself exits 1)."""
-    return dict(re.findall(r"rank\s*: (\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*: (-?\d+)", out))
 
 
 def rank_pid(launcher_pid: int, rank: int) -> int | None:
@@ -78,14 +80,8 @@ def reference(ds, tmp_path_factory):
     return tmp / "run"
 
 
-def final_weights(run_dir: Path) -> dict:
-    model, meta = C.load_model(R.step_dir(run_dir, STEPS))
-    assert meta["step"] == STEPS
-    return model.state_dict()
-
-
 def assert_same_weights(run_dir: Path, ref: Path) -> None:
-    a, b = final_weights(run_dir), final_weights(ref)
+    a, b = final_weights(run_dir, STEPS), final_weights(ref, STEPS)
     for k in b:
         assert torch.equal(a[k], b[k]), k
 

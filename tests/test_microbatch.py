@@ -11,12 +11,11 @@ import json
 import pytest
 import torch
 
-from gptcore import checkpoint as C
 from gptcore import run_files as R
 from gptcore.launch import torchrun_cmd
 from gptcore.metrics import read_metrics
 from gptcore.microbatch import CHOICE_FILE, candidates, smaller
-from tests.test_train_utils import losses, make_dataset, python_cmd, start
+from tests.test_train_utils import final_weights, losses, make_dataset, python_cmd, start
 
 pytestmark = pytest.mark.slow
 STEPS = 10
@@ -32,11 +31,6 @@ def overrides(ds, run_dir, world: int = 1, **extra) -> dict:
 
 def args(o: dict) -> list[str]:
     return ["micro", *(f"{k}={v}" for k, v in o.items())]
-
-
-def final(run_dir):
-    model, meta = C.load_model(R.step_dir(run_dir, STEPS))
-    return model.state_dict(), meta
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +60,8 @@ def test_auto_chooses_what_fits_on_every_rank_and_trains_as_that_size(ds, tmp_pa
     choice = json.loads((auto / CHOICE_FILE).read_text())
     assert choice["micro_batch"] == 4 and choice["fingerprint"]["world"] == 2
     assert losses(auto / "metrics.jsonl") == losses(fixed / "metrics.jsonl")
-    (a, meta), (b, _) = final(auto), final(fixed)
+    a, b = final_weights(auto, STEPS), final_weights(fixed, STEPS)
+    meta = R.read_meta(R.step_dir(auto, STEPS))
     assert meta["config"]["train"]["micro_batch"] == 4  # the checkpoint records the size it trained with
     for k in b:
         torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0, msg=k)
@@ -93,7 +88,7 @@ def test_a_step_that_runs_out_of_memory_is_retried_with_the_same_data(ds, tmp_pa
     assert [r["train/micro_batch"] for r in rows] == [4] * 5 + [2] * 5
     got, want = losses(oom / "metrics.jsonl"), losses(ref / "metrics.jsonl")
     assert max(abs(got[s] - want[s]) for s in want) < 1e-5
-    (a, _), (b, _) = final(oom), final(ref)
+    a, b = final_weights(oom, STEPS), final_weights(ref, STEPS)
     for k in b:
         torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=0, msg=k)
     assert json.loads((oom / CHOICE_FILE).read_text())["micro_batch"] == 2  # the next start begins there

@@ -4,6 +4,7 @@ writer, launch the trainer as a real process (plain python or torchrun), read it
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -13,8 +14,10 @@ from pathlib import Path
 
 import numpy as np
 
+from gptcore.checkpoint import load_model
 from gptcore.data.shard_format import Manifest, ShardInfo, write_shard
 from gptcore.metrics import read_metrics
+from gptcore.run_files import step_dir
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -127,3 +130,15 @@ def kill_tree(proc: subprocess.Popen, sig=signal.SIGKILL) -> None:
 def losses(metrics: Path) -> dict[int, float]:
     """train/loss per step; a step repeated after a resume keeps its latest value."""
     return {r["step"]: r["train/loss"] for r in read_metrics(metrics, "train")}
+
+
+def final_weights(run: Path, step: int) -> dict:
+    """The weights (state dict) of a run's checkpoint at `step`, which must say it is that step's."""
+    model, meta = load_model(step_dir(run, step))
+    assert meta["step"] == step
+    return model.state_dict()
+
+
+def rank_exit_codes(out: str) -> dict[str, str]:
+    """Each failed rank's own exit code, from torchrun's failure report (torchrun itself exits 1)."""
+    return dict(re.findall(r"rank\s*: (\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*: (-?\d+)", out))
