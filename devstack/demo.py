@@ -105,10 +105,6 @@ def read_summary(flow_run_id) -> dict:
 
 
 def report(s: dict, stack: Stack, seconds: float) -> str:
-    hs = s.get("hellaswag")
-    hs_text = (f"acc {hs['acc']:.4f} ± {hs.get('acc_stderr', float('nan')):.4f}, acc_norm {hs['acc_norm']:.4f} "
-               f"± {hs.get('acc_norm_stderr', float('nan')):.4f} on {hs['n']} examples (± one standard error)"
-               if isinstance(hs, dict) and "acc" in hs else str(hs))
     val = s.get("val_loss")
     stages = ", ".join(f"{k} {v}" for k, v in (s.get("stages") or {}).items())
     return "\n".join([
@@ -119,7 +115,7 @@ def report(s: dict, stack: Stack, seconds: float) -> str:
         f"{s.get('val_tokens_in_dataset', 0):,} val tokens",
         f"tokens trained     {s.get('tokens_seen') or 0:,}",
         f"final val loss     {val:.4f}" if isinstance(val, float) else f"final val loss     {val}",
-        f"HellaSwag          {hs_text}",
+        *[f"{'evaluations' if i == 0 else '':19}{line}" for i, line in enumerate(s.get("evaluation_summary") or [])],
         f"MLflow model       {s.get('model_version')}",
         f"stages             {stages}",
         "sample:",

@@ -33,6 +33,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.states import Completed
 
+from gptcore import evals
 from gptcore.config import ConfigError, RunConfig, load_config, pipeline_home
 from gptcore.files import read_json
 from gptcore.run_files import read_meta, result_metrics, run_dir_for, run_state
@@ -50,7 +51,6 @@ WRITE_DIRS = ("train.run_dir", "data.dataset_dir")  # the overrides that name a 
 
 
 # HellaSwag's numbers as the eval table and the summary show them: each accuracy with its standard error
-HELLASWAG_KEYS = ("acc", "acc_stderr", "acc_norm", "acc_norm_stderr", "n")
 
 
 # --- config, checked before any work -------------------------------------------------------------------
@@ -212,17 +212,22 @@ def train_stage(cfg: RunConfig, preset: str, overrides: dict | None, nproc: int,
 
 
 def evaluate_stage(ckpt: str, cfg: RunConfig, stage: Stages) -> dict:
-    from tasks.evaluate import evaluate_checkpoint, stored_evaluation
+    """Validation loss and each evaluation of the config (gptcore/evals) that <ckpt>/eval.json lacks, each
+    as its own task run; a part skipped for lack of its dataset counts as done (a re-run of a finished
+    flow does nothing; `python -m tasks.evaluate` scores it later)."""
+    from tasks.evaluate import evaluate_dir, evaluate_part, missing_parts, stored_evaluation
 
-    # a stored evaluation whose HellaSwag was skipped counts too: a re-run of a finished flow does nothing
-    # (`python -m tasks.evaluate` scores HellaSwag later)
+    parts = missing_parts(ckpt, cfg, val=True, retry_skipped=False)
     result = stored_evaluation(ckpt, cfg, val=True, retry_skipped=False)
     if result is not None:  # the trainer's own evaluation at the last step usually is this one
         by = "the trainer, after the checkpoint" if result.get("by") == "trainer" else "an earlier run"
         stage("evaluate", "skipped", f"{ckpt}/eval.json exists (evaluated by {by})", f"evaluate {step_label(ckpt)}")
     else:
-        result = evaluate_checkpoint(ckpt, cfg.to_dict())
-        stage("evaluate", "ran", f"val loss {result.get('val_loss')}")
+        for part in parts:
+            result = evaluate_part(ckpt, part, cfg.to_dict())
+        if not parts:  # only parts the config no longer asks for to drop: no task run needed
+            result = evaluate_dir(ckpt, cfg.to_dict(), only=[])
+        stage("evaluate", "ran", f"{', '.join(parts) or 'rewrote eval.json'}; val loss {result.get('val_loss')}")
     rows = [{"metric": "val_loss", "value": result.get("val_loss")},
             {"metric": "val_tokens", "value": result.get("val_tokens")}]
     # every evaluation the config asked for (gptcore/evals), each number with its standard error beside it
@@ -302,15 +307,17 @@ def pretrain(preset: str = "tiny-cpu", overrides: dict | None = None, nproc: int
     sample = sample_stage(ckpt, reg["model_uri"] if reg else None, cfg, stage)
     create_table_artifact(stage.rows, key=artifact_key(run_name, "stages"),
                           description="What this flow run did or skipped")
-    hs = (result or {}).get("hellaswag") or {}
+    # every evaluation the config asked for, as its one-line summary (the demo prints these)
+    evaluated = {ev.name: ev.summary((result or {}).get(ev.name) or {"skipped": "evaluation disabled"})
+                 for ev in evals.enabled(cfg)}
     summary = {
         "run_name": run_name, "run_dir": state["run_dir"], "dataset_dir": dataset_dir,
         "train_tokens": tokens["train"], "val_tokens_in_dataset": tokens["val"],
         "step": state["step"], "done": state["done"], "checkpoint": ckpt,
         "tokens_seen": read_meta(Path(ckpt)).get("tokens_seen"),
         "val_loss": (result or {}).get("val_loss"),
-        "hellaswag": ({k: hs[k] for k in HELLASWAG_KEYS if k in hs}
-                      or ("skipped: " + hs.get("skipped", "evaluation disabled"))),
+        "evaluations": {name: (result or {}).get(name) for name in evaluated},
+        "evaluation_summary": list(evaluated.values()),
         "model_version": reg["model_uri"] if reg else None,
         "mlflow_uri": reg["tracking_uri"] if reg else None,
         "sample": sample["text"],

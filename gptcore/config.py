@@ -234,6 +234,7 @@ class EvalConfig:
     harness_tasks: str = ""
     harness_include_path: str = ""
     harness_limit: int = 0
+    harness_interval: int = 0  # steps between harness runs during training (at an eval step); 0 = not during training
     # evaluated checkpoints report the share of HellaSwag examples that share an n-gram of this many tokens
     # with the training shards (gptcore/contamination.py; GPT-3 used 13); 0 = off
     contamination_ngram: int = 0
@@ -245,7 +246,7 @@ class EvalConfig:
 
     def validate(self) -> None:
         for name in ("eval_interval", "hellaswag_interval", "val_tokens", "hellaswag_limit", "sample_interval",
-                     "sample_tokens", "max_failures", "harness_limit", "contamination_ngram"):
+                     "sample_tokens", "max_failures", "harness_limit", "harness_interval", "contamination_ngram"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"eval.{name} must be >= 0, got {getattr(self, name)}")
 

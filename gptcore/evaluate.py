@@ -84,15 +84,19 @@ def load_target(path: Path, device="cpu") -> tuple[torch.nn.Module, dict]:
 
 
 def evaluate_model(model: torch.nn.Module, cfg: RunConfig, device, autocast_ctx=None, *, val: bool = False,
-                   manifest_dir: Path | None = None, rank: int = 0, world: int = 1) -> dict:
+                   manifest_dir: Path | None = None, rank: int = 0, world: int = 1,
+                   only: list[str] | None = None) -> dict:
     """Validation loss (with `val`) and every evaluation the config asks for (gptcore/evals: HellaSwag,
     lm-evaluation-harness tasks, contamination), each under its name, for an already-loaded model (a
-    checkpoint, an HF export, or a registered MLflow model loaded by tasks/). An evaluation whose data
-    cannot be had is reported as skipped, not raised."""
+    checkpoint, an HF export, or a registered MLflow model loaded by tasks/); `only`: just these parts
+    ("val" and evaluation names). An evaluation whose data cannot be had is reported as skipped, not raised."""
     from gptcore import evals
 
+    def wanted(part: str) -> bool:
+        return only is None or part in only
+
     out: dict = {}
-    if val:
+    if val and wanted("val"):
         if manifest_dir is None:
             from gptcore.data.build import dataset_dir
             manifest_dir = dataset_dir(cfg)
@@ -101,7 +105,10 @@ def evaluate_model(model: torch.nn.Module, cfg: RunConfig, device, autocast_ctx=
         out["manifest_id"] = Manifest.load(manifest_dir).id
     ctx = evals.Context(model, cfg, device, autocast_ctx, rank, world, manifest_dir)
     for evaluation in evals.enabled(cfg):
-        out[evaluation.name] = evaluation.run(ctx)
+        if wanted(evaluation.name):
+            with evaluating(model) as plain:
+                ctx.model = plain
+                out[evaluation.name] = evals.score(evaluation, ctx)
     return out
 
 

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import logging
 import math
-from contextlib import nullcontext
+import random
+from contextlib import contextmanager, nullcontext
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from lm_eval.api.model import TemplateLM
@@ -115,7 +117,7 @@ def summarize(results: dict) -> dict[str, dict]:
         row: dict[str, float] = {}
         for key, value in metrics.items():
             name, _, _filter = key.partition(",")
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and name != "alias":
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and name not in ("alias", "sample_len"):
                 row[name] = float(value) if math.isfinite(float(value)) else float("nan")
         n = results.get("n-samples", {}).get(task, {})
         if "effective" in n:
@@ -140,8 +142,9 @@ def run_tasks(model: torch.nn.Module, tasks: list[str], device, autocast_ctx=Non
                          "(`lm-eval ls tasks`) or pass the folder of its YAML (eval.harness_include_path)"}
             continue
         try:
-            results = simple_evaluate(model=lm, tasks=[task], task_manager=manager, limit=limit,
-                                      bootstrap_iters=1000, log_samples=False, verbosity="WARNING")
+            with random_state_kept(device):
+                results = simple_evaluate(model=lm, tasks=[task], task_manager=manager, limit=limit,
+                                          bootstrap_iters=1000, log_samples=False, verbosity="WARNING")
         except Exception as e:  # noqa: BLE001 - the hub unreachable, a file missing: whatever `datasets` raises
             log.warning("harness task %s skipped: %s", task, e)
             out[task] = {"skipped": f"{type(e).__name__}: {e}. Its dataset could not be loaded: connect to the "
@@ -150,3 +153,17 @@ def run_tasks(model: torch.nn.Module, tasks: list[str], device, autocast_ctx=Non
             continue
         out.update(summarize(results or {}))
     return out
+
+
+@contextmanager
+def random_state_kept(device):
+    """The harness seeds Python's, numpy's and torch's generators (its few-shot sampling is reproducible);
+    during training those belong to the run, so they are put back as they were afterwards."""
+    py, npy = random.getstate(), np.random.get_state()
+    devices = [torch.device(device)] if torch.device(device).type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        random.setstate(py)
+        np.random.set_state(npy)

@@ -260,11 +260,11 @@ def stderr(p: float, n: int) -> float:
     return math.sqrt(p * (1 - p) / (n - 1)) if n > 1 else float("nan")
 
 
-def summary(totals: torch.Tensor) -> dict:
-    """{"acc", "acc_stderr", "acc_norm", "acc_norm_stderr", "n"} from the all-reduced local_counts: 200
+def summary(totals) -> dict:
+    """{"acc", "acc_stderr", "acc_norm", "acc_norm_stderr", "n"} from the summed local_counts: 200
     examples score +-3.5 points (one standard error at acc 0.3), so two checkpoints whose accuracies differ
     by less than about twice that are not told apart."""
-    c, cn, n = (int(v) for v in totals.cpu())
+    c, cn, n = (int(v) for v in totals)
     acc, acc_norm = (c / n, cn / n) if n else (0.0, 0.0)
     return {"acc": acc, "acc_stderr": stderr(acc, n), "acc_norm": acc_norm,
             "acc_norm_stderr": stderr(acc_norm, n), "n": n}

@@ -136,15 +136,58 @@ def result_metrics(name: str, result) -> dict[str, float]:
 
 
 def eval_settings(cfg: RunConfig, val: bool, only: tuple[str, ...] | None = None) -> dict:
-    """What an evaluation's numbers depend on besides the weights, recorded in eval.json: a change means
-    evaluate again. Every evaluation the config asks for (gptcore/evals) with its own settings; `only`:
-    those that were part of it (the trainer's evaluation scores HellaSwag alone, and not at every step)."""
+    """What an evaluation's numbers depend on besides the weights, recorded in eval.json, part by part: a
+    change means evaluate that part again. "val": the validation batches (None without validation);
+    "evaluations": every evaluation the config asks for (gptcore/evals) with its own settings; `only`:
+    those that were part of it (the trainer scores each at its own interval)."""
     from gptcore import evals
 
-    return {"val": val, "val_tokens": cfg.eval.val_tokens if val else None,
-            "micro_batch": cfg.train.resolved_micro_batch(), "seq_len": cfg.train.seq_len,
+    return {"val": {"val_tokens": cfg.eval.val_tokens, "micro_batch": cfg.train.resolved_micro_batch(),
+                    "seq_len": cfg.train.seq_len} if val else None,
             "evaluations": {ev.name: ev.settings(cfg) for ev in evals.enabled(cfg)
                             if only is None or ev.name in only}}
+
+
+def missing_evaluations(done: dict, cfg: RunConfig, val: bool, retry_skipped: bool = True) -> list[str]:
+    """The parts of an evaluation ("val" and evaluation names) that eval.json's `done` lacks for these
+    settings. With retry_skipped, a part skipped for lack of its dataset counts as missing (it may be
+    reachable now)."""
+    want, have = eval_settings(cfg, val), done.get("settings") or {}
+    missing = []
+    if val and (have.get("val") != want["val"] or not finite(done.get("val_loss"))):
+        missing.append("val")
+    for name, settings in want["evaluations"].items():
+        result = done.get(name)
+        if ((have.get("evaluations") or {}).get(name) != settings or not isinstance(result, dict)
+                or (retry_skipped and "skipped" in result)):
+            missing.append(name)
+    return missing
+
+
+def merge_evaluations(done: dict, new: dict, cfg: RunConfig, val: bool) -> dict:
+    """eval.json after computing `new` (parts named as in missing_evaluations) over `done`: the parts of
+    `done` that still hold for these settings are kept, evaluations the config no longer asks for dropped."""
+    want, have = eval_settings(cfg, val), done.get("settings") or {}
+    out = {k: v for k, v in done.items() if k in ("target", "kind", "step", "by")}
+    val_keys = ("val_loss", "val_tokens", "manifest_id")
+    if "val_loss" in new:
+        out.update({k: new[k] for k in val_keys if k in new})
+        val_settings = want["val"]
+    elif finite(done.get("val_loss")) and have.get("val") is not None and (not val or have["val"] == want["val"]):
+        out.update({k: done[k] for k in val_keys if k in done})
+        val_settings = have["val"]
+    else:
+        val_settings = None
+    settings = {}
+    for name, wanted in want["evaluations"].items():
+        if name in new:
+            out[name] = new[name]
+        elif (have.get("evaluations") or {}).get(name) == wanted and isinstance(done.get(name), dict):
+            out[name] = done[name]
+        else:
+            continue
+        settings[name] = wanted
+    return {**out, "settings": {"val": val_settings, "evaluations": settings}}
 
 
 def val_loss_of(ckpt: Path, meta: dict) -> float | None:

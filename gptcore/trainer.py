@@ -38,9 +38,10 @@ from gptcore.replicas import ComputeTimer, odd_ranks, stragglers, weights_checks
 from gptcore.resume import SHARD_HASHES, Prepared, RunError, agreed_checkpoint, restore
 from gptcore.run_files import DONE_FILE, EVAL_FILE, RUN_FILE, step_dir
 from gptcore.train_eval import Evaluator
-from gptcore.watchdog import Watchdog
+from gptcore.watchdog import CEILING_S, Watchdog
 
 STOP_FILE = "STOP"  # create <run_dir>/STOP to stop a run gracefully (checkpoint, exit 0, torchrun too)
+EVAL_PATIENCE_S = CEILING_S  # the hang limit while evaluating (unless train.hang_timeout_s sets one)
 PEAK_ENV = "GPTPIPE_PEAK_FLOPS"  # peak FLOP/s per device for MFU (default: a table for known GPUs)
 STOP_SIGNAL: dict = {"signal": None}  # set by gptcore.train's signal handler; read at every step
 
@@ -193,7 +194,8 @@ class Trainer:
                     with timed(spent, "checkpoint", self.watchdog):
                         self.checkpoint("end" if due.last else "stop" if stopping else "interval", read.loss)
                 if due.eval and not stopping:
-                    with timed(spent, "eval", self.watchdog):
+                    # evaluations are not paced by steps (harness tasks run on rank 0 while the others wait)
+                    with timed(spent, "eval", self.watchdog, patience=EVAL_PATIENCE_S):
                         self.evaluate(due.last)
                 if due.sample and not stopping and self.env.master:
                     with timed(spent, "sample", self.watchdog):
@@ -487,13 +489,13 @@ class timed:
     """`with timed(spent, "eval", watchdog):` adds the block's wall time to spent["eval"]; its start and end
     are progress for the hang watchdog."""
 
-    def __init__(self, spent: dict[str, float], name: str, watchdog: Watchdog | None = None):
-        self.spent, self.name, self.watchdog = spent, name, watchdog
+    def __init__(self, spent: dict[str, float], name: str, watchdog: Watchdog | None = None, patience: float = 0.0):
+        self.spent, self.name, self.watchdog, self.patience = spent, name, watchdog, patience
 
     def __enter__(self):
         self.t0 = time.time()
         if self.watchdog is not None:
-            self.watchdog.beat(self.name)
+            self.watchdog.beat(self.name, patience=self.patience)
 
     def __exit__(self, *exc):
         self.spent[self.name] = self.spent.get(self.name, 0.0) + time.time() - self.t0

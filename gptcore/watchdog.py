@@ -8,7 +8,8 @@ HANG_EXIT. torchrun (`--max-restarts`, train.max_restarts) then restarts every r
 from its newest checkpoint.
 
 The limit: train.hang_timeout_s when set; else HANG_FACTOR x the run's median step time, within
-[FLOOR_S, CEILING_S], and CEILING_S until there are step times (the first steps compile). The process
+[FLOOR_S, CEILING_S], and CEILING_S until there are step times (the first steps compile) and while an
+evaluation runs (`patience`: rank 0 may score harness tasks alone while the others wait). The process
 group's timeout is set above the largest limit (gptcore/distributed.py), so the watchdog speaks first.
 """
 
@@ -49,6 +50,7 @@ class Watchdog:
         self.step_times: deque[float] = deque(maxlen=100)
         self.last = time.monotonic()
         self.doing = "starting"
+        self.patience = 0.0  # the smallest limit until the next beat (an evaluation is not paced by steps)
         self.poll_s = poll_s if poll_s is not None else min(5.0, max(timeout_s / 10, 0.1) if timeout_s else 5.0)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="hang-watchdog", daemon=True)
@@ -57,16 +59,21 @@ class Watchdog:
         self._thread.start()
         return self
 
-    def beat(self, doing: str = "training", step_time: float | None = None, step: int | None = None) -> None:
-        """Progress: called from the training loop (cheap: no lock, no device work)."""
-        self.last, self.doing = time.monotonic(), doing
+    def beat(self, doing: str = "training", step_time: float | None = None, step: int | None = None,
+             patience: float = 0.0) -> None:
+        """Progress: called from the training loop (cheap: no lock, no device work). `patience`: allow at
+        least this long until the next beat (an evaluation that runs on rank 0 alone, e.g. harness tasks,
+        leaves the other ranks waiting in a collective without progress of their own)."""
+        self.last, self.doing, self.patience = time.monotonic(), doing, patience
         if step is not None:
             self.step = step
         if step_time is not None:
             self.step_times.append(step_time)
 
     def limit(self) -> float:
-        return limit_for(self.timeout_s, list(self.step_times))
+        if self.timeout_s > 0:  # the user's own limit holds everywhere
+            return self.timeout_s
+        return max(limit_for(0.0, list(self.step_times)), self.patience)
 
     def stop(self) -> None:
         self._stop.set()

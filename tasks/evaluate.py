@@ -1,7 +1,9 @@
-"""The evaluate stage: validation loss + HellaSwag on a run's newest checkpoint (or a given checkpoint /
-Hugging Face export dir), written to `<ckpt>/eval.json`; and the command that evaluates a registered model:
+"""The evaluate stage: validation loss and each evaluation the config asks for (gptcore/evals) on a run's
+newest checkpoint (or a given checkpoint / Hugging Face export dir), written to `<ckpt>/eval.json`; and the
+command that evaluates a registered model:
 
     python -m tasks.evaluate models:/gpt2-124m@best --val --limit 1000
+    python -m tasks.evaluate models:/gpt2-124m@best --tasks arc_easy,piqa
     python -m tasks.evaluate var/runs/tiny-cpu          # anything else: same as python -m gptcore.evaluate
 
 A model URI (`models:/<name>@<alias>`, `models:/<name>/<version>`, `@latest` = newest version) is resolved
@@ -9,8 +11,10 @@ against $MLFLOW_TRACKING_URI (or --tracking-uri); only the version's inference w
 artifact: model.safetensors + meta.json) are downloaded, into a temporary directory, and evaluated like a
 checkpoint with every option of `python -m gptcore.evaluate`.
 
-Idempotent: when eval.json exists and was computed with the same settings it is returned as is, so a
-re-run flow (or a retry) never evaluates the same weights twice.
+Idempotent, part by part: eval.json records each part's settings ("val" and each evaluation), so a re-run
+flow (or a retry) computes only the parts it lacks: the trainer's own evaluation at the last step usually
+holds validation loss and HellaSwag, and the flow adds the harness tasks. The flow runs each part as its own
+Prefect task run (`evaluate_part`), so the UI shows them one by one.
 """
 
 from __future__ import annotations
@@ -24,7 +28,14 @@ from prefect import get_run_logger, task
 
 from gptcore.config import RunConfig, TrainConfig, from_dict
 from gptcore.files import read_json, write_json
-from gptcore.run_files import EVAL_FILE, META_FILE, checkpoint_of, eval_settings, read_meta
+from gptcore.run_files import (
+    EVAL_FILE,
+    META_FILE,
+    checkpoint_of,
+    merge_evaluations,
+    missing_evaluations,
+    read_meta,
+)
 from gptcore.runlock import RunLock
 from integrations.progress import step_label
 
@@ -32,61 +43,73 @@ EVAL_LOCK = "eval.lock"  # held while a checkpoint is being evaluated
 EVAL_WAIT_SECONDS = 3600.0  # a second evaluation of the same checkpoint waits this long for the first
 
 
-def stored_evaluation(ckpt: str | Path, cfg: RunConfig, val: bool = True, retry_skipped: bool = True) -> dict | None:
-    """The evaluation already in <ckpt>/eval.json if it was made with these settings, else None. With
-    retry_skipped, one whose HellaSwag was skipped for lack of the dataset counts as not done (it may be
-    reachable now); the flow passes False so that a re-run stays a no-op."""
+def missing_parts(ckpt: str | Path, cfg: RunConfig, val: bool = True, retry_skipped: bool = True) -> list[str]:
+    """The parts ("val", evaluation names) that <ckpt>/eval.json lacks for these settings. With
+    retry_skipped, a part skipped for lack of its dataset counts as missing (it may be reachable now);
+    the flow passes False so that a re-run stays a no-op."""
     done = read_json(Path(ckpt) / EVAL_FILE, {})  # {} when missing, unreadable or not an object
-    skipped = "skipped" in (done.get("hellaswag") or {})
-    if done.get("settings") != eval_settings(cfg, val) or (retry_skipped and skipped):
+    return missing_evaluations(done, cfg, val, retry_skipped)
+
+
+def stored_evaluation(ckpt: str | Path, cfg: RunConfig, val: bool = True, retry_skipped: bool = True) -> dict | None:
+    """The evaluation in <ckpt>/eval.json when it holds every part for these settings and nothing else,
+    else None."""
+    done = read_json(Path(ckpt) / EVAL_FILE, {})
+    if missing_evaluations(done, cfg, val, retry_skipped):
         return None
-    return done
+    # settings of parts the config no longer asks for make it stale (evaluate_dir rewrites it without them)
+    return done if merge_evaluations(done, {}, cfg, val)["settings"] == done.get("settings") else None
 
 
 def evaluate_dir(target: str | Path, cfg_dict: dict | None = None, val: bool = True,
-                 device: str = "auto", log=None) -> dict:
-    """Evaluate (or return the stored evaluation of) the checkpoint behind `target`. Plain function:
-    the Prefect task below wraps it, and tests / other tools can call it directly."""
+                 device: str = "auto", log=None, only: list[str] | None = None) -> dict:
+    """Evaluate the parts that the checkpoint behind `target` lacks (`only`: of these parts) and return its
+    eval.json. Plain function: the Prefect tasks below wrap it, and tests / other tools call it directly."""
     ckpt = checkpoint_of(Path(target))
     if not cfg_dict and (ckpt / META_FILE).is_file():
         cfg_dict = read_meta(ckpt).get("config")  # the config the checkpoint was trained with
     cfg = from_dict(cfg_dict or {})
-    # one evaluation per checkpoint: a second caller (e.g. another flow run of the same training run) waits
-    # here for the first, then finds its eval.json
+    # one evaluation per checkpoint at a time: a second caller (e.g. another flow run of the same training
+    # run) waits here for the first, then finds its parts in eval.json
     with RunLock(ckpt, timeout=EVAL_WAIT_SECONDS, name=EVAL_LOCK):
-        done = stored_evaluation(ckpt, cfg, val)
-        if done is not None:
+        done = read_json(ckpt / EVAL_FILE, {})
+        parts = [p for p in missing_evaluations(done, cfg, val) if only is None or p in only]
+        if not parts and (stored := stored_evaluation(ckpt, cfg, val)) is not None:
             if log:
                 log.info("%s already evaluated (%s); skipping", ckpt, ckpt / EVAL_FILE)
-            return done
-        from gptcore import distributed  # torch: only when there is work to do
-        from gptcore.evaluate import evaluate_model, load_target
+            return stored
+        new, t0 = {}, time.time()
+        if parts:
+            from gptcore import distributed  # torch: only when there is work to do
+            from gptcore.evaluate import evaluate_model, load_target
 
-        t0 = time.time()
-        env = distributed.select(TrainConfig(device=device))  # the trainer's hardware rules (dtype, TF32)
-        model, info = load_target(ckpt, env.device)
-        result = evaluate_model(model, cfg, env.device, env.autocast(), val=val)
-        result = {"target": str(ckpt), "kind": info["kind"], "step": info.get("step"), **result,
-                  "settings": eval_settings(cfg, val), "seconds": round(time.time() - t0, 2)}
+            env = distributed.select(TrainConfig(device=device))  # the trainer's hardware rules (dtype, TF32)
+            model, info = load_target(ckpt, env.device)
+            new = evaluate_model(model, cfg, env.device, env.autocast(), val=val, only=parts)
+            new.update({"target": str(ckpt), "kind": info["kind"], "step": info.get("step")})
+        result = merge_evaluations({**done, **{k: new[k] for k in ("target", "kind", "step") if k in new}},
+                                   new, cfg, val)
+        result["seconds"] = round(done.get("seconds", 0) + time.time() - t0, 2)
         write_json(ckpt / EVAL_FILE, result)
     if log:
-        log.info("evaluated %s: %s", ckpt, {k: result[k] for k in ("val_loss", "hellaswag") if k in result})
+        log.info("evaluated %s of %s: %s", ", ".join(parts) or "nothing", ckpt,
+                 {k: result[k] for k in ("val_loss", *parts) if k in result})
     return result
 
 
 def _run_name() -> str:
-    """"evaluate step 120" (a checkpoint) or "evaluate <dir name>": short, for the flow-run graph."""
+    """"<part> step 120" (a checkpoint) or "<part> <dir name>": short, for the flow-run graph."""
     from prefect.runtime import task_run
 
-    return f"evaluate {step_label(task_run.parameters['target'])}"
+    params = task_run.parameters
+    return f"{params.get('part', 'evaluate')} {step_label(params['target'])}"
 
 
 @task(name="evaluate", task_run_name=_run_name)
-def evaluate_checkpoint(target: str, cfg_dict: dict | None = None, val: bool = True,
-                        device: str = "auto") -> dict:
-    """Validation loss + HellaSwag of the newest checkpoint of a run dir (or of a checkpoint / HF export
-    dir), stored in <ckpt>/eval.json; skipped when that file already holds the same evaluation."""
-    return evaluate_dir(target, cfg_dict, val, device, log=get_run_logger())
+def evaluate_part(target: str, part: str, cfg_dict: dict | None = None, device: str = "auto") -> dict:
+    """One part of a checkpoint's evaluation ("val" or an evaluation's name, gptcore/evals), added to
+    <ckpt>/eval.json; returns that file. Skipped work when eval.json already holds the part."""
+    return evaluate_dir(target, cfg_dict, True, device, log=get_run_logger(), only=[part])
 
 
 # --- a registered model -------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """A real Prefect server (SQLite) + process work pool + worker + MLflow server on free 127.0.0.1 ports,
 with the deployments of deployments/prefect.yaml, for tests (one per session; flows/services.py does
-the work, as for the demo).
+the work, as for the demo). The worker's flow runs reach the Hugging Face hub stand-in (tests/hub_standin.py)
+through HF_ENDPOINT, which serves ARC-Easy for lm-evaluation-harness's own `arc_easy` task.
 
     def test_x(prefect_stack): ...   # the fixture comes through tests/conftest.py
 
@@ -15,6 +16,7 @@ import pytest
 
 from devstack.demo import deploy
 from devstack.services import Stack
+from tests.hub_standin import Hub, publish_arc_easy
 
 
 @pytest.fixture(scope="session")
@@ -22,9 +24,12 @@ def prefect_stack(tmp_path_factory):
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     home = tmp_path_factory.mktemp("gptpipe-home")
+    hub = Hub(home / "hub")
+    publish_arc_easy(hub)
     stack = Stack(home, prefect_port=0, mlflow_port=0, ui=False,
                   extra_env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-                             "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30"})  # Prefect's minimum
+                             "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30",  # Prefect's minimum
+                             "HF_ENDPOINT": hub.url, "HF_HOME": str(home / "hf"), "HF_HUB_DISABLE_XET": "1"})
     try:
         stack.up()
         deploy(stack, force=True)
@@ -32,6 +37,7 @@ def prefect_stack(tmp_path_factory):
             yield stack
     finally:
         stack.down()
+        hub.close()
 
 
 def run_deployment_and_wait(parameters: dict, deployment: str = "pretrain/tiny", timeout: float = 300.0):

@@ -66,23 +66,31 @@ def test_end_to_end_then_rerun_is_a_no_op(prefect_stack):
 
     # its own dataset (no other test builds it, so every stage runs whatever ran before) and a learning rate
     # at which 8 steps of the micro model learn well beyond noise
+    # lm-evaluation-harness's own arc_easy task, its dataset served by the hub stand-in (tests/prefect_stack.py)
     params = micro("e2e", 8, **{"eval.hellaswag": True, "eval.hellaswag_path": str(HELLASWAG),
+                                "eval.harness_tasks": "arc_easy", "eval.harness_limit": 8,
                                 "data.dataset_name": "micro-e2e", "optim.max_lr": 1e-2, "optim.min_lr": 1e-3})
     fr = run_deployment_and_wait(params)
     assert fr.state.is_completed(), fr.state.message
     arts = artifacts(fr.id)
     summary = {r["key"]: json.loads(r["value"]) for r in arts["pretrain-summary"]}
     assert summary["step"] == 8 and summary["done"] is True
-    # the trainer evaluated its last checkpoint (val + HellaSwag, the flow's settings): the stage finds it
-    assert summary["stages"] == {"data": "ran", "train": "ran", "evaluate": "skipped", "register": "ran",
+    # the trainer evaluated its last checkpoint (val + HellaSwag); the stage added only the harness tasks,
+    # which the trainer does not run (eval.harness_interval=0), as their own task run
+    assert summary["stages"] == {"data": "ran", "train": "ran", "evaluate": "ran", "register": "ran",
                                  "sample": "ran"}
     evaluation = json.loads((Path(summary["checkpoint"]) / "eval.json").read_text())
     assert evaluation["by"] == "trainer"
+    assert set(evaluation["settings"]["evaluations"]) == {"hellaswag", "harness"}
+    arc = evaluation["harness"]["arc_easy"]
+    assert arc["n"] == 8 and round(arc["acc"] * 8, 9).is_integer()
+    assert arc["acc_stderr"] == pytest.approx((arc["acc"] * (1 - arc["acc"]) / 7) ** 0.5)
+    assert any(line.startswith("harness: arc_easy/acc ") for line in summary["evaluation_summary"])
     # it learned: the same validation batches score well below the untrained model's (seeded like the run)
     untrained = untrained_val_loss(params, prefect_stack.home)
     assert summary["val_loss"] < untrained - 0.3, (summary["val_loss"], untrained)
     # HellaSwag: counts over the 7 examples, the numbers the trainer wrote, not a range that cannot fail
-    hs = summary["hellaswag"]
+    hs = summary["evaluations"]["hellaswag"]
     assert hs["n"] == 7 and round(hs["acc_norm"] * 7, 9).is_integer() and round(hs["acc"] * 7, 9).is_integer()
     assert (hs["acc"], hs["acc_norm"]) == (evaluation["hellaswag"]["acc"], evaluation["hellaswag"]["acc_norm"])
     assert summary["model_version"] == "models:/micro-e2e/1"
@@ -97,16 +105,22 @@ def test_end_to_end_then_rerun_is_a_no_op(prefect_stack):
     board = arts["leaderboard-micro-e2e"]  # the registered versions, side by side (tasks/leaderboard.py)
     assert [(r["version"], r["aliases"], r["step"]) for r in board] == [(1, "best,latest", 8)]
     assert board[0]["val_loss"] == pytest.approx(summary["val_loss"], rel=1e-6)
-    assert board[0]["hellaswag_acc_norm"] == pytest.approx(summary["hellaswag"]["acc_norm"])
+    assert board[0]["hellaswag_acc_norm"] == pytest.approx(hs["acc_norm"])
+    assert (board[0]["harness_arc_easy_acc"], board[0]["harness_arc_easy_acc_stderr"]) == \
+        pytest.approx((arc["acc"], arc["acc_stderr"]))
     ran = task_runs(fr.id)
-    for prefix in ("download", "train e2e", "register micro-e2e step 8", "leaderboard", "sample"):
+    for prefix in ("download", "train e2e", "harness step 8", "register micro-e2e step 8", "leaderboard", "sample"):
         assert [n for n in started(ran, prefix) if ran[n] == "Completed"], (prefix, ran)
+    assert not started(ran, "val step 8") and not started(ran, "hellaswag step 8")  # the trainer's, kept
     # MLflow: the version holds this checkpoint, and the shipper sent the training curve
     mlc = MlflowClient(prefect_stack.mlflow_uri, registry_uri=prefect_stack.mlflow_uri)
     mv = mlc.get_model_version("micro-e2e", "1")
     ckpt = Path(summary["checkpoint"])
     assert mv.tags["checkpoint_sha256"] == file_sha256(ckpt / "model.safetensors")
     assert mv.tags["flow_run_id"] == str(fr.id)
+    logged = {m.key: m.value for m in mlc.get_logged_model(mv.model_id).metrics}
+    assert (logged["harness/arc_easy/acc"], logged["harness/arc_easy/acc_stderr"]) == \
+        pytest.approx((arc["acc"], arc["acc_stderr"]))
     losses = mlc.get_metric_history(mv.run_id, "train/loss")
     assert sorted(m.step for m in losses) == list(range(1, 9))
 

@@ -4,6 +4,7 @@ share an eval.contamination_ngram-token n-gram with the run's training shards; o
 from __future__ import annotations
 
 from gptcore.evals import Context, Evaluation
+from gptcore.evals.hellaswag import examples
 
 
 class Contamination(Evaluation):
@@ -15,22 +16,18 @@ class Contamination(Evaluation):
     def settings(self, cfg) -> dict:
         return {"ngram": cfg.eval.contamination_ngram, "hellaswag_limit": cfg.eval.hellaswag_limit}
 
+    def prepare(self, ctx: Context) -> None:
+        examples(ctx)  # every rank: reading the examples is collective (rank 0 reads, the others receive)
+
     def run(self, ctx: Context) -> dict:
-        # imported when it runs: reading the registry must not import torch (see evals/hellaswag.py)
-        from gptcore import hellaswag as hs
         from gptcore.data.build import dataset_dir
 
-        cfg = ctx.cfg
-        # every rank: reading the examples is collective under DDP (rank 0 reads, the others receive)
-        examples, reason = hs.shared_examples(cfg, cfg.eval.hellaswag_path or None, cfg.eval.hellaswag_limit,
-                                              master=ctx.rank == 0)
-        if examples is None:
+        found, reason = examples(ctx)
+        if found is None:
             return {"skipped": f"no HellaSwag examples: {reason}"}
-        if ctx.rank != 0:
-            return {}
-        report = hellaswag_report(ctx, examples)
+        report = hellaswag_report(ctx, found)
         if report is None:
-            return {"skipped": f"the training dataset {ctx.data_dir or dataset_dir(cfg)} is not on this machine "
+            return {"skipped": f"the training dataset {ctx.data_dir or dataset_dir(ctx.cfg)} is not on this machine "
                     "(no manifest.json); evaluate where the run's shards are, or pass --data DIR"}
         return {"hellaswag": {f: report[f] for f in ("n", "examples", "contaminated", "share")}}
 

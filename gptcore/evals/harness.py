@@ -1,5 +1,6 @@
 """lm-evaluation-harness tasks as an evaluation (gptcore/harness.py runs them): eval.harness_tasks, each
-task's metrics with the harness's standard errors; on rank 0 (the harness knows nothing of our ranks)."""
+task's metrics with the harness's standard errors; on rank 0 (the harness knows nothing of our ranks).
+During training: every eval.harness_interval steps when set (0 = not during training)."""
 
 from __future__ import annotations
 
@@ -16,9 +17,10 @@ class Harness(Evaluation):
         e = cfg.eval
         return {"tasks": e.harness_task_list, "limit": e.harness_limit, "include_path": e.harness_include_path}
 
+    def interval(self, cfg) -> int | None:
+        return cfg.eval.harness_interval or None
+
     def run(self, ctx: Context) -> dict:
-        if ctx.rank != 0:
-            return {}
         from gptcore.harness import run_tasks  # lm-eval: imported only when a task is asked for
 
         e = ctx.cfg.eval
