@@ -95,7 +95,6 @@ def deploy(deployment: str = "gpt2-124m", notify_block: str | None = None,
     if not silence_seconds >= 60:
         raise ValueError(f"--silence-seconds {silence_seconds} is too short: heartbeats come at most every 30 s "
                          "(PREFECT_FLOWS_HEARTBEAT_FREQUENCY); use at least 60, a few heartbeats")
-    from prefect.blocks.core import Block
     from prefect.client.orchestration import get_client
 
     with get_client(sync_client=True) as c:
@@ -104,13 +103,14 @@ def deploy(deployment: str = "gpt2-124m", notify_block: str | None = None,
         except Exception as e:  # noqa: BLE001 -- ObjectNotFound and friends: say what to do
             raise ValueError(f"deployment pretrain/{deployment} not found ({type(e).__name__}); deploy it first: "
                              "prefect deploy --prefect-file deployments/prefect.yaml --all") from None
-    block_id = None
-    if notify_block:
-        try:
-            block_id = str(Block.load(notify_block)._block_document_id)
-        except Exception as e:  # noqa: BLE001
-            raise ValueError(f"notification block {notify_block!r} not found ({e}); create it first "
-                             "(e.g. a slack-webhook block) and pass its <type>/<name>") from None
+        block_id = None
+        if notify_block:
+            block_type, _, block_name = notify_block.partition("/")
+            try:
+                block_id = str(c.read_block_document_by_name(block_name, block_type, include_secrets=False).id)
+            except Exception as e:  # noqa: BLE001
+                raise ValueError(f"notification block {notify_block!r} not found ({e}); create it first "
+                                 "(e.g. a slack-webhook block) and pass its <type>/<name>") from None
     return (_upsert(build(str(dep.id), deployment, block_id)),
             _upsert(build_unresponsive(str(dep.id), deployment, silence_seconds)))
 

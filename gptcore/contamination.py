@@ -82,25 +82,28 @@ def scan(dataset_dir: Path, manifest: Manifest, wanted: np.ndarray, n: int = NGR
 
 def contamination(dataset_dir: Path, evaluations: dict[str, list[list[int]]], n: int = NGRAM) -> dict:
     """Per evaluation: how many of its examples (each a token list: context and endings together) share an
-    n-gram with the training shards. Cached per (manifest, n, examples) under <dataset>/contamination/."""
+    n-gram with the training shards. Cached per (manifest, n, examples) under <dataset>/contamination/;
+    the evaluations not cached yet share one scan of the shards."""
     dataset_dir = Path(dataset_dir)
     manifest = Manifest.load(dataset_dir)
-    out = {}
+    out, todo = {}, {}
     for name, examples in evaluations.items():
         content = hashlib.sha256(json.dumps([n, examples]).encode()).hexdigest()[:16]
-        cache = dataset_dir / CACHE_DIR / f"{name}-n{n}-{manifest.id}-{content}.json"
-        report = read_json(cache, {})
-        if not report:
-            hashes, owners = example_hashes(examples, n)
-            unique = np.unique(hashes)
-            seen = unique[scan(dataset_dir, manifest, unique, n)]
+        cache = dataset_dir / CACHE_DIR / f"{name.replace('/', '--')}-n{n}-{manifest.id}-{content}.json"
+        out[name] = read_json(cache, {})
+        if not out[name]:
+            todo[name] = (cache, *example_hashes(examples, n))
+    if todo:
+        unique = np.unique(np.concatenate([hashes for _, hashes, _ in todo.values()]))
+        seen = unique[scan(dataset_dir, manifest, unique, n)]
+        for name, (cache, hashes, owners) in todo.items():
+            examples = evaluations[name]
             ids = sorted({int(i) for i in owners[np.isin(hashes, seen)]})
-            report = {"n": n, "examples": len(examples), "contaminated": len(ids),
-                      "share": len(ids) / len(examples) if examples else 0.0, "ids": ids,
-                      "manifest_id": manifest.id}
+            out[name] = {"n": n, "examples": len(examples), "contaminated": len(ids),
+                         "share": len(ids) / len(examples) if examples else 0.0, "ids": ids,
+                         "manifest_id": manifest.id}
             try:
-                write_json(cache, report)
+                write_json(cache, out[name])
             except OSError:  # a read-only dataset: reported all the same, only not remembered
                 pass
-        out[name] = report
     return out

@@ -155,6 +155,37 @@ def run_tasks(model: torch.nn.Module, tasks: list[str], device, autocast_ctx=Non
     return out
 
 
+def task_documents(tasks: list[str], include_path: str | None = None,
+                   limit: int | None = None) -> dict[str, list[list[int]] | str]:
+    """Each task's evaluated documents as token lists (its prompt and every choice, the text the model
+    reads), for the contamination scan (gptcore/contamination.py); a reason instead for a task that cannot
+    be loaded. `limit`: the first documents, as run_tasks scores them."""
+    from lm_eval.api.task import Task
+    from lm_eval.tasks import TaskManager, get_task_dict
+
+    manager = TaskManager(include_path=include_path) if include_path else TaskManager()
+    out: dict[str, list[list[int]] | str] = {}
+    for name in tasks:
+        try:
+            task = get_task_dict([name], manager).get(name) if name in manager.all_tasks else None
+            if not isinstance(task, Task):
+                out[name] = "not a single task the harness knows (a group: name its tasks)"
+                continue
+            docs = list(task.eval_docs)[:limit or None]
+            out[name] = [document_tokens(task, doc) for doc in docs]
+        except Exception as e:  # noqa: BLE001 - as in run_tasks: the dataset unreachable is a skip
+            out[name] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def document_tokens(task, doc) -> list[int]:
+    """One document's text as the model reads it: the prompt, then each choice (or the target)."""
+    parts = [task.doc_to_text(doc)]
+    parts += task.doc_to_choice(doc) if task.OUTPUT_TYPE == "multiple_choice" else [task.doc_to_target(doc)]
+    encoding = get_encoding()
+    return [t for part in parts if isinstance(part, str) for t in encoding.encode(" " + part, allowed_special="all")]
+
+
 @contextmanager
 def random_state_kept(device):
     """The harness seeds Python's, numpy's and torch's generators (its few-shot sampling is reproducible);

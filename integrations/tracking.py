@@ -110,6 +110,7 @@ class Shipper:
         self._final_ok = False
         self.system_metrics_interval = system_metrics_interval  # seconds between samples; 0 = off
         self._monitor = None  # mlflow's SystemMetricsMonitor, while it runs
+        self._monitor_thread: threading.Thread | None = None  # its loop's thread
 
     # cursor: {"tracking_uri", "run_id", "offset"}; another server means starting over at offset 0
     def _load_cursor(self) -> dict:
@@ -233,14 +234,19 @@ class Shipper:
         """(Re)start the system-metrics monitor: it ends itself when it cannot reach the server."""
         if not self.system_metrics_interval or self.run_id is None:
             return
-        if self._monitor is not None and self._monitor._process is not None and self._monitor._process.is_alive():
+        if self._monitor_thread is not None and self._monitor_thread.is_alive():
             return
         from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
         try:
             self._monitor = SystemMetricsMonitor(self.run_id, sampling_interval=self.system_metrics_interval,
                                                  resume_logging=True, tracking_uri=self.uri)
+            before = set(threading.enumerate())
             self._monitor.start()
+            # the monitor's own thread (its loop ends when the server cannot be reached), found through
+            # threading's public API rather than the monitor's private attribute
+            self._monitor_thread = next((t for t in threading.enumerate() if t not in before
+                                         and t.name == "SystemMetricsMonitor"), None)
         except Exception as e:  # noqa: BLE001 -- system metrics are a view, never a reason to stop
             log.warning("system metrics are off for this run (%s: %s)", type(e).__name__, e)
             self.system_metrics_interval = 0.0

@@ -151,11 +151,16 @@ def eager_job(ds, tmp_path_factory):
 
 def test_the_compiled_job_with_evaluation_trains_and_evaluates_like_eager(ds, reference, eager_job, tmp_path):
     """What GPUs run: DDP wrapped first, then torch.compile (DDPOptimizer splits the graph at bucket
-    boundaries), with validation, HellaSwag, samples and checkpoints on. The training losses are the eager
-    run's without evaluation (evaluation leaves the trajectory alone), val loss and HellaSwag are the
-    eager run's, each checkpoint carries its evaluation, and no evaluation makes dynamo compile a graph."""
+    boundaries), with validation, HellaSwag, samples and checkpoints on, and an lm-evaluation-harness task
+    at its own interval (rank 0 scores it while rank 1 waits). The training losses are the eager run's
+    without evaluation (evaluation leaves the trajectory alone), val loss and HellaSwag are the eager run's,
+    each checkpoint carries its evaluation, and no evaluation makes dynamo compile a graph."""
+    from tests.test_harness import toy_task
+
     run = tmp_path / "compiled"
-    proc = start(torchrun_cmd(args(ds, run, *EVALS, "train.compile=true")), tmp_path, tmp_path / "log")
+    tasks = toy_task(tmp_path / "tasks", n=8)
+    harness = ["eval.harness_tasks=toy_choice", f"eval.harness_include_path={tasks}", "eval.harness_interval=8"]
+    proc = start(torchrun_cmd(args(ds, run, *EVALS, *harness, "train.compile=true")), tmp_path, tmp_path / "log")
     assert proc.wait(timeout=900) == 0, (tmp_path / "log").read_text()[-3000:]
     log = (tmp_path / "log").read_text()
     assert "world=2 accum=2" in log and "compile=True" in log
@@ -169,6 +174,11 @@ def test_the_compiled_job_with_evaluation_trains_and_evaluates_like_eager(ds, re
             (want[s]["hellaswag/acc"], want[s]["hellaswag/acc_norm"]), s
         ev = json.loads((R.step_dir(run, s) / R.EVAL_FILE).read_text())  # evaluated after the checkpoint
         assert ev["val_loss"] == got[s]["val/loss"] and ev["hellaswag"]["n"] == 7
+        # the harness at its interval (8) and the end, with its standard errors; not in between
+        assert ("harness" in ev) == (s in (8, 14)) == ("harness/toy_choice/acc_stderr" in got[s]), s
+        if s in (8, 14):
+            assert ev["harness"]["toy_choice"]["n"] == 8
+            assert ev["settings"]["evaluations"]["harness"]["tasks"] == ["toy_choice"]
     graphs = [got[s]["compile/unique_graphs"] for s in sorted(got)]  # torch._dynamo's own counter
     assert graphs[0] > 0 and len(set(graphs)) == 1, graphs  # no graph compiled after the first evaluation
     assert sorted(r["step"] for r in read_metrics(run / "metrics.jsonl", "sample")) == [4, 8, 12, 14]

@@ -14,10 +14,12 @@ from pathlib import Path
 
 import numpy as np
 
+from gptcore import launch
 from gptcore.checkpoint import load_model
 from gptcore.data.shard_format import Manifest, ShardInfo, write_shard
 from gptcore.metrics import read_metrics
 from gptcore.run_files import step_dir
+from integrations.processes import tree_of
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -62,8 +64,8 @@ def python_cmd(args: list[str]) -> list[str]:
 
 
 def torchrun_cmd(args: list[str], nproc: int = 2) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            "-m", "gptcore.train", *args]
+    """The command the train task runs (gptcore.launch), for a preset and `key=value` overrides as a list."""
+    return launch.torchrun_cmd(args[0], None, nproc) + list(args[1:])
 
 
 def run(cmd: list[str], cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -101,20 +103,8 @@ def wait_for_text(log: Path, text: str, count: int = 1, timeout: float = 120) ->
 
 def descendants(pid: int) -> list[int]:
     """Child processes, recursively (torchrun starts its workers in new sessions, so a process-group
-    signal does not reach them)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    out, todo = [], [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
+    signal does not reach them): integrations.processes, psutil's tree without `pid` itself."""
+    return [p for p in tree_of(pid) if p != pid]
 
 
 def kill_tree(proc: subprocess.Popen, sig=signal.SIGKILL) -> None:

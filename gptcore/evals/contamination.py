@@ -1,45 +1,74 @@
-"""Contamination as an evaluation (gptcore/contamination.py scans): the share of HellaSwag's examples that
-share an eval.contamination_ngram-token n-gram with the run's training shards; on rank 0."""
+"""Contamination as an evaluation (gptcore/contamination.py scans): the share of each evaluation's
+documents (HellaSwag's examples, each harness task's documents) that share an eval.contamination_ngram-token
+n-gram with the run's training shards; on rank 0, one scan of the shards for all of them."""
 
 from __future__ import annotations
 
 from gptcore.evals import Context, Evaluation
 from gptcore.evals.hellaswag import examples
 
+FIELDS = ("n", "examples", "contaminated", "share")
+
 
 class Contamination(Evaluation):
     name = "contamination"
 
     def enabled(self, cfg) -> bool:
-        return cfg.eval.contamination_ngram > 0 and cfg.eval.hellaswag
+        return cfg.eval.contamination_ngram > 0 and (cfg.eval.hellaswag or bool(cfg.eval.harness_task_list))
 
     def settings(self, cfg) -> dict:
-        return {"ngram": cfg.eval.contamination_ngram, "hellaswag_limit": cfg.eval.hellaswag_limit}
+        e = cfg.eval
+        return {"ngram": e.contamination_ngram, "hellaswag_limit": e.hellaswag_limit if e.hellaswag else None,
+                "harness_tasks": e.harness_task_list, "harness_limit": e.harness_limit,
+                "harness_include_path": e.harness_include_path}
 
     def prepare(self, ctx: Context) -> None:
-        examples(ctx)  # every rank: reading the examples is collective (rank 0 reads, the others receive)
+        if ctx.cfg.eval.hellaswag:
+            examples(ctx)  # every rank: reading the examples is collective (rank 0 reads, the others receive)
 
     def run(self, ctx: Context) -> dict:
+        from gptcore.contamination import contamination
         from gptcore.data.build import dataset_dir
 
-        found, reason = examples(ctx)
-        if found is None:
-            return {"skipped": f"no HellaSwag examples: {reason}"}
-        report = hellaswag_report(ctx, found)
-        if report is None:
-            return {"skipped": f"the training dataset {ctx.data_dir or dataset_dir(ctx.cfg)} is not on this machine "
-                    "(no manifest.json); evaluate where the run's shards are, or pass --data DIR"}
-        return {"hellaswag": {f: report[f] for f in ("n", "examples", "contaminated", "share")}}
+        e, out, documents = ctx.cfg.eval, {}, {}
+        if e.hellaswag:
+            found, reason = examples(ctx)
+            if found is None:
+                out["hellaswag"] = {"skipped": f"no HellaSwag examples: {reason}"}
+            else:
+                documents["hellaswag"] = [ex.tokens for ex in found]
+        if e.harness_task_list:
+            from gptcore.harness import task_documents  # lm-eval: only when harness tasks are asked for
+
+            for task, docs in task_documents(e.harness_task_list, e.harness_include_path or None,
+                                             e.harness_limit or None).items():
+                if isinstance(docs, str):
+                    out.setdefault("harness", {})[task] = {"skipped": docs}
+                else:
+                    documents[f"harness/{task}"] = docs
+        data = ctx.data_dir or dataset_dir(ctx.cfg)
+        if not (data / "manifest.json").is_file():
+            return {"skipped": f"the training dataset {data} is not on this machine (no manifest.json); "
+                    "evaluate where the run's shards are, or pass --data DIR"}
+        for name, report in contamination(data, documents, e.contamination_ngram).items():
+            group, _, task = name.partition("/")  # "hellaswag" or "harness/<task>"
+            row = {f: report[f] for f in FIELDS}
+            if task:
+                out.setdefault(group, {})[task] = row
+            else:
+                out[group] = row
+        return out
 
 
-def hellaswag_report(ctx: Context, examples: list) -> dict | None:
-    """gptcore.contamination's report on HellaSwag's `examples` against the run's training shards (cached
-    beside the manifest); None when that dataset is not on this machine."""
+def hellaswag_report(ctx: Context, found: list) -> dict | None:
+    """gptcore.contamination's report on HellaSwag's examples against the run's training shards (cached
+    beside the manifest, shared with the Contamination evaluation); None when that dataset is not on this
+    machine."""
     from gptcore.contamination import contamination
     from gptcore.data.build import dataset_dir
 
     data = ctx.data_dir or dataset_dir(ctx.cfg)
     if not (data / "manifest.json").is_file():
         return None
-    return contamination(data, {"hellaswag": [ex.tokens for ex in examples]}, ctx.cfg.eval.contamination_ngram
+    return contamination(data, {"hellaswag": [ex.tokens for ex in found]}, ctx.cfg.eval.contamination_ngram
                          )["hellaswag"]
