@@ -175,14 +175,14 @@ def m_stage(corpus: Path, out: Path, workers: int):
 
 def m_prefect(corpus: Path, out: Path, workers: int):
     os.environ["GPTPIPE_HOME"] = str(out)
-    from gptcore.data import build
+    from gptcore.data import location
     from tasks.tokenize import tokenize_dataset
     cfg = _stage_cfg(corpus, workers)
     t0 = time.perf_counter()
     tokenize_dataset(cfg)
     dt = time.perf_counter() - t0
     from gptcore.data.shard_format import Manifest
-    return Manifest.load(build.dataset_dir(cfg)).total_tokens(), dt
+    return Manifest.load(location.dataset_dir(cfg)).total_tokens(), dt
 
 
 METHODS = {"ideal": m_ideal, "batch": m_batch, "naive": m_naive, "stage": m_stage, "prefect": m_prefect}
@@ -223,7 +223,7 @@ def run_one(method, corpus, out, workers, env=None, rss=False) -> dict:
 def overheads(corpus: Path, tmp: Path, tokens: int) -> dict:
     import pyarrow.parquet as pq
 
-    from gptcore.data.build import join_documents
+    from gptcore.data.tokenizing import join_documents
     from gptcore.data.shard_format import write_shard_chunks
     res = {}
     t0 = time.perf_counter()

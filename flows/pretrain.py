@@ -168,10 +168,10 @@ class Stages:
 def data_stage(cfg: RunConfig, stage: Stages, dask_address: str = "") -> tuple[str, dict]:
     """(dataset dir, {"train": tokens, "val": tokens}) after making the dataset (or finding it complete),
     tokenized on the Dask cluster at `dask_address` when one is given; the shard table artifact."""
-    from gptcore.data import build
+    from gptcore.data import location
     from gptcore.data.shard_format import Manifest
 
-    dataset_dir, why = str(build.dataset_dir(cfg)), build.why_incomplete(cfg)
+    dataset_dir, why = str(location.dataset_dir(cfg)), location.why_incomplete(cfg)
     if why is not None:
         from tasks.download import download_task
         from tasks.tokenize import tokenize_dataset
@@ -183,7 +183,7 @@ def data_stage(cfg: RunConfig, stage: Stages, dask_address: str = "") -> tuple[s
             for s in Manifest.load(Path(dataset_dir)).shards]
     tokens = {split: sum(r["tokens"] for r in rows if r["split"] == split) for split in ("train", "val")}
     stage("data", "ran" if why else "skipped", f"{dataset_dir}: {len(rows)} shards, {tokens['train']:,} train "
-          f"tokens{'' if why else f' (complete; checked: {build.CHECKED})'}")
+          f"tokens{'' if why else f' (complete; checked: {location.CHECKED})'}")
     create_table_artifact(rows, key=artifact_key(cfg.run_name, "shards"),
                           description=f"Shards of {dataset_dir} ({tokens['train']:,} train / {tokens['val']:,} "
                                       "val tokens)")

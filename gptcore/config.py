@@ -94,7 +94,7 @@ class DataConfig:
     dataset_name: str = ""  # shard directory name under <home>/shards; "" = derived from the source
     max_docs: int = 0  # 0 = all documents (useful to cap a hub download for a smoke run)
     num_workers: int = 0  # tokenize processes; 0 = one per core
-    dataset_dir: str = ""  # train on this shard directory; "" = gptcore.data.build.dataset_dir(cfg)
+    dataset_dir: str = ""  # train on this shard directory; "" = gptcore.data.location.dataset_dir(cfg)
     piece_bytes: int = 32_000_000  # source text per tokenize piece (unit of parallel work and of resume)
     strict_utf8: bool = False  # .txt sources: fail on invalid UTF-8 instead of replacing it (and warning)
 

@@ -98,7 +98,7 @@ def evaluate_model(model: torch.nn.Module, cfg: RunConfig, device, autocast_ctx=
     out: dict = {}
     if val and wanted("val"):
         if manifest_dir is None:
-            from gptcore.data.build import dataset_dir
+            from gptcore.data.location import dataset_dir
             manifest_dir = dataset_dir(cfg)
         out["val_loss"] = validation_loss(model, cfg, manifest_dir, device, autocast_ctx, rank, world)
         out["val_tokens"] = cfg.eval.val_tokens

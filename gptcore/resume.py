@@ -19,7 +19,7 @@ import torch
 
 from gptcore import checkpoint, distributed, run_files
 from gptcore.config import RunConfig
-from gptcore.data.build import SHARD_HASHES, dataset_dir  # the hash cache's name; the run dir keeps a copy
+from gptcore.data.location import SHARD_HASHES, dataset_dir  # the hash cache's name; the run dir keeps a copy
 from gptcore.data.loader import ShardLoader, open_dataset, verify_hashes
 from gptcore.data.shard_format import Manifest
 from gptcore.files import read_json

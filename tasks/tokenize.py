@@ -2,11 +2,11 @@
 
     dataset_dir = tokenize_dataset(cfg)      # cfg: RunConfig or cfg.to_dict()
 
-The `tokenize` flow plans the pieces (gptcore.data.build.plan_pieces), maps `tokenize-piece` tasks over
+The `tokenize` flow plans the pieces (gptcore.data.planning.plan_pieces), maps `tokenize-piece` tasks over
 the ones not yet done on the task runner (by default a ProcessPoolTaskRunner with data.num_workers
 processes; pass a DaskTaskRunner / RayTaskRunner from prefect-dask / prefect-ray to spread pieces over
 machines sharing GPTPIPE_HOME), and cuts the shards in order in the flow's own process as the pieces
-before each shard's end complete (gptcore.data.build.ShardCutter). The result does not depend on how many
+before each shard's end complete (gptcore.data.cutting.ShardCutter). The result does not depend on how many
 workers ran or in which order pieces finished. A finished dataset is verified and skipped. While it
 works, the progress artifact `<dataset>-tokenize` counts the pieces done (integrations/progress.py).
 """
@@ -22,21 +22,21 @@ from prefect.task_runners import ProcessPoolTaskRunner, TaskRunner
 from prefect.utilities.annotations import unmapped
 
 from gptcore.config import RunConfig
-from gptcore.data import build
+from gptcore.data import build, location, planning, tokenizing
 from integrations.progress import PieceProgress
 from tasks.download import as_config
 
 
 @task(name="tokenize-piece", retries=1, cache_policy=NO_CACHE)
-def tokenize_piece_task(cfg: dict, piece: build.Piece) -> tuple[int, int]:
+def tokenize_piece_task(cfg: dict, piece: planning.Piece) -> tuple[int, int]:
     """Tokenize one piece (skips if already verified); returns its index and token count."""
-    return piece.index, build.tokenize_piece(as_config(cfg), piece)
+    return piece.index, tokenizing.tokenize_piece(as_config(cfg), piece)
 
 
 def _piece_tasks(cfg: RunConfig, pieces: list, todo: list, piece_done) -> None:
     """build.build's workers: one tokenize-piece task per piece on the flow's task runner, handed to the
     shard cutter (here, in the flow's process) as they complete."""
-    progress = PieceProgress(build.dataset_dir(cfg).name, len(todo), len(pieces), get_run_logger())
+    progress = PieceProgress(location.dataset_dir(cfg).name, len(todo), len(pieces), get_run_logger())
     for future in as_completed(tokenize_piece_task.map(unmapped(cfg.to_dict()), todo)):
         index, tokens = future.result()  # a failed piece raises here
         piece_done(index, tokens)
@@ -47,15 +47,15 @@ def _piece_tasks(cfg: RunConfig, pieces: list, todo: list, piece_done) -> None:
 def tokenize_flow(cfg: dict) -> str:
     c = as_config(cfg)
     build.build(c, _piece_tasks, say=get_run_logger().info)
-    return str(build.dataset_dir(c))
+    return str(location.dataset_dir(c))
 
 
 def tokenize_dataset(cfg: RunConfig | dict, task_runner: TaskRunner | None = None) -> str:
     """Run the `tokenize` flow (as a subflow when called inside a flow); returns the dataset directory.
     Skips at once when the dataset is already complete."""
     c = as_config(cfg)
-    if build.why_incomplete(c) is None:
-        return str(build.dataset_dir(c))
+    if location.why_incomplete(c) is None:
+        return str(location.dataset_dir(c))
     workers = c.data.num_workers or os.cpu_count() or 1
     runner = task_runner or ProcessPoolTaskRunner(max_workers=workers)
     return tokenize_flow.with_options(task_runner=runner)(c.to_dict())

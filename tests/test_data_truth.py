@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from gptcore.config import load_config
-from gptcore.data import build
+from gptcore.data import location
 from gptcore.data.shard_format import Manifest
 from tests.test_train_utils import env, make_dataset, python_cmd
 
@@ -47,7 +47,7 @@ def src(tmp_path):
 
 
 def dataset(home, src) -> tuple[Path, Manifest]:
-    out = home / "shards" / build.dataset_name(load_config("micro", [*SHARDS, f"data.source={src}"]))
+    out = home / "shards" / location.dataset_name(load_config("micro", [*SHARDS, f"data.source={src}"]))
     return out, Manifest.load(out)
 
 

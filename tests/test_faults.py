@@ -167,7 +167,7 @@ def test_a_shard_that_rots_in_place_is_caught_within_the_epoch_and_rebuilt(tmp_p
     memory do): the trainer's cached check at start-up cannot see it, the loader's background check of the
     shard's first read does, as an event; the next data stage rebuilds it byte-identical."""
     from gptcore.config import load_config
-    from gptcore.data import build
+    from gptcore.data import build, location
     from gptcore.data.loader import ShardLoader
 
     home = tmp_path / "home"
@@ -175,7 +175,7 @@ def test_a_shard_that_rots_in_place_is_caught_within_the_epoch_and_rebuilt(tmp_p
     small = ["data.shard_tokens=20000", "data.max_docs=8", "data.piece_bytes=150000"]
     cfg = load_config("micro", small)
     m = build.run(cfg, workers=1)
-    out = build.dataset_dir(cfg)
+    out = location.dataset_dir(cfg)
     good = {p.name: p.read_bytes() for p in out.glob("*.bin")}
     # the shard the first step reads
     first = ShardLoader(out, 2, 32, 256, cfg.train.seed, manifest=m).locate(0)[1]
@@ -187,12 +187,12 @@ def test_a_shard_that_rots_in_place_is_caught_within_the_epoch_and_rebuilt(tmp_p
         f.seek(st.st_size // 2)
         f.write(bytes([byte[0] ^ 0x10]))
     os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
-    assert build.why_incomplete(cfg) is None  # the cached check: size, mtime and inode unchanged
+    assert location.why_incomplete(cfg) is None  # the cached check: size, mtime and inode unchanged
 
     run_dir = tmp_path / "run"
     # a run that verified these shards on an earlier night holds their hashes by (size, mtime, inode) too
     run_dir.mkdir()
-    (run_dir / "shard_hashes.json").write_bytes((out / build.SHARD_HASHES).read_bytes())
+    (run_dir / "shard_hashes.json").write_bytes((out / location.SHARD_HASHES).read_bytes())
     args = ["micro", *small, f"train.run_dir={run_dir}", "train.micro_batch=2", "train.seq_len=32",
             "train.total_batch_tokens=256", "train.max_steps=8", "train.log_interval=1",
             "train.checkpoint_interval=8", "eval.eval_interval=0", "eval.sample_interval=0", "eval.val_tokens=128"]
@@ -202,7 +202,7 @@ def test_a_shard_that_rots_in_place_is_caught_within_the_epoch_and_rebuilt(tmp_p
     assert len(found) == 1 and found[0].startswith(f"shard {victim.name} (read by rank 0 on host "), found
     assert (run_dir / "DONE").is_file()  # the run went on
 
-    why = build.why_incomplete(cfg)  # the next data stage sees it ...
+    why = location.why_incomplete(cfg)  # the next data stage sees it ...
     assert why is not None and victim.name in why
     build.run(cfg, workers=1)  # ... and rebuilds it
     assert {p.name: p.read_bytes() for p in out.glob("*.bin")} == good

@@ -31,13 +31,13 @@ def untrained_val_loss(params: dict, home: Path) -> float:
     import torch
 
     from gptcore.config import load_config
-    from gptcore.data import build
+    from gptcore.data import location
     from gptcore.evaluate import validation_loss
     from gptcore.model import GPT
 
     cfg = load_config(params["preset"], params["overrides"])
     torch.manual_seed(cfg.train.seed)
-    return validation_loss(GPT(cfg.model), cfg, home / "shards" / build.dataset_name(cfg), "cpu")
+    return validation_loss(GPT(cfg.model), cfg, home / "shards" / location.dataset_name(cfg), "cpu")
 
 
 def started(names: dict[str, str], prefix: str) -> list[str]:
@@ -118,7 +118,7 @@ def test_end_to_end_then_rerun_is_a_no_op(prefect_stack):
     ckpt = Path(summary["checkpoint"])
     assert mv.tags["checkpoint_sha256"] == file_sha256(ckpt / "model.safetensors")
     assert mv.tags["flow_run_id"] == str(fr.id)
-    logged = {m.key: m.value for m in mlc.get_logged_model(mv.model_id).metrics}
+    logged = {m.key: m.value for m in mlc.get_logged_model(mv.source.removeprefix("models:/")).metrics}
     assert (logged["harness/arc_easy/acc"], logged["harness/arc_easy/acc_stderr"]) == \
         pytest.approx((arc["acc"], arc["acc_stderr"]))
     losses = mlc.get_metric_history(mv.run_id, "train/loss")
@@ -335,7 +335,7 @@ def test_the_deployment_tokenizes_on_the_dask_cluster_it_is_given(prefect_stack,
     from distributed import Client, LocalCluster
 
     from gptcore.config import load_config
-    from gptcore.data import build
+    from gptcore.data import build, location, shard_format
 
     monkeypatch.setenv("GPTPIPE_HOME", str(prefect_stack.home))  # the cluster's workers inherit these
     monkeypatch.setenv("PREFECT_API_URL", prefect_stack.prefect_api_url)
@@ -351,9 +351,9 @@ def test_the_deployment_tokenizes_on_the_dask_cluster_it_is_given(prefect_stack,
         prefixes = client.run_on_scheduler(lambda dask_scheduler: sorted(dask_scheduler.task_prefixes))
     assert "tokenize_piece_task" in prefixes, prefixes  # the pieces ran on the cluster
     cfg = load_config("micro", {k: v for k, v in over.items()})
-    built = build.dataset_dir(cfg)
+    built = location.dataset_dir(cfg)
     reference = build.run(load_config("micro", {**over, "data.dataset_name": "dask-reference"}), workers=1)
-    assert [s.sha256 for s in reference.shards] == [s.sha256 for s in build.Manifest.load(built).shards]
+    assert [s.sha256 for s in reference.shards] == [s.sha256 for s in shard_format.Manifest.load(built).shards]
 
 
 def test_concurrency_slot_set_up_by_many_flow_runs_at_once(prefect_stack):

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pytest
 
 from gptcore.config import load_config
-from gptcore.data import build, sources
+from gptcore.data import build, location, sources
 from gptcore.data.shard_format import read_shard
 from gptcore.tokenizer import EOT, get_encoding
 from tests.hub_standin import parquet_bytes
@@ -30,7 +30,7 @@ def hub_cfg(repo: str, *ov):
 
 def tokens_of(cfg) -> np.ndarray:
     m = build.run(cfg, workers=1)
-    return np.concatenate([np.asarray(read_shard(build.dataset_dir(cfg) / s.name)) for s in m.shards]), m
+    return np.concatenate([np.asarray(read_shard(location.dataset_dir(cfg) / s.name)) for s in m.shards]), m
 
 
 def expected(texts: list[str]) -> np.ndarray:
@@ -55,7 +55,7 @@ def test_only_the_requested_split_is_tokenized_and_the_commit_is_recorded(three_
                               "commit": three_splits.commit, "documents": "all"}
     got, m = tokens_of(hub_cfg(SPLITS, "data.hf_split=validation"))
     assert np.array_equal(got, expected(docs("validation", 3)))
-    assert build.dataset_dir(hub_cfg(SPLITS, "data.hf_split=validation")).name.endswith("-validation-1024")
+    assert location.dataset_dir(hub_cfg(SPLITS, "data.hf_split=validation")).name.endswith("-validation-1024")
 
 
 def test_an_unknown_split_or_config_names_the_ones_that_exist(three_splits):
@@ -71,7 +71,7 @@ def test_a_moved_branch_is_a_changed_source_rebuilt_under_a_new_manifest_id(thre
     files = {"README.md": b"# no YAML header\n",
              "data/train-00000-of-00001.parquet": parquet_bytes(pa.table({"text": docs("train", 5, " v2")}))}
     moved = three_splits.publish(SPLITS, files)  # main moves to a commit with other training text
-    why = build.why_incomplete(cfg)  # the flow's skip check asks the hub (one request), downloads nothing
+    why = location.why_incomplete(cfg)  # the flow's skip check asks the hub (one request), downloads nothing
     old = first.source["hf"]["commit"]
     assert why == f"the source changed: {SPLITS}@main moved from commit {old[:12]} to {moved[:12]}"
     got, second = tokens_of(cfg)

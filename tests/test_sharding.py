@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from gptcore.config import load_config
-from gptcore.data import build, sources
+from gptcore.data import build, cutting, location, planning, shard_format, sources, tokenizing
 from gptcore.data.shard_format import Manifest, read_shard
 from gptcore.tokenizer import EOT, get_encoding
 
@@ -45,7 +45,7 @@ def expected_tokens(texts) -> np.ndarray:
 def test_shards_hold_every_document_preceded_by_eot():
     cfg = cfg_of()
     m = build.run(cfg, workers=2)
-    out = build.dataset_dir(cfg)
+    out = location.dataset_dir(cfg)
     texts = pq.read_table(sources.BUILTIN, columns=["text"]).column("text").to_pylist()[:8]
     want = expected_tokens(texts)
     got = np.concatenate([np.asarray(read_shard(out / s.name)) for s in m.shards])
@@ -57,13 +57,13 @@ def test_shards_hold_every_document_preceded_by_eot():
     assert m.shards[1].source_range["tokens"] == [20000, 40000]
     last_doc = m.shards[-1].source_range["docs"][1]
     assert last_doc == 7
-    assert not list((out / build.PIECES).glob("*.bin"))  # work files cleaned up
+    assert not list((out / location.PIECES).glob("*.bin"))  # work files cleaned up
     assert Manifest.load(out).id == m.id
 
 
 def test_numpy_encoding_path_matches_encode_ordinary():
     tricky = ["", "hello <|endoftext|> world", "  spaces\n\n\ttabs ", "naïve café 東京 🙂", "a" * 5000]
-    got = build.encode_documents(tricky, threads=2)
+    got = tokenizing.encode_documents(tricky, threads=2)
     assert np.array_equal(got, expected_tokens(tricky))
 
 
@@ -73,16 +73,16 @@ def test_output_identical_for_any_worker_count_and_completion_order():
     b = cfg_of("data.dataset_name=two")
     build.run(b, workers=3)
     c = cfg_of("data.dataset_name=one")  # same name -> same file names; pieces done in reverse order
-    c.data.dataset_dir = str(build.pipeline_home() / "reverse")
-    pieces = build.plan_pieces(c, sources.fetch(c))
+    c.data.dataset_dir = str(location.pipeline_home() / "reverse")
+    pieces = planning.plan_pieces(c, sources.fetch(c))
     assert len(pieces) >= 3
     for p in reversed(pieces):
-        build.tokenize_piece(c, p, threads=1)
-    mc = build.ShardCutter(c, pieces).finish()
-    one = shard_bytes(build.dataset_dir(a))
-    assert one == shard_bytes(build.dataset_dir(c))
-    assert list(one.values()) == list(shard_bytes(build.dataset_dir(b)).values())
-    assert Manifest.load(build.dataset_dir(a)).id == mc.id
+        tokenizing.tokenize_piece(c, p, threads=1)
+    mc = cutting.ShardCutter(c, pieces).finish()
+    one = shard_bytes(location.dataset_dir(a))
+    assert one == shard_bytes(location.dataset_dir(c))
+    assert list(one.values()) == list(shard_bytes(location.dataset_dir(b)).values())
+    assert Manifest.load(location.dataset_dir(a)).id == mc.id
 
 
 def test_shards_are_cut_while_later_pieces_are_still_tokenizing():
@@ -91,24 +91,24 @@ def test_shards_are_cut_while_later_pieces_are_still_tokenizing():
     ref = cfg_of()
     build.run(ref, workers=1)
     cfg = cfg_of()
-    cfg.data.dataset_dir = str(build.pipeline_home() / "streamed")
-    out = build.dataset_dir(cfg)
-    pieces = build.plan_pieces(cfg, sources.fetch(cfg))
-    cutter = build.ShardCutter(cfg, pieces, pieces)
+    cfg.data.dataset_dir = str(location.pipeline_home() / "streamed")
+    out = location.dataset_dir(cfg)
+    pieces = planning.plan_pieces(cfg, sources.fetch(cfg))
+    cutter = cutting.ShardCutter(cfg, pieces, pieces)
     for p in pieces[:-1]:
-        build.tokenize_piece(cfg, p, threads=1)
+        tokenizing.tokenize_piece(cfg, p, threads=1)
         cutter.piece_done(p.index)
     early = shard_bytes(out)
     assert len(early) >= 2 and not (out / "manifest.json").exists()  # before the last piece exists
     # a piece's token file goes as soon as the shard holding its last token is written (disk ~1x, not 2x)
-    kept = {p.name for p in (out / build.PIECES).glob("*.bin")}
+    kept = {p.name for p in (out / location.PIECES).glob("*.bin")}
     assert "piece_000000.bin" not in kept and f"piece_{pieces[-2].index:06d}.bin" in kept
-    build.tokenize_piece(cfg, pieces[-1], threads=1)
+    tokenizing.tokenize_piece(cfg, pieces[-1], threads=1)
     cutter.piece_done(pieces[-1].index)
     m = cutter.finish()
     final = shard_bytes(out)
-    assert final == shard_bytes(build.dataset_dir(ref)) and all(final[k] == v for k, v in early.items())
-    assert m.id == Manifest.load(build.dataset_dir(ref)).id
+    assert final == shard_bytes(location.dataset_dir(ref)) and all(final[k] == v for k, v in early.items())
+    assert m.id == Manifest.load(location.dataset_dir(ref)).id
 
 
 def test_a_damaged_piece_from_an_earlier_run_is_caught_before_it_is_cut():
@@ -117,19 +117,19 @@ def test_a_damaged_piece_from_an_earlier_run_is_caught_before_it_is_cut():
     ref = cfg_of()
     build.run(ref, workers=1)
     cfg = cfg_of()
-    cfg.data.dataset_dir = str(build.pipeline_home() / "damaged")
-    pieces = build.plan_pieces(cfg, sources.fetch(cfg))
+    cfg.data.dataset_dir = str(location.pipeline_home() / "damaged")
+    pieces = planning.plan_pieces(cfg, sources.fetch(cfg))
     for p in pieces:
-        build.tokenize_piece(cfg, p, threads=1)  # "the earlier run", killed before cutting
-    bad = build.dataset_dir(cfg) / build.PIECES / "piece_000001.bin"
+        tokenizing.tokenize_piece(cfg, p, threads=1)  # "the earlier run", killed before cutting
+    bad = location.dataset_dir(cfg) / location.PIECES / "piece_000001.bin"
     data = bytearray(bad.read_bytes())
     data[-3] ^= 0xFF  # same length: only the hash can tell
     bad.write_bytes(bytes(data))
-    with pytest.raises(build.ShardError, match="piece_000001.bin is missing or corrupt"):
-        build.ShardCutter(cfg, pieces).finish()
+    with pytest.raises(shard_format.ShardError, match="piece_000001.bin is missing or corrupt"):
+        cutting.ShardCutter(cfg, pieces).finish()
     assert not bad.with_suffix(".json").exists()
     build.run(cfg, workers=1)
-    assert shard_bytes(build.dataset_dir(cfg)) == shard_bytes(build.dataset_dir(ref))
+    assert shard_bytes(location.dataset_dir(cfg)) == shard_bytes(location.dataset_dir(ref))
 
 
 def test_second_run_does_no_work(monkeypatch):
@@ -137,25 +137,25 @@ def test_second_run_does_no_work(monkeypatch):
     remembers the hashes it computed while writing), and rewrites nothing. Counted, not timed: a loaded
     machine makes any run slow, and a fast one hides a full re-hash of a small dataset."""
     from gptcore import files
-    from gptcore.data import shard_format
+    from gptcore.data import cutting, location, planning, shard_format
 
     cfg = cfg_of()
     build.run(cfg, workers=1)
-    out = build.dataset_dir(cfg)
+    out = location.dataset_dir(cfg)
     before = {p.name: p.stat().st_mtime_ns for p in out.iterdir() if p.is_file()}
     work = []
 
     def recorded(real):
         return lambda path: work.append(f"hashed {Path(path).name}") or real(path)
 
-    for module in (files, shard_format, build):  # every name a shard or piece is hashed through
+    for module in (files, shard_format, cutting):  # every name a shard or piece is hashed through
         monkeypatch.setattr(module, "file_sha256", recorded(module.file_sha256))
     monkeypatch.setattr(build, "tokenize_piece", lambda cfg, piece, threads: work.append(f"tokenized {piece}"))
     m = build.run(cfg, workers=1)
     assert work == []
     assert {p.name: p.stat().st_mtime_ns for p in out.iterdir() if p.is_file()} == before
-    assert build.why_incomplete(cfg) is None and build.why_incomplete(cfg, full=True) is None
-    assert build.pieces_to_tokenize(cfg, build.plan_pieces(cfg, sources.fetch(cfg))) == []
+    assert location.why_incomplete(cfg) is None and location.why_incomplete(cfg, full=True) is None
+    assert cutting.pieces_to_tokenize(cfg, planning.plan_pieces(cfg, sources.fetch(cfg))) == []
     assert m.id == Manifest.load(out).id
 
 
@@ -241,7 +241,7 @@ def test_two_builds_of_one_dataset_at_once_both_succeed(home, uninterrupted, tmp
 def test_corrupt_and_truncated_shards_are_detected_and_only_they_rebuilt():
     cfg = cfg_of()
     m = build.run(cfg, workers=1)
-    out = build.dataset_dir(cfg)
+    out = location.dataset_dir(cfg)
     good = shard_bytes(out)
     victim, flipped = out / m.shards[3].name, out / m.shards[5].name
     victim.write_bytes(victim.read_bytes()[:-100])  # truncated
@@ -252,7 +252,7 @@ def test_corrupt_and_truncated_shards_are_detected_and_only_they_rebuilt():
         read_shard(victim)
     assert Manifest.load(out).verify(out) == [victim.name]
     assert Manifest.load(out).verify(out, full=True) == [victim.name, flipped.name]
-    assert build.why_incomplete(cfg) is not None
+    assert location.why_incomplete(cfg) is not None
     mtimes = {p.name: p.stat().st_mtime_ns for p in out.glob("*.bin")}
     build.run(cfg, workers=1, full_verify=True)
     assert shard_bytes(out) == good
@@ -270,25 +270,25 @@ def test_a_shard_damaged_in_place_is_rebuilt_by_the_next_plain_run(monkeypatch):
 
     cfg = cfg_of()
     m = build.run(cfg, workers=1)
-    out = build.dataset_dir(cfg)
+    out = location.dataset_dir(cfg)
     good = shard_bytes(out)
     hashed = []
     real = files.file_sha256
     monkeypatch.setattr(files, "file_sha256", lambda p: hashed.append(Path(p).name) or real(p))
-    assert build.why_incomplete(cfg) is None and hashed == []
+    assert location.why_incomplete(cfg) is None and hashed == []
     flipped = out / m.shards[5].name
     data = bytearray(flipped.read_bytes())
     data[2000] ^= 0xFF
     flipped.write_bytes(bytes(data))
-    why = build.why_incomplete(cfg)
+    why = location.why_incomplete(cfg)
     assert why is not None and flipped.name in why and hashed == [flipped.name]
     build.run(cfg, workers=1)
-    assert shard_bytes(out) == good and build.why_incomplete(cfg) is None
+    assert shard_bytes(out) == good and location.why_incomplete(cfg) is None
 
 
 def test_different_spec_cannot_overwrite_a_dataset():
     build.run(cfg_of("data.dataset_name=ds"), workers=1)
-    with pytest.raises(build.DataError, match="different dataset"):
+    with pytest.raises(location.DataError, match="different dataset"):
         build.run(cfg_of("data.dataset_name=ds", "data.max_docs=6"), workers=1)
 
 
@@ -305,25 +305,25 @@ def test_local_mixed_directory(tmp_path):
     cfg = load_config("micro", [f"data.source={src}", "data.text_column=content", "data.shard_tokens=20000",
                                 "data.piece_bytes=20000"])
     m = build.run(cfg, workers=2)
-    got = np.concatenate([np.asarray(read_shard(build.dataset_dir(cfg) / s.name)) for s in m.shards])
+    got = np.concatenate([np.asarray(read_shard(location.dataset_dir(cfg) / s.name)) for s in m.shards])
     assert np.array_equal(got, expected_tokens(texts[:5]))
     assert [f["name"] for f in m.source["files"]] == ["a.parquet", "b.jsonl", "sub/c.txt"]
     # max_docs cuts in the middle of the jsonl file
     cfg3 = load_config("micro", [f"data.source={src}", "data.text_column=content", "data.shard_tokens=20000",
                                  "data.max_docs=3"])
     m3 = build.run(cfg3, workers=1)
-    got3 = np.concatenate([np.asarray(read_shard(build.dataset_dir(cfg3) / s.name)) for s in m3.shards])
+    got3 = np.concatenate([np.asarray(read_shard(location.dataset_dir(cfg3) / s.name)) for s in m3.shards])
     assert np.array_equal(got3, expected_tokens(texts[:3]))
 
 
-def _bad(tmp_path, make, match, *ov, exc=(sources.SourceError, build.DataError)):
+def _bad(tmp_path, make, match, *ov, exc=(sources.SourceError, location.DataError)):
     src = tmp_path / "bad"
     src.mkdir(exist_ok=True)
     make(src)
     cfg = load_config("micro", [f"data.source={src}", "data.shard_tokens=20000", *ov])
     with pytest.raises(exc, match=match):
         build.run(cfg, workers=1)
-    out = build.dataset_dir(cfg)
+    out = location.dataset_dir(cfg)
     assert not (out / "manifest.json").exists() and not list(out.glob("*.bin"))  # nothing half-written
 
 
@@ -363,17 +363,17 @@ def test_token_ids_beyond_uint16_rejected(monkeypatch):
     big = __import__("tiktoken").Encoding(name="wide", pat_str=r"\S+|\s+",
                                           mergeable_ranks={bytes([i]): 70000 + i for i in range(256)},
                                           special_tokens={})
-    monkeypatch.setattr(build, "get_encoding", lambda: big)  # a tokenizer whose ids exceed uint16
-    with pytest.raises(build.DataError, match="does not fit uint16"):
-        build.encode_documents(["abc"], threads=1)
+    monkeypatch.setattr(tokenizing, "get_encoding", lambda: big)  # a tokenizer whose ids exceed uint16
+    with pytest.raises(location.DataError, match="does not fit uint16"):
+        tokenizing.encode_documents(["abc"], threads=1)
 
 
 def test_not_enough_disk(monkeypatch):
-    monkeypatch.setattr(build, "free_disk", lambda path: 1000)  # a nearly full disk
+    monkeypatch.setattr(planning, "free_disk", lambda path: 1000)  # a nearly full disk
     cfg = cfg_of()
-    with pytest.raises(build.DataError, match="not enough free disk"):
+    with pytest.raises(location.DataError, match="not enough free disk"):
         build.run(cfg)
-    assert not build.dataset_dir(cfg).exists()
+    assert not location.dataset_dir(cfg).exists()
 
 
 def test_a_full_disk_while_writing_is_a_clear_error_and_the_next_run_finishes(home, tmp_path):
@@ -392,7 +392,7 @@ def test_a_full_disk_while_writing_is_a_clear_error_and_the_next_run_finishes(ho
     assert [ln for ln in err.splitlines() if ln.startswith("error:")][0].startswith("error: cannot write")
     assert "Traceback" not in err and not list(home.rglob(".*.tmp-*"))
     assert _cli(ov, home).wait(timeout=120) == 0
-    assert build.why_incomplete(cfg_of(), full=True) is None
+    assert location.why_incomplete(cfg_of(), full=True) is None
 
 
 def test_the_old_command_name_still_runs_the_builder(tmp_path):

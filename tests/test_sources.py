@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from gptcore.config import load_config
-from gptcore.data import build, sources
+from gptcore.data import build, location, sources
 from gptcore.data.shard_format import read_shard
 from gptcore.tokenizer import EOT, get_encoding
 from tests.hub_standin import parquet_bytes
@@ -86,11 +86,11 @@ def test_hub_download_verified_idempotent_and_tokenized(hub):
     assert [f.sha256 for f in sources.load_listing(sources.fetch(cfg))[1]] == [f.sha256 for f in files]
 
     m = build.run(cfg, workers=1)
-    got = np.concatenate([np.asarray(read_shard(build.dataset_dir(cfg) / s.name)) for s in m.shards])
+    got = np.concatenate([np.asarray(read_shard(location.dataset_dir(cfg) / s.name)) for s in m.shards])
     enc = get_encoding()
     want = [t for text in hub.texts for t in [EOT, *enc.encode_ordinary(text)]]
     assert np.array_equal(got, np.array(want, dtype=np.uint16))
-    assert build.dataset_dir(cfg).name == "fineweb-edu-sample-10BT-20K"
+    assert location.dataset_dir(cfg).name == "fineweb-edu-sample-10BT-20K"
     assert [f["sha256"] for f in m.source["files"]] == [f.sha256 for f in files]
 
 
@@ -98,7 +98,7 @@ def test_hub_checksum_mismatch_is_never_accepted(hub):
     hub.corrupt.add("sample/10BT/001_00000.parquet")
     with pytest.raises(sources.SourceError, match="does not match the hub"):
         sources.fetch(hf_cfg())
-    src = build.pipeline_home() / "raw" / sources.source_id(hf_cfg())
+    src = location.pipeline_home() / "raw" / sources.source_id(hf_cfg())
     doc, files = sources.load_listing(src)
     assert not doc["complete"] and [f.name for f in files] == ["sample/10BT/000_00000.parquet"]
     assert not (src / "files" / "sample/10BT/001_00000.parquet").exists()
@@ -121,7 +121,7 @@ def test_hub_not_enough_disk(hub, monkeypatch):
     monkeypatch.setattr(sources, "free_disk", lambda path: 1000)
     with pytest.raises(sources.SourceError, match="not enough free disk to download"):
         sources.fetch(hf_cfg())
-    assert not list((build.pipeline_home() / "raw").rglob("*.parquet"))
+    assert not list((location.pipeline_home() / "raw").rglob("*.parquet"))
 
 
 def test_hub_missing_repo_says_what_to_do(hub):
@@ -190,7 +190,7 @@ def test_a_local_source_in_every_readable_format(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from gptcore.data import build
+    from gptcore.data import build, location
     from gptcore.data.shard_format import read_shard
     from gptcore.tokenizer import EOT, get_encoding
 
@@ -212,11 +212,11 @@ def test_a_local_source_in_every_readable_format(tmp_path):
     m = build.run(cfg, workers=1)
     assert [f.kind for f in sources.load_listing(sources.raw_dir(cfg))[1]] == [
         "parquet", "jsonl", "json", "json", "txt", "jsonl.gz", "json.bz2", "jsonl.xz", "txt.gz"]
-    got = np.concatenate([np.asarray(read_shard(build.dataset_dir(cfg) / s.name)) for s in m.shards])
+    got = np.concatenate([np.asarray(read_shard(location.dataset_dir(cfg) / s.name)) for s in m.shards])
     enc = get_encoding()
     want = np.array([t for text in texts for t in [EOT, *enc.encode_ordinary(text)]], dtype=np.uint16)
     assert np.array_equal(got, want)
     capped = load_config("micro", [f"data.source={src}", "data.shard_tokens=1024", "data.max_docs=12"])
-    got = np.concatenate([np.asarray(read_shard(build.dataset_dir(capped) / s.name))
+    got = np.concatenate([np.asarray(read_shard(location.dataset_dir(capped) / s.name))
                           for s in build.run(capped, workers=1).shards])
     assert np.array_equal(got, want[: len([t for text in texts[:12] for t in [EOT, *enc.encode_ordinary(text)]])])

@@ -4,8 +4,13 @@
                       resolution, a local path or glob), fetched and verified into <home>/raw/<source_id>/
     formats.py        how documents are read from a file: FORMATS (parquet, JSON Lines / arrays, txt; json,
                       jsonl and txt also gzip/bz2/xz-compressed)
-    build.py          tokenize-and-shard: plan pieces, tokenize them in parallel (GPT-2 BPE), cut shards in
-                      order, write the manifest; `python -m gptcore.data.build <preset>`
+    location.py       where a dataset lives and whether it is complete (what the trainer, the evaluator and
+                      the flow's skip check import; not the builder)
+    planning.py       the source cut into pieces: fixed document ranges, independent of the worker count
+    tokenizing.py     one piece tokenized (GPT-2 BPE, EOT before each document) into its token file
+    cutting.py        shards cut from the pieces in order, kept when unchanged; the manifest written last
+    build.py          the driver: lock, fetch -> plan -> tokenize in parallel -> cut, the process pool and
+                      `python -m gptcore.data.build <preset>`
     shard_format.py   the shard file format (llm.c's) and the manifest, the one reader and writer
     loader.py         what the trainer reads: hash-verified shards, the global shuffled batch stream
 

@@ -28,7 +28,7 @@ class Contamination(Evaluation):
 
     def run(self, ctx: Context) -> dict:
         from gptcore.contamination import contamination
-        from gptcore.data.build import dataset_dir
+        from gptcore.data.location import dataset_dir
 
         e, out, documents = ctx.cfg.eval, {}, {}
         if e.hellaswag:
@@ -65,7 +65,7 @@ def hellaswag_report(ctx: Context, found: list) -> dict | None:
     beside the manifest, shared with the Contamination evaluation); None when that dataset is not on this
     machine."""
     from gptcore.contamination import contamination
-    from gptcore.data.build import dataset_dir
+    from gptcore.data.location import dataset_dir
 
     data = ctx.data_dir or dataset_dir(ctx.cfg)
     if not (data / "manifest.json").is_file():
