@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 
 from benchmarks import parse_args
-from gptcore import checkpoint as C
-from gptcore import run_files as R
-from gptcore.checkpointer import WRITTEN, Checkpointer
+from gptcore.checkpoints import checkpoint as C
+from gptcore.checkpoints import run_files as R
+from gptcore.checkpoints.background import WRITTEN, Checkpointer
 from gptcore.config import OptimConfig, model_preset
 from gptcore.model import GPT
 from gptcore.optim import adamw

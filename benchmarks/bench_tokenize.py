@@ -223,8 +223,8 @@ def run_one(method, corpus, out, workers, env=None, rss=False) -> dict:
 def overheads(corpus: Path, tmp: Path, tokens: int) -> dict:
     import pyarrow.parquet as pq
 
-    from gptcore.data.tokenizing import join_documents
     from gptcore.data.shard_format import write_shard_chunks
+    from gptcore.data.tokenizing import join_documents
     res = {}
     t0 = time.perf_counter()
     n = 0

@@ -156,8 +156,8 @@ def worst_gap(a: dict[int, float], b: dict[int, float]) -> float:
 # --- the checks ----------------------------------------------------------------------------------------
 
 def check_train(t: Trainer, label: str, nproc: int) -> tuple[bool, str, dict]:
+    from gptcore.checkpoints.run_files import list_checkpoints
     from gptcore.metrics import read_metrics
-    from gptcore.run_files import list_checkpoints
 
     rc, got, tail = t.run(f"train-{label}", nproc)
     run = t.work / f"train-{label}"

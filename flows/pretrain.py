@@ -34,9 +34,9 @@ from prefect.cache_policies import NO_CACHE
 from prefect.states import Completed
 
 from gptcore import evals
+from gptcore.checkpoints.run_files import read_meta, result_metrics, run_dir_for, run_state
 from gptcore.config import ConfigError, RunConfig, load_config, pipeline_home
 from gptcore.files import read_json
-from gptcore.run_files import read_meta, result_metrics, run_dir_for, run_state
 from integrations.progress import artifact_key, step_label
 from integrations.secrets import mlflow_credentials_from_prefect
 from tasks.generate import SAMPLE_FILE, sample_task

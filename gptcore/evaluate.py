@@ -18,11 +18,11 @@ from pathlib import Path
 import torch
 
 from gptcore import distributed
+from gptcore.checkpoints.run_files import META_FILE, CheckpointError, checkpoint_of
 from gptcore.config import ConfigError, RunConfig, TrainConfig, apply_overrides, from_dict, load_config
 from gptcore.data.loader import val_batches
 from gptcore.data.shard_format import Manifest, ShardError
 from gptcore.model import evaluating
-from gptcore.run_files import META_FILE, CheckpointError, checkpoint_of
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ def validation_loss(model: torch.nn.Module, cfg: RunConfig, manifest_dir: Path, 
 def load_target(path: Path, device="cpu") -> tuple[torch.nn.Module, dict]:
     """Load the model behind `path`: a checkpoint dir, a run dir (its newest checkpoint) or a Hugging Face
     export dir. Returns (model in eval mode, info) where info names what was loaded."""
-    from gptcore import checkpoint
+    from gptcore.checkpoints import checkpoint
 
     path = checkpoint_of(Path(path))
     if (path / META_FILE).is_file():

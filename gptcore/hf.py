@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from gptcore.checkpoint import READ_ERRORS
+from gptcore.checkpoints.checkpoint import READ_ERRORS
 from gptcore.config import ModelConfig
 from gptcore.files import atomic_dir
 from gptcore.model import GPT, clean_state_dict, unwrap

@@ -21,7 +21,7 @@ non-finite steps and rolls back on repeated ones or a loss spike (gptcore/guard.
 the background (train.async_checkpoint) and evaluates after each checkpoint, where a failed evaluation is
 an event, never the end of the run.
 
-This module is the entry point only: where a run starts is gptcore/resume.py, the loop gptcore/trainer.py.
+This module is the entry point only: where a run starts is gptcore/checkpoints/resume.py, the loop gptcore/trainer.py.
 """
 
 from __future__ import annotations
@@ -31,11 +31,12 @@ import signal
 import sys
 import time
 
-from gptcore import distributed, run_files, watchdog
+from gptcore import distributed, watchdog
+from gptcore.checkpoints import run_files
+from gptcore.checkpoints.resume import RunError, prepare
 from gptcore.config import ConfigError, load_config
 from gptcore.data.shard_format import ShardError
 from gptcore.microbatch import NothingFits
-from gptcore.resume import RunError, prepare
 from gptcore.runlock import LockHeld
 from gptcore.trainer import STOP_FILE, STOP_SIGNAL, Diverged, ReplicasDisagree, Trainer
 

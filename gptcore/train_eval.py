@@ -21,11 +21,11 @@ from pathlib import Path
 import torch
 
 from gptcore import distributed, evals
+from gptcore.checkpoints.run_files import eval_settings, result_metrics
 from gptcore.config import RunConfig
 from gptcore.evaluate import mean_loss, validation_sums
 from gptcore.guard import FaultInjector
 from gptcore.model import GPT, evaluating
-from gptcore.run_files import eval_settings, result_metrics
 from gptcore.tokenizer import decode, encode
 
 # the all-reduced evaluation vector: the failed flag, then validation_sums

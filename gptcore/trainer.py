@@ -2,9 +2,9 @@
 
 `Trainer.run` reads top to bottom: step -> log -> checkpoint -> evaluate -> sample -> stop. The parts it
 holds each do one thing: the data loader, the divergence guard (gptcore/guard.py), the checkpoint writer
-(gptcore/checkpointer.py: the ranks wait for a copy of the state, rank 0 writes in the background), the
+(gptcore/checkpoints/background.py: the ranks wait for a copy of the state, rank 0 writes in the background), the
 evaluator (gptcore/train_eval.py: after the checkpoint, on the plain model, failures are events) and the
-metrics log. Where a run starts from (checks, resume, fallback) is gptcore/resume.py.
+metrics log. Where a run starts from (checks, resume, fallback) is gptcore/checkpoints/resume.py.
 
 Between host reads the loop never waits for the device: each step's statistics stay on the device until
 the next log, eval or checkpoint step, where one read gets them all (`read_steps`).
@@ -26,7 +26,9 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gptcore import distributed, microbatch
-from gptcore.checkpointer import FAILED, SKIPPED, Checkpointer
+from gptcore.checkpoints.background import FAILED, SKIPPED, Checkpointer
+from gptcore.checkpoints.resume import SHARD_HASHES, Prepared, RunError, agreed_checkpoint, restore
+from gptcore.checkpoints.run_files import DONE_FILE, EVAL_FILE, RUN_FILE, step_dir
 from gptcore.data.loader import ShardLoader
 from gptcore.files import read_json, write_json
 from gptcore.guard import OK, ROLLBACK, SKIP, FaultInjector, Guard
@@ -35,8 +37,6 @@ from gptcore.metrics import METRICS_FILE, JsonlLogger, NullLogger
 from gptcore.model import peak_flops_guess
 from gptcore.optim import build_optimizer, lr_at, set_lr, skips_on_device
 from gptcore.replicas import ComputeTimer, odd_ranks, stragglers, weights_checksum
-from gptcore.resume import SHARD_HASHES, Prepared, RunError, agreed_checkpoint, restore
-from gptcore.run_files import DONE_FILE, EVAL_FILE, RUN_FILE, step_dir
 from gptcore.train_eval import Evaluator
 from gptcore.watchdog import CEILING_S, Watchdog
 

@@ -3,7 +3,7 @@
 Logged "from code" (MLflow 3's recommended way: this file is stored with the model and executed at
 load time, nothing is pickled), with the `gptcore` package as code_paths and one artifact:
 `checkpoint`, a directory holding the checkpoint's model.safetensors + meta.json, loaded with the one
-checkpoint reader (gptcore.checkpoint.load_model). So the model loads wherever torch, tiktoken,
+checkpoint reader (gptcore.checkpoints.checkpoint.load_model). So the model loads wherever torch, tiktoken,
 safetensors and mlflow are installed, without this repository.
 
     m = mlflow.pyfunc.load_model("models:/gpt2-124m@best")
@@ -80,7 +80,7 @@ def _params(params: dict | None) -> dict:
 
 class GPTTextGenerator(mlflow.pyfunc.PythonModel):
     def load_context(self, context):
-        from gptcore.checkpoint import load_model
+        from gptcore.checkpoints.checkpoint import load_model
 
         self.model, self.meta = load_model(context.artifacts["checkpoint"], device="cpu")  # in eval mode
 

@@ -96,8 +96,8 @@ def fetch_verified(model_uri: str, dst: Path, tracking_uri: str | None = None) -
     UntrustedWeights on a mismatch or a missing tag; MlflowException / OSError when MLflow cannot answer."""
     import mlflow.artifacts
 
+    from gptcore.checkpoints.run_files import read_meta
     from gptcore.files import file_sha256
-    from gptcore.run_files import read_meta
     from integrations import mlflow_store as store
 
     uri = tracking_uri or store.tracking_uri()

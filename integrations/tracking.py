@@ -41,10 +41,10 @@ import threading
 import time
 from pathlib import Path
 
+from gptcore.checkpoints.run_files import DONE_FILE, RUN_FILE
 from gptcore.config import from_dict
 from gptcore.files import read_json, write_json
 from gptcore.metrics import METRICS_FILE, read_new_lines
-from gptcore.run_files import DONE_FILE, RUN_FILE
 from integrations import mlflow_store as store
 
 log = logging.getLogger("gptpipe.tracking")

@@ -26,9 +26,7 @@ from pathlib import Path
 
 from prefect import get_run_logger, task
 
-from gptcore.config import RunConfig, TrainConfig, from_dict
-from gptcore.files import read_json, write_json
-from gptcore.run_files import (
+from gptcore.checkpoints.run_files import (
     EVAL_FILE,
     META_FILE,
     checkpoint_of,
@@ -36,6 +34,8 @@ from gptcore.run_files import (
     missing_evaluations,
     read_meta,
 )
+from gptcore.config import RunConfig, TrainConfig, from_dict
+from gptcore.files import read_json, write_json
 from gptcore.runlock import RunLock
 from integrations.progress import step_label
 

@@ -81,8 +81,8 @@ def _local_checkpoint(model_uri: str) -> Path | None:
 def load(model_uri: str, tracking_uri: str | None = None) -> VerifiedModel:
     """The model `model_uri` names, built from its verified weights (see the module docstring); never runs
     code stored in the registry."""
-    from gptcore import checkpoint
-    from gptcore.run_files import read_meta
+    from gptcore.checkpoints import checkpoint
+    from gptcore.checkpoints.run_files import read_meta
     from integrations.mlflow_store import resolve_model_uri
 
     model_uri = resolve_model_uri(model_uri)
@@ -112,7 +112,7 @@ def sample_task(ckpt: str, model_uri: str | None, prompt: str, max_new_tokens: i
     if model_uri:
         text = load(model_uri).predict([prompt], params=params)[0]
     else:  # the same generator, straight from the checkpoint
-        from gptcore.checkpoint import load_model
+        from gptcore.checkpoints.checkpoint import load_model
         from integrations.mlflow_model import GPTTextGenerator
 
         gen = GPTTextGenerator()
@@ -138,8 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     from mlflow.exceptions import MlflowException
 
+    from gptcore.checkpoints.run_files import CheckpointError
     from gptcore.config import ConfigError
-    from gptcore.run_files import CheckpointError
 
     try:
         model = load(args.model_uri, args.tracking_uri)

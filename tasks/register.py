@@ -40,9 +40,9 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from gptcore.checkpoints.run_files import EVAL_FILE, RUN_FILE, CheckpointError, read_meta, result_metrics, val_loss_of
 from gptcore.config import ConfigError
 from gptcore.files import file_sha256, read_json
-from gptcore.run_files import EVAL_FILE, RUN_FILE, CheckpointError, read_meta, result_metrics, val_loss_of
 from integrations import mlflow_store as store
 from integrations.mlflow_store import resolve_model_uri  # noqa: F401 -- re-exported: tasks.register.resolve_model_uri
 from tasks.leaderboard import best_version, leaderboard
@@ -161,7 +161,7 @@ def _log_model(mlc, uri: str, ckpt_dir: Path, meta: dict, name: str, tags: dict,
     import mlflow
     from mlflow.entities import LoggedModelOutput
 
-    from gptcore.checkpoint import load_model
+    from gptcore.checkpoints.checkpoint import load_model
     from integrations.mlflow_model import INPUT_EXAMPLE, SIGNATURE
 
     run = store.find_or_create_run(mlc, meta["run_name"], meta["identity_hash"], experiment).info

@@ -31,9 +31,9 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from gptcore.checkpoints.run_files import run_dir_for, run_state
 from gptcore.config import load_config
 from gptcore.launch import SHUTDOWN_SECONDS, torchrun_cmd
-from gptcore.run_files import run_dir_for, run_state
 from integrations import processes
 
 TRAIN_LOG = "train.log"  # the trainer's stdout/stderr, appended per invocation
@@ -131,7 +131,7 @@ def launch(cmd: list[str], run_dir: Path, log, env: dict, on_tick) -> tuple[int,
 def train_task(preset: str, overrides: dict | None, run_name: str, nproc: int, wait_seconds: float = 600.0,
                tracking: bool = True) -> dict:
     """Train (or continue) run `run_name` (the config's run name; `nproc` >= 1, as the flow resolved it) in
-    gptcore.run_files.run_dir_for(cfg) to max_steps or its time budget; returns the run's state."""
+    gptcore.checkpoints.run_files.run_dir_for(cfg) to max_steps or its time budget; returns the run's state."""
     from prefect.runtime import flow_run
 
     from integrations.progress import TrainProgress

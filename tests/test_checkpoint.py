@@ -6,8 +6,8 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from gptcore import checkpoint as C
-from gptcore import run_files as R
+from gptcore.checkpoints import checkpoint as C
+from gptcore.checkpoints import run_files as R
 from gptcore.config import model_preset
 from gptcore.metrics import JsonlLogger, read_metrics
 from gptcore.model import GPT

@@ -68,7 +68,7 @@ def test_the_evaluate_command_reports_it_for_the_checkpoints_dataset(tmp_path):
 
     import torch
 
-    from gptcore import checkpoint
+    from gptcore.checkpoints import checkpoint
     from gptcore.config import load_config
     from gptcore.model import GPT
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gptcore import checkpoint as C
-from gptcore import run_files as R
+from gptcore.checkpoints import checkpoint as C
+from gptcore.checkpoints import run_files as R
 from gptcore.metrics import read_metrics
 from gptcore.train import STOP_FILE
 from tests.test_train_utils import (

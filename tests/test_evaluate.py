@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from gptcore import checkpoint, hellaswag
+from gptcore import hellaswag
+from gptcore.checkpoints import checkpoint
 from gptcore.config import load_config
 from gptcore.data.shard_format import Manifest, ShardError, ShardInfo, write_shard
 from gptcore.evaluate import main as evaluate_main

@@ -10,7 +10,8 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-from gptcore import checkpoint, evals
+from gptcore import evals
+from gptcore.checkpoints import checkpoint
 from gptcore.config import load_config
 from gptcore.model import GPT
 from tasks import leaderboard, register

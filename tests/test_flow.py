@@ -184,7 +184,7 @@ def test_killed_flow_run_resumes_from_its_checkpoint(prefect_stack):
     fr_id = run_deployment("pretrain/tiny", parameters=params, timeout=0)
     run_dir = prefect_stack.home / "runs" / "killed"
     end = time.monotonic() + 240
-    from gptcore.run_files import latest_checkpoint, read_meta
+    from gptcore.checkpoints.run_files import latest_checkpoint, read_meta
 
     def newest_step() -> int:
         ck = latest_checkpoint(run_dir)
@@ -463,7 +463,7 @@ def test_cancelling_a_flow_run_in_prefect_stops_the_trainer_with_a_checkpoint(pr
     from prefect.deployments import run_deployment
     from prefect.states import Cancelling
 
-    from gptcore.run_files import latest_checkpoint, read_meta
+    from gptcore.checkpoints.run_files import latest_checkpoint, read_meta
 
     params = micro("cancelled", 5000, **{"eval.eval_interval": 1000, "eval.sample_interval": 1000,
                                          "train.checkpoint_interval": 1000})

@@ -14,7 +14,7 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-from gptcore import checkpoint
+from gptcore.checkpoints import checkpoint
 from gptcore.files import file_sha256
 from gptcore.tokenizer import decode, encode
 from tasks import generate, register

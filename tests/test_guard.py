@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from gptcore import checkpoint as C
-from gptcore import run_files as R
+from gptcore.checkpoints import checkpoint as C
+from gptcore.checkpoints import run_files as R
 from gptcore.files import file_sha256
 from gptcore.metrics import read_metrics
 from gptcore.train import main
@@ -399,7 +399,7 @@ def test_the_flow_reads_past_a_newest_checkpoint_whose_meta_is_damaged(trained, 
     run = shutil.copytree(trained, tmp_path / "run")
     (run / "checkpoints" / "step_00000012" / R.META_FILE).write_text('{"step": 1')
     (run / "run.json").write_text("[1]")  # not an object: no identity, so DONE does not count
-    from gptcore.run_files import run_state
+    from gptcore.checkpoints.run_files import run_state
 
     state = run_state(run, "some-identity")
     assert state["checkpoint"].endswith("step_00000008") and state["step"] == 8 and not state["done"]

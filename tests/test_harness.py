@@ -136,7 +136,7 @@ def test_the_evaluate_command_scores_a_checkpoint_on_harness_tasks(tmp_path):
     import sys
     from pathlib import Path
 
-    from gptcore import checkpoint
+    from gptcore.checkpoints import checkpoint
     from gptcore.config import load_config
 
     cfg = load_config("micro", ["train.run_name=harness"])

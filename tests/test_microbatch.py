@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from gptcore import run_files as R
+from gptcore.checkpoints import run_files as R
 from gptcore.launch import torchrun_cmd
 from gptcore.metrics import read_metrics
 from gptcore.microbatch import CHOICE_FILE, candidates, smaller

@@ -10,7 +10,7 @@ import subprocess
 import pytest
 import torch
 
-from gptcore import run_files as R
+from gptcore.checkpoints import run_files as R
 from gptcore.config import ConfigError, OptimConfig, load_config, model_preset
 from gptcore.metrics import read_metrics
 from gptcore.model import GPT

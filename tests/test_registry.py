@@ -16,7 +16,7 @@ from mlflow import MlflowClient
 from mlflow.entities import LoggedModelStatus
 from transformers import GPT2LMHeadModel
 
-from gptcore import checkpoint, run_files
+from gptcore.checkpoints import checkpoint, run_files
 from gptcore.config import load_config
 from gptcore.hf import load_hf_dir
 from gptcore.model import GPT

@@ -7,8 +7,8 @@ import signal
 
 import pytest
 
-from gptcore import checkpoint as C
-from gptcore import run_files as R
+from gptcore.checkpoints import checkpoint as C
+from gptcore.checkpoints import run_files as R
 from gptcore.config import load_config
 from gptcore.metrics import read_metrics
 from gptcore.optim import lr_at

@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 
 from gptcore import launch
-from gptcore.checkpoint import load_model
+from gptcore.checkpoints.checkpoint import load_model
+from gptcore.checkpoints.run_files import step_dir
 from gptcore.data.shard_format import Manifest, ShardInfo, write_shard
 from gptcore.metrics import read_metrics
-from gptcore.run_files import step_dir
 from integrations.processes import tree_of
 
 REPO = Path(__file__).resolve().parents[1]

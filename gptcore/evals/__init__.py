@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from gptcore.checkpoints.run_files import result_metrics  # noqa: F401 -- a result as flat metrics, `<name>/<metric>`
 from gptcore.config import RunConfig
-from gptcore.run_files import result_metrics  # noqa: F401 -- a result as flat metrics, `<name>/<metric>`
 
 if TYPE_CHECKING:
     import torch

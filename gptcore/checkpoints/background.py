@@ -1,0 +1,155 @@
+"""Checkpoints off the critical path: the ranks wait for a copy of the state, not for the disk.
+
+Rank 0 copies the weights and trainer state off the device into CPU buffers that are reused from save to
+save (pinned on CUDA, so the copy runs at full bus speed and allocates nothing after the first save), then
+a background thread writes them with the one checkpoint writer (gptcore.checkpoints.checkpoint.write_checkpoint:
+hashed while written, fsynced, swapped in atomically, pruned). This is torchtitan's async checkpointing
+on a thread; torchtitan's process-based variant is not needed at one file pair per run.
+
+At most one write is in flight: the trainer confirms the previous write before the next save. The outcome
+(written / skipped: non-finite weights / failed: e.g. a full disk) reaches every rank at the trainer's next
+host read, so a failed write stops every rank with the same error, and a step is never reported as
+checkpointed before its directory is on disk. A SIGKILL mid-write leaves only a temp directory, which the
+next save sweeps; the previous checkpoint is untouched. With `train.async_checkpoint=false` the same
+write runs inline, as before.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from gptcore.checkpoints import run_files
+from gptcore.checkpoints.checkpoint import weights_of, write_checkpoint
+from gptcore.checkpoints.run_files import CheckpointError, step_dir
+from gptcore.files import write_json
+
+WRITTEN, SKIPPED, FAILED = "written", "skipped", "failed"
+
+
+@dataclass
+class Outcome:
+    """How the write of one checkpoint ended."""
+    step: int
+    status: str  # WRITTEN, SKIPPED (non-finite weights: nothing written, the run goes on) or FAILED
+    text: str  # the checkpoint's directory, or why not
+
+
+class Checkpointer:
+    """Rank 0's checkpoint writer: `save` snapshots and starts the write, `outcome` reports how it ended,
+    `attach` adds a file (eval.json) to a checkpoint once it is on disk, `close` waits for the write."""
+
+    def __init__(self, run_dir: Path, keep_last: int, background: bool = True):
+        self.run_dir, self.keep_last, self.background = run_dir, keep_last, background
+        self._buffers: list[torch.Tensor] = []  # the previous snapshot's CPU tensors, reused
+        self._thread: threading.Thread | None = None
+        self._outcome: Outcome | None = None
+        self._lock = threading.Lock()  # guards _writing and _attachments (the writer thread reads them)
+        self._writing: int | None = None  # the step whose directory is not on disk yet
+        self._attachments: list[tuple[str, dict]] = []
+
+    def save(self, step: int, model: torch.nn.Module, trainer_state: dict, meta: dict) -> None:
+        """Copy the state off the device (the only part the ranks wait for), then write it."""
+        self.wait()
+        weights, state = self._stage((weights_of(model), trainer_state))
+        with self._lock:
+            self._writing = step
+        args = (step, weights, state, meta)
+        if self.background:
+            self._thread = threading.Thread(target=self._write, args=args, name="checkpoint-writer", daemon=True)
+            self._thread.start()
+        else:
+            self._write(*args)
+
+    def outcome(self, wait: bool) -> Outcome | None:
+        """The finished write's outcome, once; None while it is still being written (or after none)."""
+        if wait:
+            self.wait()
+        if self._thread is not None and self._thread.is_alive():
+            return None
+        out, self._outcome = self._outcome, None
+        return out
+
+    def attach(self, step: int, name: str, obj: dict) -> None:
+        """Write `obj` as <checkpoint of step>/<name>: now if the checkpoint is on disk, else by the writer
+        right after it is swapped in (before retention looks at it). Dropped if it was never written."""
+        with self._lock:
+            if self._writing == step:
+                self._attachments.append((name, obj))
+                return
+        if step_dir(self.run_dir, step).is_dir():
+            _attach_file(step_dir(self.run_dir, step), name, obj)
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    close = wait
+
+    # --- inside -------------------------------------------------------------------------------
+
+    def _stage(self, obj):
+        """`obj` with every tensor copied into a CPU buffer (the previous snapshot's, when it fits); other
+        values deep-copied, so training may go on changing the originals."""
+        old, new = iter(self._buffers), []
+
+        def copy_of(x):
+            if isinstance(x, torch.Tensor):
+                buf = next(old, None)
+                if buf is None or buf.shape != x.shape or buf.dtype != x.dtype:
+                    buf = torch.empty(x.shape, dtype=x.dtype, pin_memory=x.is_cuda)
+                new.append(buf)
+                return buf.copy_(x.detach(), non_blocking=x.is_cuda)
+            if isinstance(x, dict):
+                return {k: copy_of(v) for k, v in x.items()}
+            if isinstance(x, (list, tuple)):
+                return type(x)(copy_of(v) for v in x)
+            return copy.deepcopy(x)
+
+        out = copy_of(obj)
+        self._buffers = new
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # the non-blocking device-to-host copies have landed
+        return out
+
+    def _write(self, step: int, weights: dict, state: dict, meta: dict) -> None:
+        try:
+            path = write_checkpoint(self.run_dir, step, weights, state, meta, self.keep_last,
+                                    before_prune=self._write_attachments)
+            out = Outcome(step, WRITTEN, str(path))
+        except CheckpointError as e:  # non-finite weights are never written
+            out = Outcome(step, SKIPPED, str(e))
+        except Exception as e:  # noqa: BLE001 -- e.g. a full disk (torch.save: RuntimeError); must reach the ranks
+            out = Outcome(step, FAILED, unwritable(self.run_dir, step, e))
+        finally:
+            with self._lock:
+                self._writing = None
+                self._attachments = []
+        self._outcome = out
+
+    def _write_attachments(self, path: Path) -> None:
+        with self._lock:
+            pending, self._attachments, self._writing = self._attachments, [], None
+        for name, obj in pending:
+            _attach_file(path, name, obj)
+
+
+def _attach_file(ckpt: Path, name: str, obj: dict) -> None:
+    """An extra file is no part of the checkpoint's integrity: failing to write it is a warning."""
+    try:
+        write_json(ckpt / name, obj)
+    except OSError as e:
+        print(f"warning: {ckpt / name} not written ({type(e).__name__}: {e})", flush=True)
+
+
+def unwritable(run_dir: Path, step: int, e: Exception) -> str:
+    """What to say when a checkpoint could not be written (atomic_dir removed the partial one)."""
+    last = run_files.newest_healthy(run_files.list_checkpoints(run_dir))
+    return (f"checkpoint step {step} could not be written to {run_files.checkpoints_dir(run_dir)} "
+            f"({type(e).__name__}: {e}); nothing half-written was kept. Make room on that disk (or lower "
+            f"train.keep_last), then run again: it resumes from {last or 'the start'}")

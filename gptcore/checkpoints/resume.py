@@ -1,0 +1,197 @@
+"""Where a training invocation starts: every check that can fail on bad input, then the newest checkpoint
+that verifies whole.
+
+`prepare` runs before any process group exists: the dataset (manifest and shard hashes), the run's
+identity (run.json), whether the run is already DONE, the newest checkpoint's model and dataset, and the
+run's lock (rank 0). `newest_intact` loads the newest checkpoint whose files, hashes and weights check out;
+one that fails is moved to checkpoints/rejected/ with a why.txt, never deleted. The Trainer uses it again to
+roll back, and `restore` puts a checkpoint's trainer state back.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from gptcore import distributed
+from gptcore.checkpoints import checkpoint, run_files
+from gptcore.checkpoints.run_files import DONE_FILE, RUN_FILE, latest, run_dir_for
+from gptcore.config import RunConfig
+from gptcore.data.loader import ShardLoader, open_dataset, verify_hashes
+from gptcore.data.location import SHARD_HASHES, dataset_dir  # the hash cache's name; the run dir keeps a copy
+from gptcore.data.shard_format import Manifest
+from gptcore.files import read_json
+from gptcore.model import GPT
+from gptcore.runlock import RunLock
+
+
+class RunError(RuntimeError):
+    """The run directory does not fit this invocation; the message says why and what to do."""
+
+
+@dataclass
+class Prepared:
+    """What `prepare` found: everything the Trainer needs, all checked before any process group exists."""
+    cfg: RunConfig
+    run_dir: Path
+    data_dir: Path
+    manifest: Manifest
+    env: distributed.Env
+    model: GPT  # the initial weights, or the resumed checkpoint's
+    ckpt: Path | None  # the checkpoint resumed from
+    trainer_state: dict | None
+    lock: RunLock | None  # rank 0 holds the run directory for the process's life
+
+
+def prepare(cfg: RunConfig, rank: int) -> Prepared | None:
+    """Every check that can fail on bad input, before any process group or training step; rank 0 takes
+    the run's lock before it writes anything. Returns None (after printing RUN_DONE) when the run has
+    already finished."""
+    run_dir, data_dir = run_dir_for(cfg), dataset_dir(cfg)
+    manifest = open_dataset(data_dir)
+    check_run(run_dir, cfg, manifest)
+    if (run_dir / DONE_FILE).is_file():
+        if rank == 0:
+            done = read_json(run_dir / DONE_FILE, {})
+            print(f"RUN_DONE run={cfg.run_name} step={done.get('step')} dir={run_dir}: already complete; "
+                  "nothing to do", flush=True)
+        return None
+    check_checkpoints_fit(run_dir, cfg, manifest)
+    lock = RunLock(run_dir).acquire() if rank == 0 else None
+    try:
+        if rank == 0:  # a damaged shard stops the run here (the other ranks are stopped by torchrun)
+            verify_hashes(data_dir, manifest, run_dir / SHARD_HASHES)
+        env = distributed.select(cfg.train)
+        torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
+        model = GPT(cfg.model).to(env.device)
+        ckpt, trainer_state = resume_point(run_dir, model, master=rank == 0)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    return Prepared(cfg, run_dir, data_dir, manifest, env, model, ckpt, trainer_state, lock)
+
+
+def check_run(run_dir: Path, cfg: RunConfig, manifest: Manifest) -> None:
+    """RunError if the run's identity record (run.json; none yet for a new run) says the directory belongs
+    to another trajectory (other model/optimizer/batch/seed/length or other data)."""
+    path = run_dir / RUN_FILE
+    if not path.is_file():
+        return
+    try:
+        rec = json.loads(path.read_text())
+        if not isinstance(rec, dict):
+            raise ValueError(f"a JSON {type(rec).__name__}, not an object")
+    except ValueError as e:
+        raise RunError(f"{path} is corrupt ({e}); move the run directory away or use another run name") from e
+    if rec.get("identity_hash") != cfg.identity_hash():
+        raise RunError(f"run {run_dir} was started with another configuration (identity "
+                       f"{rec.get('identity_hash')} vs {cfg.identity_hash()}: model, optimizer, batch, seed "
+                       "or max_steps changed); use the original config or a new train.run_name")
+    if rec.get("manifest_id") != manifest.id:
+        raise RunError(f"run {run_dir} trained on dataset {rec.get('manifest_id')}, but the shards now have "
+                       f"manifest id {manifest.id}; use the original dataset or a new train.run_name")
+
+
+def check_checkpoints_fit(run_dir: Path, cfg: RunConfig, manifest: Manifest) -> None:
+    """The newest readable checkpoint must be of this model and dataset: otherwise this is the wrong
+    config (RunError, nothing touched), not a damaged checkpoint to set aside."""
+    ck, meta = latest(run_dir)  # a damaged one is passed over: resume_point deals with it
+    if meta.get("model_config") not in (None, asdict(cfg.model)):
+        raise RunError(f"checkpoint {ck} is of another model shape ({meta['model_config']}); use the "
+                       "model config it was trained with, or a new train.run_name")
+    if meta.get("manifest_id") not in (None, manifest.id):
+        raise RunError(f"checkpoint {ck} was trained on another dataset ({meta['manifest_id']}, the "
+                       f"shards now are {manifest.id}); use the original dataset or a new train.run_name")
+
+
+def newest_intact(run_dir: Path, model: GPT, master: bool, healthy_only: bool = False
+                  ) -> tuple[Path | None, dict | None, list[str]]:
+    """Load the newest checkpoint that verifies whole (with `healthy_only`, also written from a finite train
+    loss) into `model`: (its directory, its trainer state, stuck). Rank 0 moves each one that fails to
+    checkpoints/rejected/; `stuck` names those that failed and could not be moved. (None, None, stuck)
+    when there is none."""
+    stuck = []
+    for ck in reversed(run_files.step_dirs(run_dir)):
+        try:
+            meta, state = checkpoint.load_for_resume(ck, model)
+        except run_files.CheckpointError as e:
+            if master:  # the other ranks only pass over it
+                dest = checkpoint.reject(ck, str(e))
+                if dest is None:
+                    stuck.append(f"{ck.name}: {e} (left in place: it could not be moved to rejected/)")
+                print(f"warning: checkpoint {ck.name} skipped: {e}; {f'moved to {dest}' if dest else 'left in place'}",
+                      file=sys.stderr, flush=True)
+            continue
+        if not healthy_only or run_files.healthy(meta):
+            return ck, state, stuck
+    return None, None, stuck
+
+
+def agreed_checkpoint(run_dir: Path, model: GPT, master: bool, healthy_only: bool = False
+                      ) -> tuple[Path | None, dict | None]:
+    """newest_intact, chosen once for every rank (collective): rank 0 verifies and chooses (moving bad ones
+    to rejected/), the others load the one it chose. Ranks choosing on their own could read a directory
+    rank 0 is moving, or, when one node reads a file differently, train from different weights (DDP
+    copies weights only when it is built). A rank that cannot load rank 0's choice is a RunError on every
+    rank."""
+    choice = newest_intact(run_dir, model, master, healthy_only)[:2] if master else (None, None)
+    name = distributed.broadcast_object(choice[0].name if choice[0] is not None else None)
+    if name is None:
+        return None, None
+    ck, state, error = *choice, None
+    if not master:
+        ck = run_files.checkpoints_dir(run_dir) / name
+        try:
+            state = checkpoint.load_for_resume(ck, model)[1]
+        except run_files.CheckpointError as e:
+            error = f"{ck}: {e}"
+    failed = [f"rank {r}: {e}" for r, e in enumerate(distributed.all_gather_object(error)) if e]
+    if failed:
+        raise RunError(f"rank 0 chose checkpoint {name}, which other ranks cannot load ({'; '.join(failed)}); "
+                       "the run directory must be the same shared filesystem on every node")
+    return ck, state
+
+
+def resume_point(run_dir: Path, model: GPT, master: bool) -> tuple[Path | None, dict | None]:
+    """Load the newest checkpoint that verifies whole into `model` (newest_intact). (None, None) for a run
+    with no checkpoint yet; RunError if the run had checkpoints and none is intact (starting over would
+    silently throw the run away)."""
+    ck, state, stuck = newest_intact(run_dir, model, master)
+    if ck is not None:
+        return ck, state
+    gone = run_files.rejected(run_dir)
+    if gone or stuck:
+        why = "; ".join([*(f"{p.name}: {_why(p)}" for p in gone), *stuck])
+        raise RunError(f"run {run_dir} has no intact checkpoint to resume from (rejected: {why}). Each is "
+                       f"kept in {run_files.checkpoints_dir(run_dir) / run_files.REJECTED_DIR} with a "
+                       "why.txt: put a good copy back into checkpoints/, or start over with a new "
+                       "train.run_name (or by moving that directory away)")
+    return None, None
+
+
+def _why(rejected_dir: Path) -> str:
+    try:
+        return (rejected_dir / "why.txt").read_text().strip().split(": ", 1)[-1]
+    except OSError:
+        return "no why.txt"
+
+
+def restore(ts: dict, optimizer, loader: ShardLoader, scaler, env: distributed.Env, data: bool = True) -> int:
+    """Put a checkpoint's trainer state back (optimizer, RNG, scaler, and the data position if `data`);
+    returns its step."""
+    optimizer.load_state_dict(ts["optimizer"])
+    if data:
+        loader.load_state_dict(ts["loader"])
+    if env.rank < len(ts["rng"]):  # a new world size: extra ranks keep their fresh seed
+        rng = ts["rng"][env.rank]
+        torch.set_rng_state(rng["torch"])
+        if env.device.type == "cuda" and "cuda" in rng:
+            torch.cuda.set_rng_state(rng["cuda"], env.device)
+    if scaler is not None and ts.get("scaler"):
+        scaler.load_state_dict(ts["scaler"])
+    return int(ts["step"])

@@ -1,0 +1,221 @@
+"""What a run directory holds, read without torch: the flow decides what to skip in milliseconds, and
+only the stages that do work import torch.
+
+    <run_dir>/run.json                      the run's identity (config hash, manifest id), written at start
+    <run_dir>/DONE                          written when the run reached max_steps
+    <run_dir>/checkpoints/step_00001000/    one checkpoint (gptcore.checkpoints.checkpoint writes and verifies them);
+                                            its eval.json (val loss, HellaSwag) is added once evaluated
+    <run_dir>/checkpoints/rejected/         checkpoints that failed verification, each with a why.txt
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+from gptcore.config import RunConfig, pipeline_home
+from gptcore.files import read_json
+
+RUN_FILE = "run.json"
+DONE_FILE = "DONE"
+META_FILE = "meta.json"
+EVAL_FILE = "eval.json"  # a checkpoint's evaluation: written by the trainer after the checkpoint, or the flow
+REJECTED_DIR = "rejected"
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, corrupt, or does not fit the model; the message says what."""
+
+
+def run_dir_for(cfg: RunConfig) -> Path:
+    return Path(cfg.train.run_dir).expanduser().resolve() if cfg.train.run_dir else \
+        pipeline_home() / "runs" / cfg.run_name
+
+
+def checkpoints_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def step_dir(run_dir: Path, step: int) -> Path:
+    return checkpoints_dir(run_dir) / f"step_{step:08d}"
+
+
+def step_dirs(run_dir: Path) -> list[Path]:
+    """Every step_* directory, complete or not, oldest first (what a resume has to choose from)."""
+    d = checkpoints_dir(run_dir)
+    return sorted(p for p in d.iterdir() if _STEP_DIR.match(p.name) and p.is_dir()) if d.is_dir() else []
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints (those with meta.json), oldest step first."""
+    return [p for p in step_dirs(run_dir) if (p / META_FILE).is_file()]
+
+
+def rejected(run_dir: Path) -> list[Path]:
+    d = checkpoints_dir(run_dir) / REJECTED_DIR
+    return sorted(p for p in d.iterdir() if p.is_dir()) if d.is_dir() else []
+
+
+def read_meta(ckpt_dir: Path) -> dict:
+    path = Path(ckpt_dir) / META_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{ckpt_dir} is not a checkpoint: no {META_FILE}; pass a directory like "
+                              "<home>/runs/<run>/checkpoints/step_00001000")
+    try:
+        meta = json.loads(path.read_text())
+    except (ValueError, OSError) as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e}); the checkpoint is corrupt") from e
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path} holds no JSON object; the checkpoint is corrupt")
+    return meta
+
+
+def finite(v) -> bool:
+    return isinstance(v, (int, float)) and math.isfinite(v)
+
+
+def healthy(meta: dict) -> bool:
+    """Written from a step with a finite train loss (or before the guard recorded one)."""
+    return meta.get("train_loss") is None or finite(meta["train_loss"])
+
+
+def readable(ckpts) -> Iterator[tuple[Path, dict]]:
+    """(checkpoint, its meta) for each of `ckpts` whose meta.json reads, in their order: a damaged one is
+    passed over (it is the trainer's to reject: the flow must not stop on it before the trainer can resume
+    from the one before)."""
+    for c in ckpts:
+        try:
+            yield c, read_meta(c)
+        except CheckpointError:
+            continue
+
+
+def newest_healthy(ckpts: list[Path]) -> Path | None:
+    """The newest of `ckpts` that is healthy (see `healthy`)."""
+    return next((c for c, meta in readable(reversed(ckpts)) if healthy(meta)), None)
+
+
+def latest(run_dir: Path) -> tuple[Path | None, dict]:
+    """The newest complete checkpoint whose meta.json reads, and its meta; (None, {}) when there is none."""
+    return next(readable(reversed(list_checkpoints(run_dir))), (None, {}))
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint whose meta.json reads (see `readable`)."""
+    return latest(run_dir)[0]
+
+
+def checkpoint_of(path: Path) -> Path:
+    """A run directory means its newest checkpoint; any other path (a checkpoint, an HF export) itself."""
+    path = Path(path)
+    if (path / "checkpoints").is_dir():
+        ckpt = latest_checkpoint(path)
+        if ckpt is None:
+            raise FileNotFoundError(f"run directory {path} has no complete checkpoint yet; train first")
+        return ckpt
+    return path
+
+
+def result_metrics(name: str, result) -> dict[str, float]:
+    """An evaluation's result in eval.json as flat metrics, `<name>/<metric>` (nested: `<name>/<task>/
+    <metric>`), each standard error beside its number; counts (`n`, `examples`) and skips left out. What
+    the logged model in MLflow and the flow's eval table show (torch-free: a no-op re-run imports this)."""
+    out: dict[str, float] = {}
+    if not isinstance(result, dict) or "skipped" in result:
+        return out
+    for k, v in result.items():
+        if isinstance(v, dict):
+            out.update(result_metrics(f"{name}/{k}", v))
+        elif isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("n", "examples"):
+            out[f"{name}/{k}"] = float(v)
+    return out
+
+
+def eval_settings(cfg: RunConfig, val: bool, only: tuple[str, ...] | None = None) -> dict:
+    """What an evaluation's numbers depend on besides the weights, recorded in eval.json, part by part: a
+    change means evaluate that part again. "val": the validation batches (None without validation);
+    "evaluations": every evaluation the config asks for (gptcore/evals) with its own settings; `only`:
+    those that were part of it (the trainer scores each at its own interval)."""
+    from gptcore import evals
+
+    return {"val": {"val_tokens": cfg.eval.val_tokens, "micro_batch": cfg.train.resolved_micro_batch(),
+                    "seq_len": cfg.train.seq_len} if val else None,
+            "evaluations": {ev.name: ev.settings(cfg) for ev in evals.enabled(cfg)
+                            if only is None or ev.name in only}}
+
+
+def missing_evaluations(done: dict, cfg: RunConfig, val: bool, retry_skipped: bool = True) -> list[str]:
+    """The parts of an evaluation ("val" and evaluation names) that eval.json's `done` lacks for these
+    settings. With retry_skipped, a part skipped for lack of its dataset counts as missing (it may be
+    reachable now)."""
+    want, have = eval_settings(cfg, val), done.get("settings") or {}
+    missing = []
+    if val and (have.get("val") != want["val"] or not finite(done.get("val_loss"))):
+        missing.append("val")
+    for name, settings in want["evaluations"].items():
+        result = done.get(name)
+        if ((have.get("evaluations") or {}).get(name) != settings or not isinstance(result, dict)
+                or (retry_skipped and "skipped" in result)):
+            missing.append(name)
+    return missing
+
+
+def merge_evaluations(done: dict, new: dict, cfg: RunConfig, val: bool) -> dict:
+    """eval.json after computing `new` (parts named as in missing_evaluations) over `done`: the parts of
+    `done` that still hold for these settings are kept, evaluations the config no longer asks for dropped."""
+    want, have = eval_settings(cfg, val), done.get("settings") or {}
+    out = {k: v for k, v in done.items() if k in ("target", "kind", "step", "by")}
+    val_keys = ("val_loss", "val_tokens", "manifest_id")
+    if "val_loss" in new:
+        out.update({k: new[k] for k in val_keys if k in new})
+        val_settings = want["val"]
+    elif finite(done.get("val_loss")) and have.get("val") is not None and (not val or have["val"] == want["val"]):
+        out.update({k: done[k] for k in val_keys if k in done})
+        val_settings = have["val"]
+    else:
+        val_settings = None
+    settings = {}
+    for name, wanted in want["evaluations"].items():
+        if name in new:
+            out[name] = new[name]
+        elif (have.get("evaluations") or {}).get(name) == wanted and isinstance(done.get(name), dict):
+            out[name] = done[name]
+        else:
+            continue
+        settings[name] = wanted
+    return {**out, "settings": {"val": val_settings, "evaluations": settings}}
+
+
+def val_loss_of(ckpt: Path, meta: dict) -> float | None:
+    """A checkpoint's val loss: its eval.json's (the trainer evaluates after the checkpoint is written), or
+    the one meta.json recorded (checkpoints written before); None when neither holds a finite one."""
+    for value in (read_json(Path(ckpt) / EVAL_FILE, {}).get("val_loss"), meta.get("val_loss")):
+        if finite(value):
+            return value
+    return None
+
+
+def best_checkpoint(run_dir: Path) -> Path | None:
+    """The checkpoint with the lowest recorded val loss (latest step wins ties); the latest checkpoint
+    if none has a val loss; None if there are no checkpoints."""
+    ckpts = list_checkpoints(run_dir)
+    scored = [(v, -int(c.name[5:]), c) for c, m in readable(ckpts) if (v := val_loss_of(c, m)) is not None]
+    if scored:
+        return min(scored)[2]
+    return ckpts[-1] if ckpts else None
+
+
+def run_state(run_dir: Path, identity_hash: str | None = None) -> dict:
+    """What is on disk: newest checkpoint and its step, and whether the run is DONE (for this identity,
+    when given: a DONE left by a different trajectory does not count)."""
+    run_dir = Path(run_dir)
+    ckpt, meta = latest(run_dir)
+    step = meta.get("step")
+    done = (run_dir / DONE_FILE).exists() and ckpt is not None
+    if done and identity_hash:
+        done = read_json(run_dir / RUN_FILE, {}).get("identity_hash") == identity_hash
+    return {"run_dir": str(run_dir), "checkpoint": str(ckpt) if ckpt else None, "step": step, "done": done}
