@@ -6,14 +6,16 @@
 The config is validated before any work starts (unknown preset, bad override, missing local source: the
 flow run fails at once with the reason). Each stage is skipped when its verified artifacts exist on disk
 (or in the registry), so a re-run of a finished flow does nothing heavy, and a re-run of a killed one
-continues where it stopped:
+continues where it stopped. Each stage module makes that decision in one function, which its task asks
+too (a task called alone is idempotent); the flow shows the answer as a Skipped task run:
 
-    download + tokenize   the dataset's manifest is complete and its shards check out
-    train                 DONE + a checkpoint for this run identity (else the trainer resumes from its
-                          newest checkpoint)
-    evaluate              <checkpoint>/eval.json holds an evaluation with the same settings
-    register              a registry version carries the checkpoint's sha256
-    sample                <checkpoint>/sample.json holds text from that model version
+    download + tokenize   tasks.tokenize.done: the dataset's manifest is complete and its shards check out
+    train                 tasks.train.done: DONE + a checkpoint for this run identity (else the trainer
+                          resumes from its newest checkpoint)
+    evaluate              tasks.evaluate.done / missing_parts: <checkpoint>/eval.json holds each part
+                          (validation, each evaluation) with the same settings; the missing parts run
+    register              tasks.register.registered_version: a registry version carries the checkpoint's sha256
+    sample                tasks.generate.stored_sample: <checkpoint>/sample.json holds text from that version
 
 Tasks exchange paths and config dicts, never arrays. For the UI the flow publishes artifacts: the shard
 table, the eval table, links to the MLflow run and model version, the sample text, and a summary table
@@ -34,13 +36,12 @@ from prefect.cache_policies import NO_CACHE
 from prefect.states import Completed
 
 from gptcore import evals
-from gptcore.checkpoints.run_files import read_meta, result_metrics, run_dir_for, run_state
+from gptcore.checkpoints.run_files import EVAL_FILE, read_meta, result_metrics, run_dir_for, run_state
 from gptcore.config import ConfigError, RunConfig, load_config, pipeline_home
 from gptcore.files import read_json
 from integrations.progress import artifact_key, step_label
 from integrations.secrets import mlflow_credentials_from_prefect
-from tasks.generate import SAMPLE_FILE, sample_task
-from tasks.train import train_task
+from tasks.generate import SAMPLE_FILE, sample_task, stored_sample
 
 # pydantic notes that the parameter name `register` shadows a BaseModel method; harmless for validation
 warnings.filterwarnings("ignore", message='Field name "register"')
@@ -170,20 +171,19 @@ def data_stage(cfg: RunConfig, stage: Stages, dask_address: str = "") -> tuple[s
     tokenized on the Dask cluster at `dask_address` when one is given; the shard table artifact."""
     from gptcore.data import location
     from gptcore.data.shard_format import Manifest
+    from tasks import tokenize
 
-    dataset_dir, why = str(location.dataset_dir(cfg)), location.why_incomplete(cfg)
-    if why is not None:
+    dataset_dir, why_done = str(location.dataset_dir(cfg)), tokenize.done(cfg)  # the stage's own decision
+    if why_done is None:
         from tasks.download import download_task
-        from tasks.tokenize import tokenize_dataset
 
-        stage.log.info("dataset %s: %s", dataset_dir, why)
         download_task(cfg.to_dict())
-        dataset_dir = tokenize_dataset(cfg.to_dict(), task_runner=dask_runner(dask_address))
+        dataset_dir = tokenize.tokenize_dataset(cfg.to_dict(), task_runner=dask_runner(dask_address))
     rows = [{"shard": s.name, "split": s.split, "tokens": s.tokens, "sha256": s.sha256[:12]}
             for s in Manifest.load(Path(dataset_dir)).shards]
     tokens = {split: sum(r["tokens"] for r in rows if r["split"] == split) for split in ("train", "val")}
-    stage("data", "ran" if why else "skipped", f"{dataset_dir}: {len(rows)} shards, {tokens['train']:,} train "
-          f"tokens{'' if why else f' (complete; checked: {location.CHECKED})'}")
+    stage("data", "skipped" if why_done else "ran", f"{len(rows)} shards, {tokens['train']:,} train tokens"
+          f"{f'; {why_done}' if why_done else f' in {dataset_dir}'}")
     create_table_artifact(rows, key=artifact_key(cfg.run_name, "shards"),
                           description=f"Shards of {dataset_dir} ({tokens['train']:,} train / {tokens['val']:,} "
                                       "val tokens)")
@@ -193,10 +193,11 @@ def data_stage(cfg: RunConfig, stage: Stages, dask_address: str = "") -> tuple[s
 def train_stage(cfg: RunConfig, preset: str, overrides: dict | None, nproc: int, wait_seconds: float,
                 tracking: bool, stage: Stages) -> dict:
     """The run's state after training it (or finding it DONE)."""
-    run_dir, ident = run_dir_for(cfg), cfg.identity_hash()
-    state = run_state(run_dir, ident)
-    if state["done"]:
-        stage("train", "skipped", f"{run_dir} is DONE at step {state['step']}", f"train {cfg.run_name}")
+    from tasks import train
+
+    state = run_state(run_dir_for(cfg), cfg.identity_hash())
+    if (why := train.done(cfg)) is not None:  # the stage's own decision, as train_task makes it
+        stage("train", "skipped", why, f"train {cfg.run_name}")
         return state
     # nproc=0 (one per GPU, else 1 on CPU) is resolved only here: counting GPUs imports torch, which a re-run
     # that skips everything should not pay for
@@ -205,7 +206,7 @@ def train_stage(cfg: RunConfig, preset: str, overrides: dict | None, nproc: int,
 
         nproc = torch.cuda.device_count() if torch.cuda.is_available() else 1
     cfg.validate(nproc)  # the batch must split over the real number of processes (ConfigError if not)
-    state = train_task(preset, overrides, cfg.run_name, nproc, wait_seconds=wait_seconds, tracking=tracking)
+    state = train.train_task(preset, overrides, cfg.run_name, nproc, wait_seconds=wait_seconds, tracking=tracking)
     stage("train", "ran", f"steps {state.get('resumed_from') or 0} -> {state['step']}"
                           f"{'' if state['done'] else ' (time budget reached; continues next run)'}")
     return state
@@ -214,19 +215,19 @@ def train_stage(cfg: RunConfig, preset: str, overrides: dict | None, nproc: int,
 def evaluate_stage(ckpt: str, cfg: RunConfig, stage: Stages) -> dict:
     """Validation loss and each evaluation of the config (gptcore/evals) that <ckpt>/eval.json lacks, each
     as its own task run; a part skipped for lack of its dataset counts as done (a re-run of a finished
-    flow does nothing; `python -m tasks.evaluate` scores it later)."""
-    from tasks.evaluate import evaluate_dir, evaluate_part, missing_parts, stored_evaluation
+    flow does nothing)."""
+    from tasks import evaluate
 
-    parts = missing_parts(ckpt, cfg, val=True, retry_skipped=False)
-    result = stored_evaluation(ckpt, cfg, val=True, retry_skipped=False)
-    if result is not None:  # the trainer's own evaluation at the last step usually is this one
-        by = "the trainer, after the checkpoint" if result.get("by") == "trainer" else "an earlier run"
-        stage("evaluate", "skipped", f"{ckpt}/eval.json exists (evaluated by {by})", f"evaluate {step_label(ckpt)}")
+    why = evaluate.done(ckpt, cfg)  # the stage's own decision, as its task would make it
+    if why is not None:  # the trainer's own evaluation at the last step usually is this one
+        stage("evaluate", "skipped", why, f"evaluate {step_label(ckpt)}")
+        result = read_json(Path(ckpt) / EVAL_FILE, {})
     else:
+        parts = evaluate.missing_parts(ckpt, cfg)
         for part in parts:
-            result = evaluate_part(ckpt, part, cfg.to_dict())
+            result = evaluate.evaluate_part(ckpt, part, cfg.to_dict())
         if not parts:  # only parts the config no longer asks for to drop: no task run needed
-            result = evaluate_dir(ckpt, cfg.to_dict(), only=[])
+            result = evaluate.evaluate_dir(ckpt, cfg.to_dict(), only=[])
         stage("evaluate", "ran", f"{', '.join(parts) or 'rewrote eval.json'}; val loss {result.get('val_loss')}")
     rows = [{"metric": "val_loss", "value": result.get("val_loss")},
             {"metric": "val_tokens", "value": result.get("val_tokens")}]
@@ -262,9 +263,9 @@ def register_stage(ckpt: str, name: str, stage: Stages) -> dict:
 def sample_stage(ckpt: str, model_uri: str | None, cfg: RunConfig, stage: Stages) -> dict:
     """A text sample from what was registered (or from the checkpoint)."""
     prompt, n_new = cfg.eval.sample_prompt, cfg.eval.sample_tokens
-    sample = read_json(Path(ckpt) / SAMPLE_FILE, {})  # {} when missing, unreadable or not an object
-    if [sample.get(k) for k in ("model_uri", "prompt", "max_new_tokens")] == [model_uri, prompt, n_new]:
-        stage("sample", "skipped", f"{ckpt}/{SAMPLE_FILE} exists")
+    sample = stored_sample(ckpt, model_uri, prompt, n_new)  # the stage's own decision, as sample_task makes it
+    if sample is not None:
+        stage("sample", "skipped", f"{ckpt}/{SAMPLE_FILE} holds text from {model_uri or 'the checkpoint'}")
     else:
         sample = sample_task(ckpt, model_uri, prompt, n_new)
         stage("sample", "ran", "")

@@ -43,28 +43,38 @@ EVAL_LOCK = "eval.lock"  # held while a checkpoint is being evaluated
 EVAL_WAIT_SECONDS = 3600.0  # a second evaluation of the same checkpoint waits this long for the first
 
 
-def missing_parts(ckpt: str | Path, cfg: RunConfig, val: bool = True, retry_skipped: bool = True) -> list[str]:
-    """The parts ("val", evaluation names) that <ckpt>/eval.json lacks for these settings. With
-    retry_skipped, a part skipped for lack of its dataset counts as missing (it may be reachable now);
-    the flow passes False so that a re-run stays a no-op."""
+def missing_parts(ckpt: str | Path, cfg: RunConfig, val: bool = True) -> list[str]:
+    """The parts ("val", evaluation names) that <ckpt>/eval.json lacks for these settings: this stage's one
+    decision, asked by the flow (each missing part becomes a task run) and by evaluate_dir alike."""
     done = read_json(Path(ckpt) / EVAL_FILE, {})  # {} when missing, unreadable or not an object
-    return missing_evaluations(done, cfg, val, retry_skipped)
+    return missing_evaluations(done, cfg, val)
 
 
-def stored_evaluation(ckpt: str | Path, cfg: RunConfig, val: bool = True, retry_skipped: bool = True) -> dict | None:
+def stored_evaluation(ckpt: str | Path, cfg: RunConfig, val: bool = True) -> dict | None:
     """The evaluation in <ckpt>/eval.json when it holds every part for these settings and nothing else,
     else None."""
     done = read_json(Path(ckpt) / EVAL_FILE, {})
-    if missing_evaluations(done, cfg, val, retry_skipped):
+    if missing_evaluations(done, cfg, val):
         return None
     # settings of parts the config no longer asks for make it stale (evaluate_dir rewrites it without them)
     return done if merge_evaluations(done, {}, cfg, val)["settings"] == done.get("settings") else None
 
 
+def done(ckpt: str | Path, cfg: RunConfig) -> str | None:
+    """Why the evaluate stage has nothing to do for this checkpoint (the flow shows it as a Skipped task
+    run), or None."""
+    stored = stored_evaluation(ckpt, cfg)
+    if stored is None:
+        return None
+    by = "the trainer, after the checkpoint" if stored.get("by") == "trainer" else "an earlier run"
+    return f"{ckpt}/{EVAL_FILE} holds every part (evaluated by {by})"
+
+
 def evaluate_dir(target: str | Path, cfg_dict: dict | None = None, val: bool = True,
-                 device: str = "auto", log=None, only: list[str] | None = None) -> dict:
-    """Evaluate the parts that the checkpoint behind `target` lacks (`only`: of these parts) and return its
-    eval.json. Plain function: the Prefect tasks below wrap it, and tests / other tools call it directly."""
+                 device: str = "auto", log=None, only: list[str] | None = None, redo: list[str] = ()) -> dict:
+    """Evaluate the parts that the checkpoint behind `target` lacks (`only`: of these parts; `redo`: these
+    too, e.g. a part once skipped because its dataset was unreachable) and return its eval.json. Plain
+    function: the Prefect task below wraps it, and tests / other tools call it directly."""
     ckpt = checkpoint_of(Path(target))
     if not cfg_dict and (ckpt / META_FILE).is_file():
         cfg_dict = read_meta(ckpt).get("config")  # the config the checkpoint was trained with
@@ -74,6 +84,7 @@ def evaluate_dir(target: str | Path, cfg_dict: dict | None = None, val: bool = T
     with RunLock(ckpt, timeout=EVAL_WAIT_SECONDS, name=EVAL_LOCK):
         done = read_json(ckpt / EVAL_FILE, {})
         parts = [p for p in missing_evaluations(done, cfg, val) if only is None or p in only]
+        parts += [p for p in redo if p not in parts]
         if not parts and (stored := stored_evaluation(ckpt, cfg, val)) is not None:
             if log:
                 log.info("%s already evaluated (%s); skipping", ckpt, ckpt / EVAL_FILE)

@@ -32,7 +32,7 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from gptcore.files import write_json
+from gptcore.files import read_json, write_json
 from integrations.registry_weights import (
     CHECKPOINT_ARTIFACT,
     META,
@@ -103,11 +103,21 @@ def load(model_uri: str, tracking_uri: str | None = None) -> VerifiedModel:
     return VerifiedModel(model, meta, model_uri, src.expected, src.name, src.version)
 
 
+def stored_sample(ckpt: str | Path, model_uri: str | None, prompt: str, max_new_tokens: int) -> dict | None:
+    """<checkpoint>/sample.json when it holds text from this model version, prompt and length, else None:
+    this stage's one decision, asked by the flow (a Skipped task run) and by sample_task alike."""
+    sample = read_json(Path(ckpt) / SAMPLE_FILE, {})  # {} when missing, unreadable or not an object
+    same = [sample.get(k) for k in ("model_uri", "prompt", "max_new_tokens")] == [model_uri, prompt, max_new_tokens]
+    return sample if same and isinstance(sample.get("text"), str) else None
+
+
 @task(name="sample", cache_policy=NO_CACHE)
 def sample_task(ckpt: str, model_uri: str | None, prompt: str, max_new_tokens: int) -> dict:
     """Generate text from the registered model version (or straight from the checkpoint when nothing was
     registered); stored in <checkpoint>/sample.json. The version's weights are checked against its
     checkpoint_sha256 tag and run by this repository's code (load); UntrustedWeights fails the task."""
+    if (stored := stored_sample(ckpt, model_uri, prompt, max_new_tokens)) is not None:
+        return stored
     params = {"max_new_tokens": max_new_tokens, "seed": 0}  # the rest: the pyfunc's DEFAULT_PARAMS
     if model_uri:
         text = load(model_uri).predict([prompt], params=params)[0]

@@ -50,11 +50,20 @@ def tokenize_flow(cfg: dict) -> str:
     return str(location.dataset_dir(c))
 
 
+def done(cfg: RunConfig | dict) -> str | None:
+    """Why the data stage has nothing to do (its dataset is complete and checks out), or None: this
+    stage's one decision, asked by the flow (a Skipped task run) and by tokenize_dataset alike."""
+    c = as_config(cfg)
+    if location.why_incomplete(c) is not None:
+        return None
+    return f"{location.dataset_dir(c)} is complete (checked: {location.CHECKED})"
+
+
 def tokenize_dataset(cfg: RunConfig | dict, task_runner: TaskRunner | None = None) -> str:
     """Run the `tokenize` flow (as a subflow when called inside a flow); returns the dataset directory.
-    Skips at once when the dataset is already complete."""
+    Returns at once when the dataset is already complete (`done`)."""
     c = as_config(cfg)
-    if location.why_incomplete(c) is None:
+    if done(c) is not None:
         return str(location.dataset_dir(c))
     workers = c.data.num_workers or os.cpu_count() or 1
     runner = task_runner or ProcessPoolTaskRunner(max_workers=workers)

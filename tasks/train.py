@@ -32,7 +32,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from gptcore.checkpoints.run_files import run_dir_for, run_state
-from gptcore.config import load_config
+from gptcore.config import RunConfig, load_config
 from gptcore.launch import SHUTDOWN_SECONDS, torchrun_cmd
 from integrations import processes
 
@@ -127,6 +127,15 @@ def launch(cmd: list[str], run_dir: Path, log, env: dict, on_tick) -> tuple[int,
     return proc.returncode, list(tail)
 
 
+def done(cfg: RunConfig) -> str | None:
+    """Why the train stage has nothing to do (the run reached max_steps: DONE with a checkpoint, for this
+    identity), or None: this stage's one decision, asked by the flow (a Skipped task run) and by
+    train_task alike (again after waiting for the run's concurrency slot: it may have finished meanwhile)."""
+    run_dir = run_dir_for(cfg)
+    state = run_state(run_dir, cfg.identity_hash())
+    return f"{run_dir} is DONE at step {state['step']}" if state["done"] else None
+
+
 @task(name="train", cache_policy=NO_CACHE, task_run_name="train {run_name}")
 def train_task(preset: str, overrides: dict | None, run_name: str, nproc: int, wait_seconds: float = 600.0,
                tracking: bool = True) -> dict:
@@ -154,8 +163,8 @@ def train_task(preset: str, overrides: dict | None, run_name: str, nproc: int, w
         if time.time() - t0 > 1:
             log.info("waited %.0fs for concurrency slot %s", time.time() - t0, slot)
         state = run_state(run_dir, identity_hash)
-        if state["done"]:  # finished while we waited for the slot
-            log.info("run %s is already complete at step %s", run_name, state["step"])
+        if (why := done(cfg)) is not None:  # e.g. finished while we waited for the slot
+            log.info("nothing to train: %s", why)
             return {**state, "returncode": 0, "seconds": 0.0, "resumed_from": state["step"]}
         resumed_from = state["step"]
         log.info("run %s: %s on %d process(es)", run_name,

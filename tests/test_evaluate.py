@@ -22,7 +22,7 @@ from gptcore.data.shard_format import Manifest, ShardError, ShardInfo, write_sha
 from gptcore.evaluate import main as evaluate_main
 from gptcore.evaluate import validation_loss
 from gptcore.model import GPT
-from tasks.evaluate import evaluate_dir
+from tasks.evaluate import evaluate_dir, missing_parts
 
 FIXTURE = Path(__file__).parent / "fixtures" / "hellaswag_mini.jsonl"
 REPO = Path(__file__).resolve().parent.parent
@@ -229,10 +229,13 @@ def test_evaluate_stage_reports_unreachable_hellaswag(tmp_path, monkeypatch):
     cfg = load_config("micro", [o for o in OVERRIDES if "hellaswag_path" not in o])
     result = evaluate_dir(str(run_dir), cfg.to_dict(), device="cpu")
     assert "cannot download" in result["hellaswag"]["skipped"] and "val_loss" in result
-    # once the dataset is available, the stage evaluates again instead of returning the skip
+    # the skip counts as done, for the flow and the task alike (a re-run stays a no-op) ...
     cfg.eval.hellaswag_path = str(FIXTURE)
-    cfg.eval.hellaswag_limit = 0
-    assert evaluate_dir(str(run_dir), cfg.to_dict(), device="cpu")["hellaswag"]["n"] == 7
+    assert missing_parts(run_dir / "checkpoints" / "step_00000005", cfg) == []
+    assert "skipped" in evaluate_dir(str(run_dir), cfg.to_dict(), device="cpu")["hellaswag"]
+    # ... until asked to score it again, once its dataset is available; the validation loss is kept
+    again = evaluate_dir(str(run_dir), cfg.to_dict(), device="cpu", redo=["hellaswag"])
+    assert again["hellaswag"]["n"] == 7 and again["val_loss"] == result["val_loss"]
 
 
 EVAL_PROC = """

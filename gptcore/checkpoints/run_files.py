@@ -148,18 +148,16 @@ def eval_settings(cfg: RunConfig, val: bool, only: tuple[str, ...] | None = None
                             if only is None or ev.name in only}}
 
 
-def missing_evaluations(done: dict, cfg: RunConfig, val: bool, retry_skipped: bool = True) -> list[str]:
+def missing_evaluations(done: dict, cfg: RunConfig, val: bool) -> list[str]:
     """The parts of an evaluation ("val" and evaluation names) that eval.json's `done` lacks for these
-    settings. With retry_skipped, a part skipped for lack of its dataset counts as missing (it may be
-    reachable now)."""
+    settings. A part skipped for lack of its dataset counts as done, for every caller alike (a re-run of a
+    finished flow stays a no-op); tasks.evaluate.evaluate_dir(..., redo=[part]) scores it again on request."""
     want, have = eval_settings(cfg, val), done.get("settings") or {}
     missing = []
     if val and (have.get("val") != want["val"] or not finite(done.get("val_loss"))):
         missing.append("val")
     for name, settings in want["evaluations"].items():
-        result = done.get(name)
-        if ((have.get("evaluations") or {}).get(name) != settings or not isinstance(result, dict)
-                or (retry_skipped and "skipped" in result)):
+        if (have.get("evaluations") or {}).get(name) != settings or not isinstance(done.get(name), dict):
             missing.append(name)
     return missing
 
