@@ -51,7 +51,7 @@ def build_corpus(path: Path, min_tokens: float) -> tuple[int, int]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from gptcore.data.sources import BUILTIN
+    from gptcore.data.source_builtin import BUILTIN
     from gptcore.tokenizer import get_encoding
 
     texts = pq.read_table(BUILTIN, columns=["text"]).column("text").to_pylist()

@@ -65,11 +65,10 @@ def check_config(preset: str, overrides: dict | None, nproc: int) -> RunConfig:
     check_inside_home(cfg)
     from gptcore.data import sources
 
-    if sources.source_kind(cfg).in_place:
-        try:  # the one place that knows what a usable local source is; only lists files
-            sources.local_files(cfg.data.source, fingerprint=False)
-        except sources.SourceError as e:
-            raise ConfigError(str(e)) from None
+    try:  # the source's kind knows what a usable source is (a local one: only lists its files)
+        sources.source_kind(cfg).validate(cfg)
+    except sources.SourceError as e:
+        raise ConfigError(str(e)) from None
     return cfg
 
 

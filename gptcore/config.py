@@ -83,8 +83,9 @@ def model_preset(name: str) -> ModelConfig:
 @dataclass
 class DataConfig:
     # Where text comes from: "builtin" (the small offline corpus), "hf" (a Hugging Face hub dataset),
-    # or a local directory / glob of parquet, jsonl or txt files.
+    # or a local directory / glob of parquet, jsonl or txt files (gptcore/data/sources.py: SOURCE_KINDS).
     source: str = "builtin"
+    # the "hf" kind's settings (gptcore/data/source_hub.py)
     hf_repo: str = "HuggingFaceFW/fineweb-edu"
     hf_config: str = "sample-10BT"  # "" = the dataset's default config
     hf_split: str = "train"  # only this split is tokenized (the val shard is held out of it)
@@ -105,8 +106,7 @@ class DataConfig:
             raise ConfigError("data.piece_bytes must be >= 1, data.num_workers and data.max_docs >= 0")
         if not self.source:
             raise ConfigError("data.source is empty; use 'builtin', 'hf', or a local path/glob")
-        if self.source == "hf" and not (self.hf_repo and self.hf_split and self.hf_revision):
-            raise ConfigError("data.hf_repo, data.hf_split and data.hf_revision must not be empty with data.source=hf")
+        # each source kind checks its own settings (gptcore/data/sources.py: SourceKind.validate)
 
 
 @dataclass

@@ -154,28 +154,20 @@ def datasets_of(dataset_dir: str | Path) -> dict:
     commit, config and split, or the local path) and its id as digest, the id every shard, checkpoint and
     model version carries; the validation dataset is the held-out shard of that manifest, named
     `<dataset>/val`."""
+    from mlflow.data.dataset_source_registry import get_dataset_source_from_json  # mlflow: only when logging
     from mlflow.data.meta_dataset import MetaDataset
 
+    from gptcore.data import sources
     from gptcore.data.shard_format import Manifest, ShardError
 
     try:
         m = Manifest.load(Path(dataset_dir))
     except ShardError:
         return {}
-    hub = m.source.get("hf")
-    if hub:
-        from mlflow.data.huggingface_dataset_source import HuggingFaceDatasetSource
-
-        source = HuggingFaceDatasetSource(hub["repo"], config_name=hub.get("config") or None,
-                                          split=hub.get("split"), revision=hub.get("commit"))
-    else:  # a local path: MLflow's registry resolves it to its local-file source
-        import warnings
-
-        from mlflow.data.dataset_source_registry import resolve_dataset_source
-
-        with warnings.catch_warnings():  # "can be interpreted in multiple ways": the same local class, twice
-            warnings.simplefilter("ignore", UserWarning)
-            source = resolve_dataset_source(str(m.source.get("source") or dataset_dir))
+    # the source's kind describes it in MLflow's own dataset-source vocabulary (type + fields): the hub repo
+    # at the recorded commit, config and split; a local path; a URL ...
+    source_type, fields = sources.kind_for(str(m.source.get("source", ""))).lineage(m.source, Path(dataset_dir))
+    source = get_dataset_source_from_json(json.dumps(fields), source_type)
     name = Path(dataset_dir).name
     return {"training": MetaDataset(source=source, name=name, digest=m.id),
             "validation": MetaDataset(source=source, name=f"{name}/val", digest=m.id)}

@@ -164,7 +164,7 @@ def train_task(preset: str, overrides: dict | None, run_name: str, nproc: int, w
             log.info("waited %.0fs for concurrency slot %s", time.time() - t0, slot)
         state = run_state(run_dir, identity_hash)
         if (why := done(cfg)) is not None:  # e.g. finished while we waited for the slot
-            log.info("nothing to train: %s", why)
+            log.info("run %s is already complete at step %s: %s", run_name, state["step"], why)
             return {**state, "returncode": 0, "seconds": 0.0, "resumed_from": state["step"]}
         resumed_from = state["step"]
         log.info("run %s: %s on %d process(es)", run_name,

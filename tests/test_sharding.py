@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from gptcore.config import load_config
-from gptcore.data import build, cutting, location, planning, shard_format, sources, tokenizing
+from gptcore.data import build, cutting, location, planning, shard_format, source_builtin, sources, tokenizing
 from gptcore.data.shard_format import Manifest, read_shard
 from gptcore.tokenizer import EOT, get_encoding
 
@@ -46,7 +46,7 @@ def test_shards_hold_every_document_preceded_by_eot():
     cfg = cfg_of()
     m = build.run(cfg, workers=2)
     out = location.dataset_dir(cfg)
-    texts = pq.read_table(sources.BUILTIN, columns=["text"]).column("text").to_pylist()[:8]
+    texts = pq.read_table(source_builtin.BUILTIN, columns=["text"]).column("text").to_pylist()[:8]
     want = expected_tokens(texts)
     got = np.concatenate([np.asarray(read_shard(out / s.name)) for s in m.shards])
     assert np.array_equal(got, want)  # nothing dropped, nothing reordered, EOT before every doc
@@ -297,7 +297,7 @@ def test_different_spec_cannot_overwrite_a_dataset():
 def test_local_mixed_directory(tmp_path):
     src = tmp_path / "src"
     (src / "sub").mkdir(parents=True)
-    texts = pq.read_table(sources.BUILTIN, columns=["text"]).column("text").to_pylist()[:6]
+    texts = pq.read_table(source_builtin.BUILTIN, columns=["text"]).column("text").to_pylist()[:6]
     pq.write_table(pa.table({"content": texts[:2]}), src / "a.parquet")
     (src / "b.jsonl").write_text("".join(json.dumps({"content": t}) + "\n" for t in texts[2:4]))
     (src / "sub" / "c.txt").write_text(texts[4])

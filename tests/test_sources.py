@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from gptcore.config import load_config
-from gptcore.data import build, location, sources
+from gptcore.data import build, location, source_builtin, source_hub, source_local, sources
 from gptcore.data.shard_format import read_shard
 from gptcore.tokenizer import EOT, get_encoding
 from tests.hub_standin import parquet_bytes
@@ -36,7 +36,7 @@ configs:
 @pytest.fixture
 def hub(standin):
     """FineWeb-Edu's layout: YAML configs in the card, sample/10BT/*.parquet with fineweb's extra columns."""
-    texts = pq.read_table(sources.BUILTIN, columns=["text"]).column("text").to_pylist()
+    texts = pq.read_table(source_builtin.BUILTIN, columns=["text"]).column("text").to_pylist()
     files = {"README.md": CARD.encode(), "data/CC-MAIN-2024/x.parquet": parquet_bytes(pa.table({"text": ["other"]}))}
     for i in range(3):  # 3 files x 2 documents
         t = pa.table({"text": texts[2 * i: 2 * i + 2], "id": [f"doc{2 * i}", f"doc{2 * i + 1}"],
@@ -118,7 +118,7 @@ def test_hub_max_docs_stops_downloading_early_and_unknown_config(hub):
 
 
 def test_hub_not_enough_disk(hub, monkeypatch):
-    monkeypatch.setattr(sources, "free_disk", lambda path: 1000)
+    monkeypatch.setattr(source_hub, "free_disk", lambda path: 1000)
     with pytest.raises(sources.SourceError, match="not enough free disk to download"):
         sources.fetch(hf_cfg())
     assert not list((location.pipeline_home() / "raw").rglob("*.parquet"))
@@ -133,8 +133,8 @@ def test_builtin_corpus(tmp_path, monkeypatch):
     monkeypatch.setenv("GPTPIPE_HOME", str(tmp_path / "home"))
     src = sources.fetch(load_config("micro"))
     _, files = sources.load_listing(src)
-    assert files[0].sha256 == sources.BUILTIN_SHA256
-    t = pq.read_table(sources.BUILTIN)
+    assert files[0].sha256 == source_builtin.BUILTIN_SHA256
+    t = pq.read_table(source_builtin.BUILTIN)
     assert t.num_rows == 42 and len(set(t.column("title").to_pylist())) == 42  # one document per work
     text = "\n".join(t.column("text").to_pylist())
     assert "Gutenberg" not in text and "Tragedie" not in text  # no licence text, no folio duplicates
@@ -161,11 +161,11 @@ def test_glob_across_folders_names_each_file_uniquely(tmp_path, monkeypatch):
         (d / sub).mkdir(parents=True)
         (d / sub / "x.jsonl").write_text(f'{{"text": "{sub}"}}\n')
     spec = f"{d}/**/*.jsonl"
-    files = sources.local_files(spec)
+    files = source_local.local_files(spec)
     assert [f.name for f in files] == ["a/x.jsonl", "b/x.jsonl"]
     recorded = [{"name": f.name, "sha256": f.sha256} for f in files]
     (d / "b" / "x.jsonl").write_text('{"text": "changed"}\n')
-    assert sources.changed_files(recorded, sources.local_files(spec)) == ["b/x.jsonl (changed)"]
+    assert sources.changed_files(recorded, source_local.local_files(spec)) == ["b/x.jsonl (changed)"]
 
 
 def test_a_symlinked_file_in_the_source_directory_is_listed_by_its_name_there(tmp_path):
@@ -173,7 +173,7 @@ def test_a_symlinked_file_in_the_source_directory_is_listed_by_its_name_there(tm
     (tmp_path / "elsewhere" / "real.jsonl").write_text('{"text": "x"}\n')
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "link.jsonl").symlink_to(tmp_path / "elsewhere" / "real.jsonl")
-    [f] = sources.local_files(str(tmp_path / "d"))
+    [f] = source_local.local_files(str(tmp_path / "d"))
     assert f.name == "link.jsonl" and f.path == str((tmp_path / "elsewhere" / "real.jsonl").resolve())
 
 
@@ -220,3 +220,80 @@ def test_a_local_source_in_every_readable_format(tmp_path):
     got = np.concatenate([np.asarray(read_shard(location.dataset_dir(capped) / s.name))
                           for s in build.run(capped, workers=1).shards])
     assert np.array_equal(got, want[: len([t for text in texts[:12] for t in [EOT, *enc.encode_ordinary(text)]])])
+
+
+class HTTPFiles(sources.SourceKind):
+    """A toy source kind, defined here and nowhere else: data.source = "http://host:port/" names a folder of
+    JSON Lines files served over HTTP, listed in its index.txt."""
+    name = "http-files"
+
+    def matches(self, source: str) -> bool:
+        return source.startswith("http://")
+
+    def source_id(self, cfg) -> str:
+        return sources.safe_name("http-" + cfg.data.source.removeprefix("http://").strip("/"))
+
+    def fetch(self, cfg, source_dir):
+        from urllib.request import urlopen
+
+        from gptcore.files import file_sha256
+
+        base = cfg.data.source.rstrip("/") + "/"
+        files = []
+        for name in urlopen(base + "index.txt", timeout=10).read().decode().split():
+            local = source_dir / "files" / name
+            local.parent.mkdir(parents=True, exist_ok=True)
+            local.write_bytes(urlopen(base + name, timeout=10).read())
+            st = local.stat()
+            files.append(sources.SourceFile(path=f"files/{name}", kind=sources.kind_of(local), size=st.st_size,
+                                            sha256=file_sha256(local), mtime_ns=st.st_mtime_ns, name=name))
+        return files
+
+    def lineage(self, recorded: dict, dataset_dir) -> tuple[str, dict]:
+        return "http", {"url": recorded["source"]}
+
+
+def test_a_new_source_kind_is_one_registered_class(mlflow_server, tmp_path, monkeypatch):
+    """ARCHITECTURE.md's route for a new source kind: a SourceKind registered from inside this test (no other
+    file changed) builds a dataset from files served over HTTP, and the run's MLflow dataset input names its
+    URL as an MLflow `http` source."""
+    import json
+
+    from mlflow import MlflowClient
+
+    from integrations import mlflow_store
+    from tests.local_http import end_body, serve
+
+    texts = pq.read_table(source_builtin.BUILTIN, columns=["text"]).column("text").to_pylist()[:6]
+    served = {f"part-{i}.jsonl": "".join(json.dumps({"text": t[:4000]}) + "\n" for t in texts[i::2]).encode()
+              for i in range(2)}
+    served["index.txt"] = "\n".join(sorted(served)).encode()
+
+    def handle(h, head):
+        body = served.get(h.path.removeprefix("/corpus/"))
+        h.send_response(200 if body is not None else 404)
+        end_body(h, head, body or b"")
+
+    server = serve(handle)
+    monkeypatch.setenv("GPTPIPE_HOME", str(tmp_path / "home"))
+    kind = sources.register(HTTPFiles())
+    try:
+        url = f"http://127.0.0.1:{server.server_port}/corpus/"
+        cfg = load_config("micro", [f"data.source={url}", "data.shard_tokens=2048", "data.num_workers=1"])
+        m = build.run(cfg, workers=1)
+        assert sources.source_kind(cfg) is kind and m.source["source"] == url
+        assert sum(s.tokens for s in m.shards) == sum(len(get_encoding().encode_ordinary(t[:4000])) + 1
+                                                      for t in texts)
+        assert location.why_incomplete(cfg) is None  # the kind's own change check: the default, by file hashes
+        uri = mlflow_server.uri
+        mlc = MlflowClient(uri)
+        run = mlc.create_run(mlflow_store.experiment_id(mlc, "toy-source-kind"))
+        mlflow_store.log_datasets(mlc, run.info.run_id, location.dataset_dir(cfg))
+        inputs = mlc.get_run(run.info.run_id).inputs.dataset_inputs
+        d = {i.dataset.name: i.dataset for i in inputs}[location.dataset_dir(cfg).name]
+        assert (d.source_type, json.loads(d.source)["url"], d.digest) == ("http", url, m.id)
+    finally:
+        sources.unregister(kind.name)
+        server.shutdown()
+        server.server_close()
+    assert not isinstance(sources.kind_for(url), HTTPFiles)  # unregistered: a URL is a (missing) path again

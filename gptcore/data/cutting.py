@@ -37,7 +37,8 @@ def _settings(spec: dict) -> dict:
     """A spec without its files: what must match for an existing dataset dir to be rebuilt in place (a
     changed source file, or a hub branch that moved to another commit, is a rebuild; another source,
     column, cap or tokenizer is another dataset)."""
-    return {k: v for k, v in spec.items() if k not in ("files", "documents", "invalid_utf8", "hf")}
+    kinds = {k.name for k in sources.SOURCE_KINDS}  # a kind's record (the hub's commit): a changed source
+    return {k: v for k, v in spec.items() if k not in ("files", "documents", "invalid_utf8") and k not in kinds}
 
 
 def _known_shards(cfg: RunConfig, spec: dict) -> dict[int, ShardInfo]:
@@ -219,8 +220,8 @@ def _spec(cfg: RunConfig, pieces: list[Piece]) -> dict:
     files: dict[str, dict] = {}
     for p in pieces:
         files.setdefault(p.name, {"name": p.name, "sha256": p.file_id})
-    d = cfg.data
-    hub = read_json(listing_path(cfg), {}).get("hf")  # repo, config, split, revision and its commit
+    d, kind = cfg.data, sources.source_kind(cfg)
+    record = read_json(listing_path(cfg), {}).get(kind.name)  # e.g. the hub's repo, config, split and commit
     return {"id": sources.source_id(cfg), "source": d.source, "text_column": d.text_column,
             "max_docs": d.max_docs, "tokenizer_sha256": RANK_FILE_SHA256, "files": list(files.values()),
-            **({"hf": hub} if hub else {})}
+            **({kind.name: record} if record else {})}

@@ -31,7 +31,7 @@ def dataset_name(cfg: RunConfig) -> str:
     d = cfg.data
     if d.dataset_name:
         return d.dataset_name
-    base = sources.source_kind(cfg).dataset_base(d)
+    base = sources.source_kind(cfg).dataset_base(cfg)
     base += f"-{d.max_docs}docs" if d.max_docs else ""
     return sources.safe_name(f"{base}-{_short(d.shard_tokens)}")
 
