@@ -18,6 +18,7 @@ changes nothing.
 
 from __future__ import annotations
 
+# lazy imports: prefect (~2 s) only where a command talks to the Prefect server (--stop and --status do not)
 import argparse
 import hashlib
 import json

@@ -13,6 +13,7 @@ is only signalled when its recorded start time still matches (a recycled pid is 
 
 from __future__ import annotations
 
+# lazy imports: prefect and mlflow clients only where the stack is set up or checked
 import contextlib
 import os
 import socket

@@ -24,6 +24,8 @@ table, the eval table, links to the MLflow run and model version, the sample tex
 
 from __future__ import annotations
 
+# lazy imports: each stage's task module and torch load only when the stage has work; a no-op re-run
+# of a finished flow imports neither torch nor mlflow (tests/test_flow.py checks it)
 import json
 import os
 import re

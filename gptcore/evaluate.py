@@ -17,10 +17,12 @@ from pathlib import Path
 
 import torch
 
-from gptcore import distributed
+from gptcore import distributed, evals
+from gptcore.checkpoints import checkpoint
 from gptcore.checkpoints.run_files import META_FILE, CheckpointError, checkpoint_of
 from gptcore.config import ConfigError, RunConfig, TrainConfig, apply_overrides, from_dict, load_config
 from gptcore.data.loader import val_batches
+from gptcore.data.location import dataset_dir
 from gptcore.data.shard_format import Manifest, ShardError
 from gptcore.model import evaluating
 
@@ -69,8 +71,6 @@ def validation_loss(model: torch.nn.Module, cfg: RunConfig, manifest_dir: Path, 
 def load_target(path: Path, device="cpu") -> tuple[torch.nn.Module, dict]:
     """Load the model behind `path`: a checkpoint dir, a run dir (its newest checkpoint) or a Hugging Face
     export dir. Returns (model in eval mode, info) where info names what was loaded."""
-    from gptcore.checkpoints import checkpoint
-
     path = checkpoint_of(Path(path))
     if (path / META_FILE).is_file():
         model, meta = checkpoint.load_model(path, device)
@@ -90,15 +90,12 @@ def evaluate_model(model: torch.nn.Module, cfg: RunConfig, device, autocast_ctx=
     lm-evaluation-harness tasks, contamination), each under its name, for an already-loaded model (a
     checkpoint, an HF export, or a registered MLflow model loaded by tasks/); `only`: just these parts
     ("val" and evaluation names). An evaluation whose data cannot be had is reported as skipped, not raised."""
-    from gptcore import evals
-
     def wanted(part: str) -> bool:
         return only is None or part in only
 
     out: dict = {}
     if val and wanted("val"):
         if manifest_dir is None:
-            from gptcore.data.location import dataset_dir
             manifest_dir = dataset_dir(cfg)
         out["val_loss"] = validation_loss(model, cfg, manifest_dir, device, autocast_ctx, rank, world)
         out["val_tokens"] = cfg.eval.val_tokens

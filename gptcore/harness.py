@@ -23,7 +23,10 @@ from contextlib import contextmanager, nullcontext
 import numpy as np
 import torch
 import torch.nn.functional as F
+from lm_eval import simple_evaluate
 from lm_eval.api.model import TemplateLM
+from lm_eval.api.task import Task
+from lm_eval.tasks import TaskManager, get_task_dict
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from gptcore.model import GPT, unwrap
@@ -130,9 +133,6 @@ def run_tasks(model: torch.nn.Module, tasks: list[str], device, autocast_ctx=Non
               include_path: str | None = None, limit: int | None = None) -> dict[str, dict]:
     """Score `model` on each of the harness's `tasks` (names it knows, or defined under `include_path`):
     {task: metrics} or {task: {"skipped": reason}} when the task or its data cannot be had."""
-    from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager
-
     manager = TaskManager(include_path=include_path) if include_path else TaskManager()
     lm = GPTHarness(model, device, autocast_ctx)
     out: dict[str, dict] = {}
@@ -160,9 +160,6 @@ def task_documents(tasks: list[str], include_path: str | None = None,
     """Each task's evaluated documents as token lists (its prompt and every choice, the text the model
     reads), for the contamination scan (gptcore/contamination.py); a reason instead for a task that cannot
     be loaded. `limit`: the first documents, as run_tasks scores them."""
-    from lm_eval.api.task import Task
-    from lm_eval.tasks import TaskManager, get_task_dict
-
     manager = TaskManager(include_path=include_path) if include_path else TaskManager()
     out: dict[str, list[list[int]] | str] = {}
     for name in tasks:

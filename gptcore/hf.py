@@ -16,6 +16,7 @@ The two models are the same network with different parameter layouts:
 
 from __future__ import annotations
 
+# lazy imports: huggingface_hub only when a model is downloaded from the hub
 import json
 import os
 from pathlib import Path

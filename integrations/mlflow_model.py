@@ -23,6 +23,7 @@ the fix, which `mlflow models serve` answers with HTTP 400. Served, the same thr
 
 from __future__ import annotations
 
+# lazy imports: `mlflow models serve` imports this module to find the pyfunc; torch loads with the model
 import mlflow
 from mlflow.exceptions import MlflowException
 from mlflow.models import set_model

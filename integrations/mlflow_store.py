@@ -13,6 +13,7 @@ One MLflow experiment (`gpt2-pretrain`) holds one MLflow run per training run id
 
 from __future__ import annotations
 
+# lazy imports: mlflow (~1.3 s) only where the client is needed; the flow's skip decisions read over REST
 import base64
 import contextlib
 import json

@@ -13,6 +13,7 @@ has caught up. Tokenizing: a progress artifact `<dataset>-tokenize` for the piec
 
 from __future__ import annotations
 
+# lazy imports: prefect only when an artifact is written (the trainer's tracking runs without Prefect)
 import json
 import re
 import time

@@ -9,6 +9,7 @@ and check the weights' sha256 against the version's `checkpoint_sha256` tag firs
 
 from __future__ import annotations
 
+# lazy imports: mlflow only when weights are fetched (a cycle with mlflow_store otherwise)
 from dataclasses import dataclass
 from pathlib import Path
 

@@ -23,6 +23,7 @@ The values are read from the environment, never from the command line (which `ps
 
 from __future__ import annotations
 
+# lazy imports: prefect's settings and blocks only inside a flow run that reads them
 import logging
 import os
 import sys

@@ -32,6 +32,7 @@ continuing.
 
 from __future__ import annotations
 
+# lazy imports: mlflow only once there is something to ship (the trainer starts without waiting for it)
 import argparse
 import json
 import logging

@@ -19,6 +19,7 @@ Prefect task run (`evaluate_part`), so the UI shows them one by one.
 
 from __future__ import annotations
 
+# lazy imports: torch and mlflow only where there is work; the flow imports this module to decide what to skip
 import sys
 import tempfile
 import time

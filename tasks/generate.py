@@ -23,6 +23,7 @@ shared with `python -m tasks.evaluate models:/...`). Serving the pyfunc with
 
 from __future__ import annotations
 
+# lazy imports: torch and mlflow only where there is work; the flow imports this module to decide what to skip
 import argparse
 import sys
 import tempfile

@@ -16,6 +16,7 @@ the board as a Prefect table artifact after it registers a checkpoint (`publish_
 
 from __future__ import annotations
 
+# lazy imports: mlflow and prefect's artifacts only when a leaderboard is read or published
 import argparse
 import math
 import os

@@ -26,6 +26,7 @@ again, so a retry after a partial failure converges.
 
 from __future__ import annotations
 
+# lazy imports: mlflow and torch only where there is work; the flow decides to skip over REST without them
 import argparse
 import json
 import logging

@@ -20,6 +20,7 @@ What the launcher guarantees:
 
 from __future__ import annotations
 
+# lazy imports: prefect's client and the shipper only when a run is launched (the skip decision reads files)
 import collections
 import json
 import os

@@ -10,6 +10,7 @@ only the stages that do work import torch.
 
 from __future__ import annotations
 
+# lazy imports: gptcore.evals imports this module (result_metrics), so eval_settings imports it when called
 import json
 import math
 import re

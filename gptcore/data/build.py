@@ -24,6 +24,7 @@ CLI: python -m gptcore.data.build <preset|file.toml> [data.key=value ...] [--ful
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import shutil
 import sys
@@ -33,7 +34,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from gptcore.config import RunConfig
+from gptcore.config import ConfigError, RunConfig, load_config
 from gptcore.data import sources
 from gptcore.data.cutting import ShardCutter, pieces_to_tokenize
 from gptcore.data.location import (
@@ -152,8 +153,6 @@ def _pool_tokenize(cfg: RunConfig, pieces: list[Piece], todo: list[Piece], piece
               disable=None) as bar, ExitStack() as stack:
         results = map(_tokenize_job, jobs)
         if workers > 1:
-            import multiprocessing as mp
-
             from gptcore.data import build  # the job must pickle as gptcore.data.build.*, not __main__.*
             # fork: workers inherit the imported modules and the GPT-2 encoding built here, so they start
             # in milliseconds instead of re-importing and re-building it. The parent has only read parquet
@@ -167,7 +166,6 @@ def _pool_tokenize(cfg: RunConfig, pieces: list[Piece], todo: list[Piece], piece
 
 
 def main(argv: list[str] | None = None) -> int:
-    from gptcore.config import ConfigError, load_config
     argv = sys.argv[1:] if argv is None else list(argv)
     full = "--full-verify" in argv
     argv = [a for a in argv if a != "--full-verify"]

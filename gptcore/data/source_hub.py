@@ -8,8 +8,10 @@ hf_split, hf_revision."""
 
 from __future__ import annotations
 
+# lazy imports: huggingface_hub and datasets (~1 s) load only when a hub source is fetched or asked about
 import functools
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -178,8 +180,6 @@ def hub_head(cfg: RunConfig) -> str | None:
 
 def _hub_endpoint() -> str:
     """HF_ENDPOINT as it is now: huggingface_hub (and datasets, once imported) read it only at import."""
-    import sys
-
     from huggingface_hub import constants
 
     endpoint = (os.environ.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/")

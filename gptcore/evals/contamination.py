@@ -4,6 +4,7 @@ n-gram with the run's training shards; on rank 0, one scan of the shards for all
 
 from __future__ import annotations
 
+# lazy imports: the registry is read by the flow's no-op re-run, which must not import torch or numpy scans
 from gptcore.evals import Context, Evaluation
 from gptcore.evals.hellaswag import examples
 

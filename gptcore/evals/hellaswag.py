@@ -4,6 +4,7 @@ During training: every eval.hellaswag_interval steps (0 = at the end only)."""
 
 from __future__ import annotations
 
+# lazy imports: the registry is read by the flow's no-op re-run, which must not import torch
 import logging
 
 from gptcore.evals import Context, Evaluation
