@@ -109,36 +109,20 @@ def test_the_scan_finds_n_grams_across_its_chunk_boundaries(tmp_path, monkeypatc
 def test_harness_task_documents_are_scanned_in_the_same_pass(tmp_path):
     """A harness task's documents (prompt and choices, tokenized as the model reads them) are checked too:
     the one planted in a train shard is found, the others are not, and a task that cannot load is a skip."""
-    import json
-
     import torch
 
     from gptcore.config import load_config
     from gptcore.evaluate import evaluate_model
     from gptcore.harness import task_documents
     from gptcore.model import GPT
+    from tests.test_harness import toy_task
 
     words = np.random.default_rng(3).permutation(["river", "candle", "orbit", "velvet", "harbor", "meadow",
                                                   "pepper", "glacier", "lantern", "compass", "saddle", "thistle"])
-    folder = tmp_path / "tasks"
-    folder.mkdir()
     rows = [{"question": f"Story {i}: the {words[i]} met the {words[(i + 5) % 12]} near the {words[(i + 7) % 12]} "
                          f"and then the {words[(i + 3) % 12]} said what?", "choices": ["yes", "no"], "label": 0}
             for i in range(8)]
-    (folder / "distinct.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (folder / "distinct.yaml").write_text(f"""task: distinct
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {folder / "distinct.jsonl"}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{question}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: "{{{{label}}}}"
-metric_list:
-  - metric: acc
-""")
+    folder = toy_task(tmp_path / "tasks", rows=rows, name="distinct")
     docs = task_documents(["distinct"], str(folder))["distinct"]
     assert len(docs) == 8 and all(len(d) >= 18 for d in docs)
     d = dataset(tmp_path / "ds", [np.array(docs[5][2:18])], val_plant=np.array(docs[1]))

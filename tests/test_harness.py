@@ -62,14 +62,15 @@ def test_log_likelihoods_equal_the_harness_hf_model_on_the_export(pair):
     assert ra == pytest.approx(rb, abs=1e-3) and ra[0] < ra[1] < 0
 
 
-def toy_task(folder, n: int = 24):
-    """A multiple-choice task in a user's folder (the harness's include path), its data in a local file."""
+def toy_task(folder, n: int = 24, rows: list[dict] | None = None, name: str = "toy_choice"):
+    """A multiple-choice task in a user's folder (the harness's include path), its data in a local file:
+    `rows` of {question, choices, label}, by default n questions alike but for their number."""
     folder.mkdir(parents=True, exist_ok=True)
-    rows = [{"question": f"Question {i}: which word follows 'the quick brown'?", "choices": ["fox", "sky", "cat"],
-             "label": i % 3} for i in range(n)]
-    data = folder / "toy_choice.jsonl"
+    rows = rows or [{"question": f"Question {i}: which word follows 'the quick brown'?",
+                     "choices": ["fox", "sky", "cat"], "label": i % 3} for i in range(n)]
+    data = folder / f"{name}.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (folder / "toy_choice.yaml").write_text(f"""task: toy_choice
+    (folder / f"{name}.yaml").write_text(f"""task: {name}
 dataset_path: json
 dataset_kwargs:
   data_files:
