@@ -25,6 +25,7 @@ Overheads measured on their own: parquet read, EOT/uint16 assembly, sha256, shar
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -37,6 +38,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 
 from benchmarks import parse_args
 
@@ -73,20 +75,12 @@ class TreeRSS:
 
     @staticmethod
     def _tree_rss() -> int:
-        procs = {}
-        for d in Path("/proc").iterdir():
-            if d.name.isdigit():
-                try:
-                    stat = (d / "stat").read_text().rsplit(")", 1)[1].split()
-                    procs[int(d.name)] = (int(stat[1]), int(stat[21]))  # ppid, rss pages
-                except (OSError, IndexError, ValueError):
-                    pass
-        tree, grew = {os.getpid()}, True
-        while grew:
-            new = {p for p, (pp, _) in procs.items() if pp in tree and p not in tree}
-            tree |= new
-            grew = bool(new)
-        return sum(procs[p][1] for p in tree if p in procs) * os.sysconf("SC_PAGE_SIZE")
+        """Resident memory of this process and every process below it (psutil)."""
+        root, total = psutil.Process(), 0
+        for proc in [root, *root.children(recursive=True)]:
+            with contextlib.suppress(psutil.Error):  # a worker that exited between the listing and the read
+                total += proc.memory_info().rss
+        return total
 
     def _loop(self):
         while not self.stop:

@@ -11,6 +11,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.mlflow_server import free_port
@@ -150,10 +151,10 @@ def _worker_pids(pid: int) -> list[int]:
     out = []
     for p in descendants(pid):
         try:
-            cmd = Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ")
-        except OSError:
+            cmd = " ".join(psutil.Process(p).cmdline())
+        except psutil.Error:
             continue
-        if b"multiprocessing" in cmd and b"resource_tracker" not in cmd:
+        if "multiprocessing" in cmd and "resource_tracker" not in cmd:
             out.append(p)
     return out
 

@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -58,10 +59,10 @@ def events(run_dir: Path) -> list[str]:
 def rank_pid(launcher_pid: int, rank: int) -> int | None:
     for pid in descendants(launcher_pid):
         try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
+            environ = psutil.Process(pid).environ()
+        except psutil.Error:
             continue
-        if f"RANK={rank}".encode() in environ and b"TORCHELASTIC_RUN_ID=" in b"\0".join(environ):
+        if environ.get("RANK") == str(rank) and "TORCHELASTIC_RUN_ID" in environ:
             return pid
     return None
 

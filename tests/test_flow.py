@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.prefect_stack import artifacts, flow_logs, run_deployment_and_wait, task_run_states, task_runs, wait_final
@@ -45,17 +46,13 @@ def started(names: dict[str, str], prefix: str) -> list[str]:
 
 
 def trainer_pids(run_name: str) -> list[int]:
-    """Trainer processes (not torchrun) of one run, from /proc."""
+    """Trainer processes (not torchrun) of one run (psutil)."""
     out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                cmd = (d / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if b"gptcore.train" in cmd and f"train.run_name={run_name}".encode() in cmd and \
-                    b"torch.distributed.run" not in cmd and b"-c" not in cmd:
-                out.append(int(d.name))
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if "gptcore.train" in cmd and f"train.run_name={run_name}" in cmd and \
+                "torch.distributed.run" not in cmd and "-c" not in cmd:
+            out.append(p.pid)
     return out
 
 

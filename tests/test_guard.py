@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 
+import psutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -323,9 +324,9 @@ def test_sigterm_during_a_slow_stop_checkpoint_waits_for_it(ds, tmp_path):
 
 
 def running(pid: int) -> bool:
-    try:  # a zombie (state Z) has exited, it only waits to be reaped
-        return (open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]) != "Z"
-    except FileNotFoundError:
+    try:  # a zombie has exited, it only waits to be reaped
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
 
 

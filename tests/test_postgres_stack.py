@@ -15,6 +15,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 
@@ -86,7 +87,7 @@ def test_flow_run_end_to_end_on_postgres(postgres, tmp_path):  # noqa: F811
         # the password reaches the servers through their environment only
         for svc in (stack.prefect, stack.mlflow):
             pid = svc.state()["pid"]
-            assert pg.password.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes(), svc.name
+            assert pg.password not in " ".join(psutil.Process(pid).cmdline()), svc.name
         deploy(stack, force=True)
         params = {"preset": "micro", "model_name": "micro-pg",
                   "overrides": {"train.max_steps": 4, "train.run_name": "pg", "train.checkpoint_interval": 4,

@@ -1,7 +1,8 @@
 """The data room: from a source's files to the shards the trainer reads, one module per step.
 
-    sources.py        where text comes from: SOURCE_KINDS (builtin, the Hugging Face hub through `datasets`'
-                      resolution, a local path or glob), fetched and verified into <home>/raw/<source_id>/
+    sources.py        where text comes from: SOURCE_KINDS, one module each (source_builtin, source_hub: the
+                      Hugging Face hub through `datasets`' resolution, source_local: a path or glob; the
+                      interface in source_kind.py), fetched and verified into <home>/raw/<source_id>/
     formats.py        how documents are read from a file: FORMATS (parquet, JSON Lines / arrays, txt; json,
                       jsonl and txt also gzip/bz2/xz-compressed)
     location.py       where a dataset lives and whether it is complete (what the trainer, the evaluator and

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from gptcore.config import RunConfig
 from gptcore.data.formats import SourceError
-from gptcore.data.sources import SourceFile, SourceKind
+from gptcore.data.source_kind import SourceFile, SourceKind
 from gptcore.files import file_sha256
 
 BUILTIN = Path(__file__).parents[1] / "assets" / "corpus" / "shakespeare.parquet"

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from gptcore.config import RunConfig, pipeline_home
 from gptcore.data.formats import COMPRESSIONS, FORMATS, SourceError, kind_of, readable_suffixes
-from gptcore.data.sources import (
+from gptcore.data.source_kind import (
     LISTING,
     SourceFile,
     SourceKind,
@@ -128,7 +128,7 @@ def _fetch_hub(cfg: RunConfig, source_dir: Path) -> list[SourceFile]:
             f = _download_one(get, source_dir, entry)
         files.append(f)
         # record progress: a kill now resumes at the next file (earlier verified ones stay listed)
-        save_listing(source_dir, cfg, [*files, *done.values()], complete=False,
+        save_listing(source_dir, cfg, Hub(), [*files, *done.values()], complete=False,
                      record=Hub().record(cfg, source_dir, commit))
     return files
 
@@ -160,7 +160,7 @@ def _read_hub_prefix(cfg: RunConfig, source_dir: Path, remote: list[_Remote], co
         files.append(SourceFile(path=str(local.relative_to(source_dir)), kind=kind_of(local), size=st.st_size,
                                 sha256=file_sha256(local), mtime_ns=st.st_mtime_ns, name=entry.path,
                                 prefix_of=entry.sha256))
-        save_listing(source_dir, cfg, files, complete=False, record=Hub().record(cfg, source_dir, commit))
+        save_listing(source_dir, cfg, Hub(), files, complete=False, record=Hub().record(cfg, source_dir, commit))
     return files
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from gptcore.config import RunConfig
 from gptcore.data.formats import SourceError, kind_of, readable_suffixes
-from gptcore.data.sources import SourceFile, SourceKind, changes, previous_files, safe_name
+from gptcore.data.source_kind import SourceFile, SourceKind, changes, previous_files, safe_name
 from gptcore.files import file_sha256
 
 
