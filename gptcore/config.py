@@ -81,15 +81,20 @@ def model_preset(name: str) -> ModelConfig:
 
 
 @dataclass
+class HubConfig:
+    """The "hf" source kind's section, data.hub.* (gptcore/data/source_hub.py reads and checks it)."""
+    repo: str = "HuggingFaceFW/fineweb-edu"
+    config: str = "sample-10BT"  # "" = the dataset's default config
+    split: str = "train"  # only this split is tokenized (the val shard is held out of it)
+    revision: str = "main"  # a branch, tag or commit sha; the listing and manifest record the sha it resolved to
+
+
+@dataclass
 class DataConfig:
     # Where text comes from: "builtin" (the small offline corpus), "hf" (a Hugging Face hub dataset),
     # or a local directory / glob of parquet, jsonl or txt files (gptcore/data/sources.py: SOURCE_KINDS).
     source: str = "builtin"
-    # the "hf" kind's settings (gptcore/data/source_hub.py)
-    hf_repo: str = "HuggingFaceFW/fineweb-edu"
-    hf_config: str = "sample-10BT"  # "" = the dataset's default config
-    hf_split: str = "train"  # only this split is tokenized (the val shard is held out of it)
-    hf_revision: str = "main"  # a branch, tag or commit sha; the listing and manifest record the sha it resolved to
+    hub: HubConfig = field(default_factory=HubConfig)  # data.source=hf: which dataset, config, split, revision
     text_column: str = "text"
     shard_tokens: int = 100_000_000  # tokens per shard file (llm.c layout, uint16)
     dataset_name: str = ""  # shard directory name under <home>/shards; "" = derived from the source
@@ -417,16 +422,28 @@ def _coerce(value: str, typ: type, key: str):
         raise ConfigError(f"{key}={value!r} is not a valid {typ.__name__}") from None
 
 
+# keys of an earlier layout, still read (saved configs, old overrides) for one release: the hub source's
+# flat data.hf_* fields are its own section now
+RENAMED_KEYS = {"data.hf_repo": "data.hub.repo", "data.hf_config": "data.hub.config",
+                "data.hf_split": "data.hub.split", "data.hf_revision": "data.hub.revision"}
+
+
 def _set(cfg: RunConfig, key: str, value) -> None:
+    key = RENAMED_KEYS.get(key, key)
     section_name, _, name = key.partition(".")
     sections = {f.name for f in fields(RunConfig) if dataclasses.is_dataclass(f.default_factory)}
     if section_name not in sections or not name:
         raise ConfigError(f"unknown config key {key!r}; keys look like section.name with section in "
                           f"{sorted(sections)}")
-    section = getattr(cfg, section_name)
+    section, path = getattr(cfg, section_name), section_name
+    while "." in name:  # a section inside a section (data.hub.repo)
+        sub, _, name = name.partition(".")
+        if not dataclasses.is_dataclass(getattr(section, sub, None)):
+            raise ConfigError(f"unknown config key {key!r}; {path} has no section {sub!r}")
+        section, path = getattr(section, sub), f"{path}.{sub}"
     hints = typing.get_type_hints(type(section))
-    if name not in hints:
-        raise ConfigError(f"unknown config key {key!r}; {section_name} has {sorted(hints)}")
+    if name not in hints or dataclasses.is_dataclass(getattr(section, name)):
+        raise ConfigError(f"unknown config key {key!r}; {path} has {sorted(hints)}")
     setattr(section, name, _coerce(value, hints[name], key))
 
 

@@ -51,7 +51,7 @@ def test_gpt2_124m_recipe_is_pinned():
     assert (t.total_batch_tokens, t.micro_batch, t.micro_batch_max, t.seq_len, t.max_steps, t.seed) == \
         (524_288, "auto", 64, 1024, 19_073, 1337)
     assert t.total_batch_tokens * t.max_steps == 9_999_745_024  # 524,288 * 19,073: ~10B tokens
-    assert (cfg.data.source, cfg.data.hf_repo, cfg.data.hf_config) == ("hf", "HuggingFaceFW/fineweb-edu",
+    assert (cfg.data.source, cfg.data.hub.repo, cfg.data.hub.config) == ("hf", "HuggingFaceFW/fineweb-edu",
                                                                        "sample-10BT")
 
     # the schedule (gptcore.optim.lr_at, steps 0-based), by hand:
@@ -208,3 +208,19 @@ def test_round_trip_and_identity_hash():
     assert same.identity_hash() == cfg.identity_hash()
     for ov in ("model.n_layer=4", "train.seed=1", "optim.max_lr=1e-2", "train.max_steps=21"):
         assert apply_overrides(from_dict(cfg.to_dict()), [ov]).identity_hash() != cfg.identity_hash(), ov
+
+
+def test_the_hub_source_has_its_own_section_and_old_keys_still_read():
+    """data.hub.* is the "hf" source kind's section (3-level keys, from the CLI, Prefect's nested dicts and
+    saved configs); the flat data.hf_* keys of earlier checkpoints and deployments still read, for a release."""
+    cfg = load_config("micro", ["data.source=hf", "data.hub.repo=me/corpus", "data.hub.revision=abc"])
+    assert (cfg.data.hub.repo, cfg.data.hub.revision, cfg.data.hub.split) == ("me/corpus", "abc", "train")
+    assert load_config("micro", {"data": {"hub": {"config": "en"}}}).data.hub.config == "en"
+    saved = cfg.to_dict()
+    assert saved["data"]["hub"]["repo"] == "me/corpus" and from_dict(saved).data.hub == cfg.data.hub
+    old = {**saved, "data": {**{k: v for k, v in saved["data"].items() if k != "hub"}, "hf_repo": "old/one",
+                             "hf_split": "validation"}}
+    assert (from_dict(old).data.hub.repo, from_dict(old).data.hub.split) == ("old/one", "validation")
+    for bad in ("data.hub.nope=1", "data.hub=x", "data.text_column.x=1"):
+        with pytest.raises(ConfigError, match="unknown config key"):
+            load_config("micro", [bad])

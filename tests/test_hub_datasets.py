@@ -24,7 +24,7 @@ def docs(split: str, n: int, tag: str = "") -> list[str]:
 
 
 def hub_cfg(repo: str, *ov):
-    return load_config("micro", ["data.source=hf", f"data.hf_repo={repo}", "data.hf_config=",
+    return load_config("micro", ["data.source=hf", f"data.hub.repo={repo}", "data.hub.config=",
                                  "data.shard_tokens=1024", *ov])
 
 
@@ -53,16 +53,16 @@ def test_only_the_requested_split_is_tokenized_and_the_commit_is_recorded(three_
     assert np.array_equal(got, expected(docs("train", 5)))  # not a token of validation or test
     assert m.source["hf"] == {"repo": SPLITS, "config": "", "split": "train", "revision": "main",
                               "commit": three_splits.commit, "documents": "all"}
-    got, m = tokens_of(hub_cfg(SPLITS, "data.hf_split=validation"))
+    got, m = tokens_of(hub_cfg(SPLITS, "data.hub.split=validation"))
     assert np.array_equal(got, expected(docs("validation", 3)))
-    assert location.dataset_dir(hub_cfg(SPLITS, "data.hf_split=validation")).name.endswith("-validation-1024")
+    assert location.dataset_dir(hub_cfg(SPLITS, "data.hub.split=validation")).name.endswith("-validation-1024")
 
 
 def test_an_unknown_split_or_config_names_the_ones_that_exist(three_splits):
     with pytest.raises(sources.SourceError, match=r"no split 'dev'.*\['test', 'train', 'validation'\]"):
-        sources.fetch(hub_cfg(SPLITS, "data.hf_split=dev"))
+        sources.fetch(hub_cfg(SPLITS, "data.hub.split=dev"))
     with pytest.raises(sources.SourceError, match=r"(?s)no config 'nope'.*default"):
-        sources.fetch(hub_cfg(SPLITS, "data.hf_config=nope"))
+        sources.fetch(hub_cfg(SPLITS, "data.hub.config=nope"))
 
 
 def test_a_moved_branch_is_a_changed_source_rebuilt_under_a_new_manifest_id(three_splits):
@@ -77,7 +77,7 @@ def test_a_moved_branch_is_a_changed_source_rebuilt_under_a_new_manifest_id(thre
     got, second = tokens_of(cfg)
     assert np.array_equal(got, expected(docs("train", 5, " v2")))
     assert second.id != first.id and second.source["hf"]["commit"] == moved != first.source["hf"]["commit"]
-    pinned = hub_cfg(SPLITS, f"data.hf_revision={three_splits.commit}")  # the old commit, by its sha
+    pinned = hub_cfg(SPLITS, f"data.hub.revision={three_splits.commit}")  # the old commit, by its sha
     got, old = tokens_of(pinned)
     assert np.array_equal(got, expected(docs("train", 5))) and old.source["hf"]["commit"] == three_splits.commit
 
@@ -88,10 +88,10 @@ def test_a_jsonl_dataset_with_yaml_configs(standin):
     lines = lambda texts: "".join(json.dumps({"text": t, "meta": 1}) + "\n" for t in texts).encode()  # noqa: E731
     standin.publish(JSONL, {"README.md": card.encode(), "en/part-0.jsonl": lines(docs("en", 3)),
                             "en/part-1.jsonl": lines(docs("en2", 2)), "de/part-0.jsonl": lines(["ein Text"])})
-    got, m = tokens_of(hub_cfg(JSONL, "data.hf_config=en"))
+    got, m = tokens_of(hub_cfg(JSONL, "data.hub.config=en"))
     assert np.array_equal(got, expected(docs("en", 3) + docs("en2", 2)))
     assert [f["name"] for f in m.source["files"]] == ["en/part-0.jsonl", "en/part-1.jsonl"]
-    _, files = sources.load_listing(sources.fetch(hub_cfg(JSONL, "data.hf_config=en", "data.max_docs=2")))
+    _, files = sources.load_listing(sources.fetch(hub_cfg(JSONL, "data.hub.config=en", "data.max_docs=2")))
     assert [f.name for f in files] == ["en/part-0.jsonl"]  # max_docs: the second file is not fetched
 
 
@@ -139,7 +139,7 @@ def test_compressed_and_json_array_files_are_read_as_datasets_reads_them(standin
     got, _ = tokens_of(hub_cfg(SPLITS))
     assert np.array_equal(got, expected(train))
     assert [f.kind for f in sources.load_listing(sources.raw_dir(hub_cfg(SPLITS)))[1]] == ["jsonl.gz"] * 2
-    got, _ = tokens_of(hub_cfg(SPLITS, "data.hf_split=validation"))
+    got, _ = tokens_of(hub_cfg(SPLITS, "data.hub.split=validation"))
     assert np.array_equal(got, expected(docs("val", 3)))
     smoke = hub_cfg(SPLITS, "data.max_docs=3")
     got, _ = tokens_of(smoke)

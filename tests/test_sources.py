@@ -68,7 +68,7 @@ def test_hub_download_verified_idempotent_and_tokenized(hub):
     n = len(hub.requests)  # second run: one question (which commit is main now?), nothing downloaded
     assert sources.fetch(cfg) == src
     assert [p for _, p, _ in hub.requests[n:]] == [f"/api/datasets/{REPO}/revision/main"]
-    pinned = hf_cfg(f"data.hf_revision={hub.commit}")  # pinned to the commit: its own download, then
+    pinned = hf_cfg(f"data.hub.revision={hub.commit}")  # pinned to the commit: its own download, then
     sources.fetch(pinned)
     n = len(hub.requests)
     assert sources.fetch(pinned) and len(hub.requests) == n  # no network at all
@@ -114,7 +114,7 @@ def test_hub_max_docs_stops_downloading_early_and_unknown_config(hub):
     _, files = sources.load_listing(sources.fetch(cfg))
     assert len(files) == 1  # 2 documents are in the first file: the rest is not fetched
     with pytest.raises(sources.SourceError, match=r"(?s)no config 'nope'.*'sample-10BT'"):
-        sources.fetch(hf_cfg("data.hf_config=nope"))
+        sources.fetch(hf_cfg("data.hub.config=nope"))
 
 
 def test_hub_not_enough_disk(hub, monkeypatch):
@@ -126,7 +126,7 @@ def test_hub_not_enough_disk(hub, monkeypatch):
 
 def test_hub_missing_repo_says_what_to_do(hub):
     with pytest.raises(sources.SourceError, match=r"(?s)cannot reach nobody/nothing.*data.source=/path/to"):
-        sources.fetch(hf_cfg("data.hf_repo=nobody/nothing"))
+        sources.fetch(hf_cfg("data.hub.repo=nobody/nothing"))
 
 
 def test_builtin_corpus(tmp_path, monkeypatch):

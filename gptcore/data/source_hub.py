@@ -1,10 +1,10 @@
 """The "hf" source kind: a Hugging Face hub dataset (default FineWeb-Edu sample-10BT). `datasets` resolves
-the config's data files of the requested split (data.hf_split) at the commit data.hf_revision resolves to,
+the config's data files of the requested split (data.hub.split) at the commit data.hub.revision resolves to,
 as it would for `load_dataset` (YAML configs in the card, or splits inferred from file names); those files
 are fetched one by one into <home>/raw/<source_id>/ and verified against the hub's size and sha256. The
 commit is recorded (listing and manifest, under "hf"); a branch that moved is a changed source. HF_TOKEN and
-HF_ENDPOINT are honoured (HF_ENDPOINT also when set after import). Its settings: data.hf_repo, hf_config,
-hf_split, hf_revision."""
+HF_ENDPOINT are honoured (HF_ENDPOINT also when set after import). Its settings: its own config section,
+data.hub (repo, config, split, revision; config.HubConfig)."""
 
 from __future__ import annotations
 
@@ -34,33 +34,34 @@ class Hub(SourceKind):
 
     def validate(self, cfg: RunConfig) -> None:
         d = cfg.data
-        if not (d.hf_repo and d.hf_split and d.hf_revision):
-            raise SourceError("data.hf_repo, data.hf_split and data.hf_revision must not be empty with "
+        if not (d.hub.repo and d.hub.split and d.hub.revision):
+            raise SourceError("data.hub.repo, data.hub.split and data.hub.revision must not be empty with "
                               "data.source=hf")
 
     def source_id(self, cfg: RunConfig) -> str:
         d = cfg.data
-        return safe_name(f"hf-{d.hf_repo.replace('/', '--')}-{d.hf_config}{_split_suffix(cfg)}-{d.hf_revision}")
+        return safe_name(f"hf-{d.hub.repo.replace('/', '--')}-{d.hub.config}{_split_suffix(cfg)}-{d.hub.revision}")
 
     def dataset_base(self, cfg: RunConfig) -> str:
         d = cfg.data
-        pinned = "" if d.hf_revision == "main" else f"-{d.hf_revision[:12]}"  # a commit or tag: a dataset of its own
-        return f"{d.hf_repo.split('/')[-1]}-{d.hf_config}{_split_suffix(cfg)}{pinned}"
+        pinned = "" if d.hub.revision == "main" else f"-{d.hub.revision[:12]}"  # a commit or tag: a dataset of its own
+        return f"{d.hub.repo.split('/')[-1]}-{d.hub.config}{_split_suffix(cfg)}{pinned}"
 
     def fetch(self, cfg: RunConfig, source_dir: Path) -> list[SourceFile]:
         return _fetch_hub(cfg, source_dir)
 
     def changed(self, cfg: RunConfig, recorded: dict, source_dir: Path) -> str | None:
         d, pinned = cfg.data, (recorded.get(self.name) or {}).get("commit")
-        if d.hf_revision != pinned:  # a branch or tag: has it moved since the dataset was built? (one request)
+        if d.hub.revision != pinned:  # a branch or tag: has it moved since the dataset was built? (one request)
             head = hub_head(cfg)
             if head and pinned and head != pinned:
-                return f"the source changed: {d.hf_repo}@{d.hf_revision} moved from commit {pinned[:12]} to {head[:12]}"
+                return (f"the source changed: {d.hub.repo}@{d.hub.revision} moved from commit {pinned[:12]} "
+                        f"to {head[:12]}")
         return changes(recorded, previous_files(source_dir), d.max_docs)
 
     def record(self, cfg: RunConfig, source_dir: Path, commit: str | None = None) -> dict:
         d = cfg.data
-        return {"repo": d.hf_repo, "config": d.hf_config, "split": d.hf_split, "revision": d.hf_revision,
+        return {"repo": d.hub.repo, "config": d.hub.config, "split": d.hub.split, "revision": d.hub.revision,
                 "commit": commit or hub_commit(source_dir),
                 "documents": f"the first {d.max_docs}" if d.max_docs else "all"}
 
@@ -72,7 +73,7 @@ class Hub(SourceKind):
 
 
 def _split_suffix(cfg: RunConfig) -> str:
-    return "" if cfg.data.hf_split == "train" else f"-{cfg.data.hf_split}"  # train keeps the ids and names it had
+    return "" if cfg.data.hub.split == "train" else f"-{cfg.data.hub.split}"  # train keeps the ids and names it had
 
 
 def hub_commit(source_dir: Path) -> str | None:
@@ -88,7 +89,7 @@ def _fetch_hub(cfg: RunConfig, source_dir: Path) -> list[SourceFile]:
     done = {f.name: f for f in files if f.unchanged(source_dir)}
     verified = bool(files) and doc.get("complete") and doc.get("max_docs") == d.max_docs and len(done) == len(files)
     pinned = hub_commit(source_dir)
-    if verified and pinned == d.hf_revision:
+    if verified and pinned == d.hub.revision:
         return files  # a commit sha never moves: no network
 
     from huggingface_hub import HfApi, hf_hub_download  # only the hub source needs it
@@ -96,20 +97,20 @@ def _fetch_hub(cfg: RunConfig, source_dir: Path) -> list[SourceFile]:
     endpoint, token = _hub_endpoint(), os.environ.get("HF_TOKEN") or None
     api = HfApi(endpoint=endpoint, token=token)
     try:
-        commit = api.dataset_info(d.hf_repo, revision=d.hf_revision).sha
+        commit = api.dataset_info(d.hub.repo, revision=d.hub.revision).sha
     except Exception as e:  # noqa: BLE001 -- offline, auth, missing repo: say which and what to do
         if verified:  # offline with a complete download: train on what is verified, say it
-            print(f"warning: cannot ask {endpoint} which commit {d.hf_repo}@{d.hf_revision} is now ({e}); "
+            print(f"warning: cannot ask {endpoint} which commit {d.hub.repo}@{d.hub.revision} is now ({e}); "
                   f"using the verified download of commit {pinned}", flush=True)
             return files
-        raise SourceError(f"cannot reach {d.hf_repo} (revision {d.hf_revision}) on {endpoint}: {e}. Check "
+        raise SourceError(f"cannot reach {d.hub.repo} (revision {d.hub.revision}) on {endpoint}: {e}. Check "
                           "the network or HF_ENDPOINT, set HF_TOKEN for gated/private data, or use a local copy: "
                           "data.source=/path/to/files") from e
     if verified and commit == pinned:
         return files
     if pinned and commit != pinned:
-        print(f"{d.hf_repo}@{d.hf_revision} moved from commit {pinned} to {commit}: the source changed, its "
-              "files are checked again (pin data.hf_revision=<sha> to train on one commit)", flush=True)
+        print(f"{d.hub.repo}@{d.hub.revision} moved from commit {pinned} to {commit}: the source changed, its "
+              "files are checked again (pin data.hub.revision=<sha> to train on one commit)", flush=True)
     remote = hub_data_files(api, cfg, commit, token)
     need = sum(e.size for e in remote if e.path not in done)
     free = free_disk(source_dir)
@@ -119,7 +120,7 @@ def _fetch_hub(cfg: RunConfig, source_dir: Path) -> list[SourceFile]:
                           "a larger disk, or download part of it with data.max_docs")
     if d.max_docs:  # a smoke run: read the first documents through range requests, download nothing whole
         return _read_hub_prefix(cfg, source_dir, remote, commit, endpoint, token)
-    get = functools.partial(hf_hub_download, d.hf_repo, repo_type="dataset", revision=commit,
+    get = functools.partial(hf_hub_download, d.hub.repo, repo_type="dataset", revision=commit,
                             endpoint=endpoint, token=token)  # a file of this commit, into local_dir
     files = []
     for entry in remote:
@@ -152,7 +153,7 @@ def _read_hub_prefix(cfg: RunConfig, source_dir: Path, remote: list[_Remote], co
         compression = Path(entry.path).suffix if Path(entry.path).suffix in COMPRESSIONS else ""
         local = Path(source_dir) / "prefix" / entry.path.removesuffix(compression)
         fmt = FORMATS[Path(local.name).suffix]
-        with fs.open(f"datasets/{d.hf_repo}@{commit}/{entry.path}", "rb", block_size=1 << 16) as remote_file:
+        with fs.open(f"datasets/{d.hub.repo}@{commit}/{entry.path}", "rb", block_size=1 << 16) as remote_file:
             text = COMPRESSIONS[compression](remote_file) if compression else remote_file
             taken = fmt.copy_prefix(text, local, left, d.text_column)
         left -= taken
@@ -165,16 +166,16 @@ def _read_hub_prefix(cfg: RunConfig, source_dir: Path, remote: list[_Remote], co
 
 
 def hub_head(cfg: RunConfig) -> str | None:
-    """The commit data.hf_revision is on the hub now (one request); None, with a warning, when the hub
+    """The commit data.hub.revision is on the hub now (one request); None, with a warning, when the hub
     cannot be asked (offline: a nightly run goes on with what it has verified)."""
     from huggingface_hub import HfApi
 
     d, endpoint = cfg.data, _hub_endpoint()
     try:
         return HfApi(endpoint=endpoint, token=os.environ.get("HF_TOKEN") or None).dataset_info(
-            d.hf_repo, revision=d.hf_revision).sha
+            d.hub.repo, revision=d.hub.revision).sha
     except Exception as e:  # noqa: BLE001 -- any failure to ask is "unknown", never a reason to stop
-        print(f"warning: cannot ask {endpoint} which commit {d.hf_repo}@{d.hf_revision} is now ({e})", flush=True)
+        print(f"warning: cannot ask {endpoint} which commit {d.hub.repo}@{d.hub.revision} is now ({e})", flush=True)
         return None
 
 
@@ -200,33 +201,33 @@ class _Remote:
 
 
 def hub_data_files(api, cfg: RunConfig, commit: str, token: str | None) -> list[_Remote]:
-    """The data files of data.hf_split in data.hf_config at `commit`, in path order, as `datasets`
+    """The data files of data.hub.split in data.hub.config at `commit`, in path order, as `datasets`
     resolves them (`load_dataset_builder`: the card's YAML configs, or splits inferred from file names)."""
     import datasets
 
     _hub_endpoint()  # datasets is imported now: point it at HF_ENDPOINT as it is
     d = cfg.data
     try:
-        builder = datasets.load_dataset_builder(d.hf_repo, d.hf_config or None, revision=commit, token=token,
+        builder = datasets.load_dataset_builder(d.hub.repo, d.hub.config or None, revision=commit, token=token,
                                                 cache_dir=str(pipeline_home() / "raw" / ".datasets-cache"))
     except ValueError as e:  # an unknown config: datasets names the ones that exist
-        raise SourceError(f"{d.hf_repo} has no config {d.hf_config!r} ({e}); set data.hf_config to one of "
+        raise SourceError(f"{d.hub.repo} has no config {d.hub.config!r} ({e}); set data.hub.config to one of "
                           "those") from e
     except Exception as e:  # noqa: BLE001 -- a missing repo, a layout datasets cannot read
-        raise SourceError(f"datasets cannot resolve {d.hf_repo} (config {d.hf_config!r}, commit {commit}): "
+        raise SourceError(f"datasets cannot resolve {d.hub.repo} (config {d.hub.config!r}, commit {commit}): "
                           f"{type(e).__name__}: {e}; use data.source=<local dir> for a copy of its files") from e
     splits = builder.config.data_files or {}
-    if d.hf_split not in splits:
-        raise SourceError(f"{d.hf_repo} config {builder.config.name!r} has no split {d.hf_split!r}; set "
-                          f"data.hf_split to one of {sorted(splits)}")
-    prefix = f"hf://datasets/{d.hf_repo}@{commit}/"
-    paths = sorted(str(u).removeprefix(prefix) for u in splits[d.hf_split])
+    if d.hub.split not in splits:
+        raise SourceError(f"{d.hub.repo} config {builder.config.name!r} has no split {d.hub.split!r}; set "
+                          f"data.hub.split to one of {sorted(splits)}")
+    prefix = f"hf://datasets/{d.hub.repo}@{commit}/"
+    paths = sorted(str(u).removeprefix(prefix) for u in splits[d.hub.split])
     unreadable = [p for p in paths if kind_of(p) is None]
     if unreadable:
-        raise SourceError(f"{d.hf_repo} split {d.hf_split!r} has files this pipeline cannot read "
+        raise SourceError(f"{d.hub.repo} split {d.hub.split!r} has files this pipeline cannot read "
                           f"({unreadable[:3]}; it reads {readable_suffixes()}); convert them, or point "
                           "data.source at a local copy in one of those formats")
-    infos = {i.path: i for i in api.get_paths_info(d.hf_repo, paths, revision=commit, repo_type="dataset")}
+    infos = {i.path: i for i in api.get_paths_info(d.hub.repo, paths, revision=commit, repo_type="dataset")}
     return [_Remote(p, infos[p].lfs.size if infos[p].lfs else infos[p].size,
                     infos[p].lfs.sha256 if infos[p].lfs else "") for p in paths]
 
