@@ -224,3 +224,18 @@ def test_the_hub_source_has_its_own_section_and_old_keys_still_read():
     for bad in ("data.hub.nope=1", "data.hub=x", "data.text_column.x=1"):
         with pytest.raises(ConfigError, match="unknown config key"):
             load_config("micro", [bad])
+
+
+def test_an_evaluations_validation_part_depends_on_the_tokens_it_covers():
+    """eval.json's "val" settings: the tokens the validation loss covers, so the trainer's own evaluation
+    (micro_batch=auto replaced by its choice, e.g. 16) and the flow's (auto read as micro_batch_max, 64)
+    agree, and the flow does not evaluate the validation loss of a nightly checkpoint a second time."""
+    from gptcore.checkpoints.run_files import eval_settings
+
+    auto, chosen = load_config("gpt2-124m"), load_config("gpt2-124m", ["train.micro_batch=16"])
+    assert auto.train.micro_batch == "auto" and auto.train.resolved_micro_batch() == 64
+    assert eval_settings(auto, True)["val"] == eval_settings(chosen, True)["val"] == \
+        {"tokens": 10 * 2**20, "seq_len": 1024}
+    fewer = load_config("gpt2-124m", ["eval.val_tokens=1000000"])
+    assert eval_settings(fewer, True)["val"]["tokens"] == 15 * 64 * 1024  # whole batches only
+    assert eval_settings(fewer, False)["val"] is None

@@ -143,8 +143,11 @@ def eval_settings(cfg: RunConfig, val: bool, only: tuple[str, ...] | None = None
     those that were part of it (the trainer scores each at its own interval)."""
     from gptcore import evals
 
-    return {"val": {"val_tokens": cfg.eval.val_tokens, "micro_batch": cfg.train.resolved_micro_batch(),
-                    "seq_len": cfg.train.seq_len} if val else None,
+    # the validation loss is the mean over the first whole (micro_batch x seq_len) batches of val_tokens:
+    # the tokens it covers are what it depends on, so a trainer that chose micro_batch=auto's 16 and an
+    # evaluation at micro_batch_max's 64 agree whenever they cover the same tokens
+    B, T = cfg.train.resolved_micro_batch(), cfg.train.seq_len
+    return {"val": {"tokens": max(1, cfg.eval.val_tokens // (B * T)) * B * T, "seq_len": T} if val else None,
             "evaluations": {ev.name: ev.settings(cfg) for ev in evals.enabled(cfg)
                             if only is None or ev.name in only}}
 
