@@ -11,7 +11,7 @@ records for them; the rest of the code asks the kind and never tests which kind 
     source_kind.py      the interface: SourceKind, SourceFile, source.json, the helpers kinds share
     source_builtin.py   "builtin": the small public-domain corpus shipped in the package (Shakespeare)
     source_hub.py       "hf": a Hugging Face hub dataset (default FineWeb-Edu sample-10BT), resolved by
-                        `datasets`, fetched file by file and verified (its settings: data.hf_*)
+                        `datasets`, fetched file by file and verified (its settings: data.hub.*)
     source_local.py     anything else: a local directory or glob of files, used in place and fingerprinted
 
 Adding a kind: a module with a SourceKind subclass and one `register(...)` line at the end of this file
