@@ -53,9 +53,6 @@ ALLOW_OUTSIDE_HOME = "GPTPIPE_ALLOW_OUTSIDE_HOME"  # =1 in the worker's environm
 WRITE_DIRS = ("train.run_dir", "data.dataset_dir")  # the overrides that name a directory the flow run writes
 
 
-# HellaSwag's numbers as the eval table and the summary show them: each accuracy with its standard error
-
-
 # --- config, checked before any work -------------------------------------------------------------------
 
 

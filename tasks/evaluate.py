@@ -55,10 +55,14 @@ def stored_evaluation(ckpt: str | Path, cfg: RunConfig, val: bool = True) -> dic
     """The evaluation in <ckpt>/eval.json when it holds every part for these settings and nothing else,
     else None."""
     done = read_json(Path(ckpt) / EVAL_FILE, {})
-    if missing_evaluations(done, cfg, val):
-        return None
-    # settings of parts the config no longer asks for make it stale (evaluate_dir rewrites it without them)
-    return done if merge_evaluations(done, {}, cfg, val)["settings"] == done.get("settings") else None
+    return done if complete(done, cfg, val) else None
+
+
+def complete(done: dict, cfg: RunConfig, val: bool) -> bool:
+    """Whether eval.json's `done` holds every part for these settings and no part the config no longer
+    asks for (such a one makes it stale: evaluate_dir rewrites it without them)."""
+    return not missing_evaluations(done, cfg, val) and \
+        merge_evaluations(done, {}, cfg, val)["settings"] == done.get("settings")
 
 
 def done(ckpt: str | Path, cfg: RunConfig) -> str | None:
@@ -86,10 +90,10 @@ def evaluate_dir(target: str | Path, cfg_dict: dict | None = None, val: bool = T
         done = read_json(ckpt / EVAL_FILE, {})
         parts = [p for p in missing_evaluations(done, cfg, val) if only is None or p in only]
         parts += [p for p in redo if p not in parts]
-        if not parts and (stored := stored_evaluation(ckpt, cfg, val)) is not None:
+        if not parts and complete(done, cfg, val):
             if log:
                 log.info("%s already evaluated (%s); skipping", ckpt, ckpt / EVAL_FILE)
-            return stored
+            return done
         new, t0 = {}, time.time()
         if parts:
             from gptcore import distributed  # torch: only when there is work to do

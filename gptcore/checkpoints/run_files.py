@@ -4,7 +4,7 @@ only the stages that do work import torch.
     <run_dir>/run.json                      the run's identity (config hash, manifest id), written at start
     <run_dir>/DONE                          written when the run reached max_steps
     <run_dir>/checkpoints/step_00001000/    one checkpoint (gptcore.checkpoints.checkpoint writes and verifies them);
-                                            its eval.json (val loss, HellaSwag) is added once evaluated
+                                            its eval.json (val loss, each evaluation) is added once evaluated
     <run_dir>/checkpoints/rejected/         checkpoints that failed verification, each with a why.txt
 """
 

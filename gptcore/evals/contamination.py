@@ -28,9 +28,6 @@ class Contamination(Evaluation):
             examples(ctx)  # every rank: reading the examples is collective (rank 0 reads, the others receive)
 
     def run(self, ctx: Context) -> dict:
-        from gptcore.contamination import contamination
-        from gptcore.data.location import dataset_dir
-
         e, out, documents = ctx.cfg.eval, {}, {}
         if e.hellaswag:
             found, reason = examples(ctx)
@@ -47,11 +44,11 @@ class Contamination(Evaluation):
                     out.setdefault("harness", {})[task] = {"skipped": docs}
                 else:
                     documents[f"harness/{task}"] = docs
-        data = ctx.data_dir or dataset_dir(ctx.cfg)
-        if not (data / "manifest.json").is_file():
-            return {"skipped": f"the training dataset {data} is not on this machine (no manifest.json); "
-                    "evaluate where the run's shards are, or pass --data DIR"}
-        for name, report in contamination(data, documents, e.contamination_ngram).items():
+        found_reports = reports(ctx, documents)
+        if found_reports is None:
+            return {"skipped": f"the training dataset {training_data(ctx)} is not on this machine (no "
+                    "manifest.json); evaluate where the run's shards are, or pass --data DIR"}
+        for name, report in found_reports.items():
             group, _, task = name.partition("/")  # "hellaswag" or "harness/<task>"
             row = {f: report[f] for f in FIELDS}
             if task:
@@ -61,15 +58,25 @@ class Contamination(Evaluation):
         return out
 
 
-def hellaswag_report(ctx: Context, found: list) -> dict | None:
-    """gptcore.contamination's report on HellaSwag's examples against the run's training shards (cached
-    beside the manifest, shared with the Contamination evaluation); None when that dataset is not on this
-    machine."""
-    from gptcore.contamination import contamination
+def training_data(ctx: Context):
+    """The run's dataset directory: the one given, else the config's."""
     from gptcore.data.location import dataset_dir
 
-    data = ctx.data_dir or dataset_dir(ctx.cfg)
+    return ctx.data_dir or dataset_dir(ctx.cfg)
+
+
+def reports(ctx: Context, documents: dict[str, list[list[int]]]) -> dict | None:
+    """gptcore.contamination's report per evaluation's documents against the run's training shards (cached
+    beside the manifest); None when that dataset is not on this machine."""
+    from gptcore.contamination import contamination
+
+    data = training_data(ctx)
     if not (data / "manifest.json").is_file():
         return None
-    return contamination(data, {"hellaswag": [ex.tokens for ex in found]}, ctx.cfg.eval.contamination_ngram
-                         )["hellaswag"]
+    return contamination(data, documents, ctx.cfg.eval.contamination_ngram)
+
+
+def hellaswag_report(ctx: Context, found: list) -> dict | None:
+    """The report on HellaSwag's examples (shared with the Contamination evaluation's, through the cache)."""
+    found_reports = reports(ctx, {"hellaswag": [ex.tokens for ex in found]})
+    return None if found_reports is None else found_reports["hellaswag"]

@@ -58,15 +58,17 @@ class HellaSwag(Evaluation):
     @staticmethod
     def clean(ctx: Context, found: list) -> list | None:
         """The examples without a contamination_ngram-gram in the training shards (gptcore/contamination.py,
-        cached per dataset); None when the dataset is not on this machine. Every rank computes it (the scan's
-        answer is cached beside the manifest after the first)."""
+        cached per dataset); None when the dataset is not on this machine. Every rank computes it once per
+        invocation (ctx.cache; the scan's answer is cached beside the manifest after the first)."""
         from gptcore.evals.contamination import hellaswag_report
 
-        report = hellaswag_report(ctx, found)
-        if report is None:
-            return None
-        dirty = set(report["ids"])
-        return [ex for i, ex in enumerate(found) if i not in dirty]
+        e = ctx.cfg.eval
+        key = ("hellaswag-clean", e.hellaswag_path, e.hellaswag_limit, e.contamination_ngram)  # as `examples`
+        if key not in ctx.cache:
+            report = hellaswag_report(ctx, found)
+            dirty = set(report["ids"]) if report is not None else set()
+            ctx.cache[key] = None if report is None else [ex for i, ex in enumerate(found) if i not in dirty]
+        return ctx.cache[key]
 
 
 def examples(ctx: Context) -> tuple[list | None, str]:
