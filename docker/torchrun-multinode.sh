@@ -15,7 +15,8 @@
 #   RDZV_ID          job id shared by all nodes of one run (default gpt2)
 #   MAX_RESTARTS     torchrun --max-restarts (default 0)
 #   SHUTDOWN_TIMEOUT seconds torchrun gives its workers after SIGTERM before SIGKILL (default 300: time
-#                    for the stop checkpoint; keep the container's/pod's grace period above it)
+#                    for the stop checkpoint; keep the container's/pod's grace period above it); torch 2.11's
+#                    torchrun has no such flag: it is left out there, and torchrun's fixed 30 s apply
 #   TORCHRUN_EXTRA_ARGS  appended verbatim (word-split), e.g. "--rdzv-conf=timeout=1800"
 #   DRY_RUN=1        print the command instead of running it
 # NCCL_* variables (NCCL_SOCKET_IFNAME, NCCL_IB_HCA, ...) pass through to the trainers unchanged.
@@ -40,7 +41,17 @@ is_int "$port" || die "MASTER_PORT must be a port number, got '$port'"
 
 shutdown=${SHUTDOWN_TIMEOUT:-300}
 is_int "$shutdown" || die "SHUTDOWN_TIMEOUT must be a number of seconds, got '$shutdown'"
-args=(--nproc-per-node="$nproc" --max-restarts="${MAX_RESTARTS:-0}" --shutdown-timeout="$shutdown")
+args=(--nproc-per-node="$nproc" --max-restarts="${MAX_RESTARTS:-0}")
+# torchrun has --shutdown-timeout from torch 2.12; torch 2.11's exits 2 on it (gptcore/launch.py asks the
+# installed torchrun's own parser: 0 it has it, 3 it has not, anything else: could not ask, keep the flag)
+accepts=0
+"${PYTHON:-python}" -m gptcore.launch accepts --shutdown-timeout 2>/dev/null || accepts=$?
+if [ "$accepts" -eq 3 ]; then
+    echo "torchrun-multinode: this torchrun has no --shutdown-timeout: it kills workers 30 s after SIGTERM, \
+not SHUTDOWN_TIMEOUT=$shutdown s (torch >= 2.12 honours it)" >&2
+else
+    args+=(--shutdown-timeout="$shutdown")
+fi
 if [ "$nnodes" -eq 1 ]; then
     args+=(--standalone)
 else

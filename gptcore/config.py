@@ -222,6 +222,9 @@ class TrainConfig:
                               f"must be >= 0, got {self.hang_timeout_s} and {self.max_restarts}")
 
 
+HARNESS_DTYPES = ("float32", "autocast")  # eval.harness_dtype: gptcore/harness.scoring_context
+
+
 @dataclass
 class EvalConfig:
     eval_interval: int = 250  # steps between validation-loss evaluations; 0 = only at the end
@@ -240,6 +243,10 @@ class EvalConfig:
     harness_include_path: str = ""
     harness_limit: int = 0
     harness_interval: int = 0  # steps between harness runs during training (at an eval step); 0 = not during training
+    # the precision harness log-likelihoods are scored in: "float32" (the default: scores comparable across
+    # cards and with Hugging Face's fp32 forward; bf16 autocast moved them by up to 0.126 nats on CPU, with
+    # greedy flips, and fp32 is cheap at 124M) or "autocast" (the trainer's autocast dtype: faster on big models)
+    harness_dtype: str = "float32"
     # evaluated checkpoints report the share of HellaSwag examples that share an n-gram of this many tokens
     # with the training shards (gptcore/contamination.py; GPT-3 used 13); 0 = off
     contamination_ngram: int = 0
@@ -254,6 +261,9 @@ class EvalConfig:
                      "sample_tokens", "max_failures", "harness_limit", "harness_interval", "contamination_ngram"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"eval.{name} must be >= 0, got {getattr(self, name)}")
+        if self.harness_dtype not in HARNESS_DTYPES:
+            raise ConfigError(f"eval.harness_dtype={self.harness_dtype!r}; use float32 (scores comparable across "
+                              "cards, the default) or autocast (the trainer's autocast dtype)")
 
 
 @dataclass

@@ -1,14 +1,15 @@
 """EleutherAI's lm-evaluation-harness on the project's own GPT: the standard benchmark suite, no HF export.
 
-    results = run_tasks(model, ["arc_easy", "piqa"], device, autocast_ctx)   # {task: {acc, acc_stderr, ...}}
+    results = run_tasks(model, ["arc_easy", "piqa"], device, autocast_ctx, dtype=cfg.eval.harness_dtype)
     python -m gptcore.evaluate runs/gpt2-124m --tasks arc_easy,piqa [--include-path DIR]
 
 `GPTHarness` implements the harness's language-model interface through its `TemplateLM` (which turns a
 (context, continuation) pair into tokens exactly as its Hugging Face model class does): log-likelihoods of
 continuations and rolling log-likelihoods of whole documents, scored on the device in batches of similar
-length with the trainer's autocast. Tasks that generate text are not supported (GPT-2's suite scores
-choices). A task whose dataset cannot be fetched (offline, a hub outage) is skipped with the reason, as
-HellaSwag is, never a failed evaluation.
+length (gptcore/harness_scoring.py, which needs no lm-eval), in full fp32 by default or under the
+trainer's autocast (eval.harness_dtype, `scoring_context`). Tasks that generate text are not supported
+(GPT-2's suite scores choices). A task whose dataset cannot be fetched (offline, a hub outage) is skipped
+with the reason, as HellaSwag is, never a failed evaluation.
 
 lm-eval is imported here only: the trainer and gpu_check never need it.
 """
@@ -18,32 +19,42 @@ from __future__ import annotations
 import logging
 import math
 import random
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from lm_eval import simple_evaluate
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.task import Task
 from lm_eval.tasks import TaskManager, get_task_dict
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
+from gptcore.config import HARNESS_DTYPES
+from gptcore.harness_scoring import BATCH_TOKENS, continuation_scores, scoring_context
 from gptcore.model import GPT, unwrap
 from gptcore.tokenizer import EOT, get_encoding
 
 log = logging.getLogger(__name__)
-BATCH_TOKENS = 4096  # tokens per forward pass (rows x padded length): the logits are 50,257 wide per token
 
 
 class GPTHarness(TemplateLM):
-    """The harness's model interface over a plain GPT (unwrapped from DDP / torch.compile, in eval mode)."""
+    """The harness's model interface over a plain GPT (unwrapped from DDP / torch.compile, in eval mode).
+    `dtype` (eval.harness_dtype): "float32" scores in full fp32 and ignores `autocast_ctx`; "autocast"
+    scores under `autocast_ctx`."""
 
-    def __init__(self, model: torch.nn.Module, device, autocast_ctx=None, batch_tokens: int = BATCH_TOKENS):
+    def __init__(self, model: torch.nn.Module, device, autocast_ctx=None, batch_tokens: int = BATCH_TOKENS,
+                 dtype: str = "float32"):
         super().__init__()
         self.model: GPT = unwrap(model)
         self._device = torch.device(device)
         self.autocast_ctx = autocast_ctx
+        self.dtype = dtype
+        if dtype not in HARNESS_DTYPES:  # fails here, not after the harness has loaded its tasks
+            raise ValueError(f"eval.harness_dtype={dtype!r}; use {' or '.join(HARNESS_DTYPES)}")
+        weights = {p.dtype for p in self.model.parameters()}
+        if dtype == "float32" and weights != {torch.float32}:  # fp32 scores need fp32 weights, not a cast copy
+            raise ValueError(f"eval.harness_dtype=float32 scores the model's fp32 weights, but they are "
+                             f"{sorted(map(str, weights))}; load the model in fp32 or use eval.harness_dtype=autocast")
         self.batch_tokens = batch_tokens
         self.max_length = self.model.config.block_size
         self.encoding = get_encoding()
@@ -59,42 +70,13 @@ class GPTHarness(TemplateLM):
     def tok_decode(self, tokens) -> str:
         return self.encoding.decode(list(tokens))
 
-    @torch.no_grad()
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         """(sum of the continuation's log-probabilities, whether greedy decoding gives it) per request of
-        (key, context tokens, continuation tokens). The input is the last block_size tokens before each
-        continuation token, as the harness's HF model class truncates."""
-        rows = []
-        for _, context, continuation in requests:
-            whole = (context + continuation)[-(self.max_length + 1):]
-            rows.append((whole[:-1], continuation))
-        order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))  # similar lengths share a batch
-        out: list[tuple[float, bool] | None] = [None] * len(rows)
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            i = 0
-            while i < len(order):
-                width = len(rows[order[i]][0])
-                batch = order[i:i + max(1, self.batch_tokens // max(width, 1))]
-                i += len(batch)
-                x = torch.full((len(batch), width), EOT, dtype=torch.long)
-                for r, k in enumerate(batch):
-                    inp = rows[k][0]
-                    x[r, :len(inp)] = torch.tensor(inp)
-                with self.autocast_ctx or nullcontext():
-                    logits, _ = self.model(x.to(self._device))
-                for r, k in enumerate(batch):
-                    inp, cont = rows[k]
-                    n = len(cont)
-                    # the positions that predict the continuation only: no softmax over the context's
-                    lp = F.log_softmax(logits[r, len(inp) - n:len(inp)].float(), dim=-1)
-                    target = torch.tensor(cont, device=lp.device)
-                    score = float(lp.gather(1, target[:, None]).sum())
-                    out[k] = (score, bool((lp.argmax(-1) == target).all()))
-        finally:
-            self.model.train(was_training)
-        return out  # type: ignore[return-value]
+        (key, context tokens, continuation tokens): gptcore.harness_scoring.continuation_scores, in the
+        precision eval.harness_dtype picks."""
+        with scoring_context(self.dtype, self.autocast_ctx):
+            return continuation_scores(self.model, [(ctx, cont) for _, ctx, cont in requests], self._device,
+                                       self.batch_tokens)
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         """Each document's log-likelihood, in windows of block_size tokens that predict every token once
@@ -130,11 +112,12 @@ def summarize(results: dict) -> dict[str, dict]:
 
 
 def run_tasks(model: torch.nn.Module, tasks: list[str], device, autocast_ctx=None,
-              include_path: str | None = None, limit: int | None = None) -> dict[str, dict]:
+              include_path: str | None = None, limit: int | None = None, dtype: str = "float32") -> dict[str, dict]:
     """Score `model` on each of the harness's `tasks` (names it knows, or defined under `include_path`):
-    {task: metrics} or {task: {"skipped": reason}} when the task or its data cannot be had."""
+    {task: metrics} or {task: {"skipped": reason}} when the task or its data cannot be had. `dtype`:
+    eval.harness_dtype ("float32" ignores `autocast_ctx`)."""
     manager = TaskManager(include_path=include_path) if include_path else TaskManager()
-    lm = GPTHarness(model, device, autocast_ctx)
+    lm = GPTHarness(model, device, autocast_ctx, dtype=dtype)
     out: dict[str, dict] = {}
     for task in tasks:  # one at a time: a task that cannot run costs only itself
         if task not in manager.all_tasks:

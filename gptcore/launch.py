@@ -3,17 +3,56 @@ the GPU acceptance check (benchmarks/gpu_check.py) both launch it, and the check
 image without Prefect or MLflow, so it lives here, beside the trainer.
 
     torchrun_cmd("gpt2-124m", {"train.max_steps": 100}, nproc=8, max_restarts=1)
+    python -m gptcore.launch accepts --shutdown-timeout     # exit 0 when the installed torchrun has it
+
+The command is built from what the installed torchrun accepts (pyproject allows torch >= 2.11): torchrun
+has `--shutdown-timeout` only from torch 2.12, and torch 2.11's torchrun exits 2 on an argument it does
+not know. Without the flag torchrun gives its workers its fixed 30 s between SIGTERM and SIGKILL.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import sys
+from functools import cache
+
+import torch
+from torch.distributed import run as torchrun
 
 from gptcore.config import flatten
 
 # SIGTERM -> SIGKILL, for torchrun's workers: time for a 124M stop checkpoint (1.5 GB with optimizer state)
 # even on slow shared storage; torchrun's own default of 30 s is not (measured: docs/training.md).
 SHUTDOWN_SECONDS = 300
+TORCHRUN_GRACE_SECONDS = 30  # what torchrun waits without --shutdown-timeout (torch <= 2.11: not settable)
+
+
+@cache
+def accepts(flag: str) -> bool:
+    """Whether the installed torchrun knows `flag` (e.g. "--shutdown-timeout"), asked of its own argument
+    parser: an unknown flag comes back among parse_known_args' leftovers; a known switch given a value
+    makes the parser exit (its complaint is not shown)."""
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            _, unknown = torchrun.get_args_parser().parse_known_args([f"{flag}=1", "script.py"])
+    except SystemExit:
+        return True
+    return not unknown
+
+
+def shutdown_args(shutdown_seconds: float) -> list[str]:
+    """["--shutdown-timeout=S"] where torchrun has the flag; else nothing, and a warning that says what a
+    stop or a restart then waits for (torchrun's fixed 30 s: a stop checkpoint that takes longer is cut)."""
+    if accepts("--shutdown-timeout"):
+        return [f"--shutdown-timeout={shutdown_seconds:g}"]
+    if shutdown_seconds > TORCHRUN_GRACE_SECONDS:
+        print(f"warning: this torchrun (torch {torch.__version__}) has no --shutdown-timeout: after a SIGTERM it "
+              f"kills the workers after its fixed {TORCHRUN_GRACE_SECONDS} s, not {shutdown_seconds:g} s, so a "
+              "stop checkpoint that takes longer is lost (the run resumes from the one before) and a restart "
+              f"after a hang waits {TORCHRUN_GRACE_SECONDS} s. torch >= 2.12 honours the setting",
+              file=sys.stderr, flush=True)
+    return []
 
 
 def override_args(overrides: dict | None) -> list[str]:
@@ -28,7 +67,22 @@ def torchrun_cmd(preset: str, overrides: dict | None, nproc: int, max_restarts: 
     crash), and the trainer continues from its newest checkpoint; a run that ends with a known verdict
     (bad input 2, diverged 3, replicas disagreeing 4) gains nothing from a restart but costs one start-up.
     `shutdown_seconds`: how long torchrun waits after SIGTERM before SIGKILL (a stopped or hung rank never
-    exits on SIGTERM: a restart after a hang waits this long for it)."""
+    exits on SIGTERM: a restart after a hang waits this long for it), where the installed torchrun lets it
+    be set (shutdown_args)."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            f"--max-restarts={max_restarts}", f"--shutdown-timeout={shutdown_seconds:g}",
+            f"--max-restarts={max_restarts}", *shutdown_args(shutdown_seconds),
             "-m", "gptcore.train", preset, *override_args(overrides)]
+
+
+def main(argv: list[str]) -> int:
+    """`python -m gptcore.launch accepts FLAG`: exit 0 when the installed torchrun has FLAG, 3 when it has
+    not (for docker/torchrun-multinode.sh, which builds the same command in shell; any other exit means the
+    question could not be asked)."""
+    if len(argv) != 2 or argv[0] != "accepts" or not argv[1].startswith("--"):
+        print("usage: python -m gptcore.launch accepts --FLAG", file=sys.stderr)
+        return 2
+    return 0 if accepts(argv[1]) else 3
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -25,6 +25,7 @@ import torch
 from gptcore import distributed
 from gptcore.config import RunConfig
 from gptcore.files import read_json, write_json
+from gptcore.tokenizer import N_VOCAB
 
 AUTO = "auto"
 CHOICE_FILE = "micro_batch.json"
@@ -75,6 +76,15 @@ def free_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def probe_tokens(micro: int, seq_len: int, seed: int) -> torch.Tensor:
+    """(micro, seq_len + 1) random token ids the tokenizer can produce: [0, N_VOCAB), never the padded ids
+    50257..50303 of the embedding (model.vocab_size). The loss indexes targets into the real vocabulary: a
+    padded id as a target is an out-of-bounds index, which on CUDA is a device assert that kills the CUDA
+    context (the first GPU run of gpt2-124m died so in the probe; on CPU the plain loss raises IndexError)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    return torch.randint(0, N_VOCAB, (micro, seq_len + 1), generator=gen)
+
+
 def fits(raw: torch.nn.Module, model: torch.nn.Module, micro: int, cfg: RunConfig, env: distributed.Env,
          reserve: bool) -> bool:
     """One forward + backward of `model` on `micro` random sequences, with the optimizer's state (two
@@ -86,8 +96,7 @@ def fits(raw: torch.nn.Module, model: torch.nn.Module, micro: int, cfg: RunConfi
     try:
         if reserve:
             held = [torch.empty_like(p, dtype=torch.float32) for p in raw.parameters() for _ in range(2)]
-        gen = torch.Generator(device="cpu").manual_seed(micro)
-        x = torch.randint(0, cfg.model.vocab_size, (micro, T + 1), generator=gen).to(env.device)
+        x = probe_tokens(micro, T, micro).to(env.device)
         with env.autocast():
             _, loss = model(x[:, :-1], x[:, 1:], return_logits=False)
         loss.backward()

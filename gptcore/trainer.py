@@ -191,6 +191,10 @@ class Trainer:
                 stopping = read.stop and not due.last  # checkpoint and go: the flow evaluates that checkpoint
                 troubled = self.guard.nonfinite or self.guard.spiking  # an interval checkpoint waits for a healthy step
                 if due.last or stopping or (due.checkpoint and not troubled):
+                    # apart: waiting for the previous write (only when saves come faster than the disk
+                    # writes them) and the copy off the device, the part every save blocks training for
+                    with timed(spent, "checkpoint_wait", self.watchdog):
+                        self.confirm_checkpoint(wait=True)
                     with timed(spent, "checkpoint", self.watchdog):
                         self.checkpoint("end" if due.last else "stop" if stopping else "interval", read.loss)
                 if due.eval and not stopping:
@@ -418,7 +422,8 @@ class Trainer:
             self.event(out.step, f"checkpoint not written: {out.text}", who="checkpoint")
             return
         if self.env.master:
-            print(f"checkpoint {out.text} written", flush=True)
+            print(f"checkpoint {out.text} written in {out.seconds:.2f} s", flush=True)
+            self.logger.log(out.step, {"time/checkpoint_write_s": out.seconds}, kind="checkpoint")
         self.guard.checkpointed()
 
     def evaluate(self, last: bool) -> None:

@@ -179,3 +179,37 @@ def test_jsonl_logger_appends_and_survives_a_torn_line(tmp_path):
     assert rows[0]["train/loss"] == 2.5 and rows[2]["val/loss"] is None
     for line in p.read_text().splitlines()[:2]:
         assert set(json.loads(line)) >= {"step", "time", "kind"}
+
+
+def test_background_saves_stage_into_one_buffer_allocated_once(tmp_path):
+    """The copy every save blocks training for goes into one exactly-sized buffer per part (weights,
+    trainer state), allocated by the first save and reused by the next; what is written is the state
+    of its own step, and trainer.pt holds no copy of the weights (a view's whole storage is what
+    torch.save writes)."""
+    from gptcore.checkpoints.background import ALIGN, Checkpointer
+
+    m, opt = trained_model()
+    ck = Checkpointer(tmp_path, keep_last=3)
+    state = lambda: {"optimizer": opt.state_dict(), "step": 1, "rng": [{"torch": torch.get_rng_state()}]}  # noqa: E731
+    ck.save(1, m, state(), {"run_name": "t"})
+    ck.close()
+    out = ck.outcome(wait=True)
+    assert out.status == "written", out.text
+    flat = ck._weights.flats[torch.float32]
+    weights = C.weights_of(m)
+    step = ALIGN // 4
+    assert list(ck._weights.flats) == [torch.float32]
+    assert flat.numel() == sum(-(-v.numel() // step) * step for v in weights.values())
+    before = {k: v.clone() for k, v in weights.items()}
+    x = torch.randint(0, 50257, (2, 16))
+    m(x, x)[1].backward()
+    opt.step()  # the weights move on between the two saves
+    ck.save(2, m, state(), {"run_name": "t"})
+    ck.close()
+    assert ck._weights.flats[torch.float32].data_ptr() == flat.data_ptr()  # reused, not allocated again
+    first, second = (load_file(str(R.step_dir(tmp_path, s) / C.MODEL_FILE)) for s in (1, 2))
+    assert all(torch.equal(first[k], before[k]) for k in before)
+    assert all(torch.equal(second[k], v) for k, v in C.weights_of(m).items())
+    assert not all(torch.equal(first[k], second[k]) for k in first)
+    weight_bytes = sum(v.numel() * v.element_size() for v in weights.values())
+    assert (R.step_dir(tmp_path, 2) / C.TRAINER_FILE).stat().st_size < 2.2 * weight_bytes  # AdamW's 2 moments

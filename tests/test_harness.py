@@ -150,3 +150,68 @@ def test_the_evaluate_command_scores_a_checkpoint_on_harness_tasks(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout)
     assert out["harness"]["toy_choice"]["n"] == 12 and "acc_norm_stderr" in out["harness"]["toy_choice"]
+
+
+# --- eval.harness_dtype: the precision harness log-likelihoods are scored in ---------------------------
+
+def test_the_config_rejects_an_unknown_harness_dtype():
+    from gptcore.config import ConfigError, load_config
+
+    assert load_config("micro").eval.harness_dtype == "float32"
+    assert load_config("micro", ["eval.harness_dtype=autocast"]).eval.harness_dtype == "autocast"
+    with pytest.raises(ConfigError, match=r"eval\.harness_dtype='bf16'; use float32 .* or autocast"):
+        load_config("micro", ["eval.harness_dtype=bf16"])
+
+
+def plain_fp32_scores(gpt: GPT, pairs: list[tuple[list[int], list[int]]]) -> list[float]:
+    """Each continuation's log-likelihood from a plain fp32 forward of its sequence alone."""
+    out = []
+    with torch.no_grad():
+        for context, continuation in pairs:
+            logits, _ = gpt(torch.tensor(context + continuation)[None, :-1])
+            lp = torch.log_softmax(logits[0, -len(continuation):].float(), dim=-1)
+            out.append(float(lp.gather(1, torch.tensor(continuation)[:, None]).sum()))
+    return out
+
+
+def test_harness_scores_are_fp32_by_default_whatever_autocast_the_caller_passes():
+    from gptcore.tokenizer import get_encoding
+
+    gpt, enc = model(), get_encoding()
+    texts = [(c, e) for c in CONTEXTS[:3] for e in ENDINGS[:3]]
+    # tokens as the harness splits a pair: the whole text's, past the context's
+    pairs = [(enc.encode(c), enc.encode(c + e, allowed_special="all")[len(enc.encode(c)):]) for c, e in texts]
+    want = plain_fp32_scores(gpt, pairs)
+    bf16 = torch.autocast("cpu", dtype=torch.bfloat16)  # what a CPU run's evaluation would pass
+    for lm in (GPTHarness(gpt, "cpu", bf16), GPTHarness(gpt, "cpu", bf16, dtype="float32")):
+        got = [s for s, _ in lm.loglikelihood(requests("loglikelihood", texts))]
+        assert got == pytest.approx(want, abs=1e-5)
+    # "autocast" scores under the caller's context: bf16 moves them (the setting is used)
+    moved = [s for s, _ in GPTHarness(gpt, "cpu", bf16, dtype="autocast").loglikelihood(
+        requests("loglikelihood", texts))]
+    assert max(abs(a - b) for a, b in zip(moved, want, strict=True)) > 1e-3
+    with pytest.raises(ValueError, match="eval.harness_dtype='bf16'"):
+        GPTHarness(gpt, "cpu", dtype="bf16")
+
+
+def test_the_harness_evaluation_records_its_dtype_and_passes_it_on(monkeypatch):
+    from gptcore import harness
+    from gptcore.config import load_config
+    from gptcore.evals import Context
+    from gptcore.evals.harness import Harness
+
+    cfg = load_config("micro", ["eval.harness_tasks=toy_choice", "eval.harness_dtype=autocast"])
+    assert Harness().settings(cfg)["dtype"] == "autocast"  # eval.json: fp32 and autocast results never mixed
+    seen = {}
+    monkeypatch.setattr(harness, "run_tasks", lambda *a, **kw: seen.update(kw) or {})
+    Harness().run(Context(model(), cfg, "cpu"))
+    assert seen["dtype"] == "autocast"
+
+
+def test_the_adapter_scoring_matches_transformers_fp32_forward_of_the_export():
+    """The GPU acceptance row (benchmarks/harness_parity.py), run on CPU."""
+    from benchmarks.harness_parity import check_harness_parity
+
+    ok, detail = check_harness_parity(torch.device("cpu"))
+    assert ok is True, detail
+    assert "over 16 sequences" in detail

@@ -14,10 +14,14 @@ import torch
 from gptcore.checkpoints import run_files as R
 from gptcore.launch import torchrun_cmd
 from gptcore.metrics import read_metrics
-from gptcore.microbatch import CHOICE_FILE, candidates, smaller
+from gptcore.config import load_config
+from gptcore.distributed import select
+from gptcore.loss import make_loss
+from gptcore.microbatch import CHOICE_FILE, candidates, probe, probe_tokens, smaller
+from gptcore.model import GPT
+from gptcore.tokenizer import N_VOCAB
 from tests.test_train_utils import final_weights, losses, make_dataset, python_cmd, start
 
-pytestmark = pytest.mark.slow
 STEPS = 10
 
 
@@ -44,6 +48,27 @@ def test_the_candidates_divide_the_share():
     assert smaller(64, 512) == 32 and smaller(12, 48) == 6 and smaller(3, 48) == 1 and smaller(1, 48) is None
 
 
+def test_the_probe_feeds_ids_the_loss_accepts():
+    """The probe with the plain loss, which `auto` picks on CUDA: it drew its targets from the padded
+    50,304-wide embedding, and the loss indexes targets into the 50,257 real columns. On CUDA that was a
+    device assert that killed the context (the first gpt2-124m run on an H200); on CPU the same cause is an
+    IndexError ("Target 50268 is out of bounds") or, at the padded width, an infinite loss."""
+    cfg = load_config("micro", ["train.micro_batch=auto", "train.micro_batch_max=8", "train.seq_len=64",
+                                "train.total_batch_tokens=512", "train.loss=plain", "train.device=cpu",
+                                "train.compile=false"])
+    assert cfg.model.vocab_size > N_VOCAB  # the padded embedding the old probe drew from
+    env = select(cfg.train)
+    torch.manual_seed(0)
+    raw = GPT(cfg.model)
+    raw.head_loss = make_loss(env.loss)
+    assert probe(raw, cfg, env) == (8, [])  # the old draw had id 50268 here: IndexError
+    x = probe_tokens(8, 64, seed=8)  # what the probe fed the model for its first candidate
+    assert 0 <= int(x.min()) and int(x.max()) < N_VOCAB
+    _, loss = raw(x[:, :-1], x[:, 1:], return_logits=False)
+    assert torch.isfinite(loss)
+
+
+@pytest.mark.slow
 def test_auto_chooses_what_fits_on_every_rank_and_trains_as_that_size(ds, tmp_path):
     """Two ranks on a 'card' where more than 4 sequences run out of memory: both choose 4 (not the
     preset's 8), and the run equals one told micro_batch=4."""
@@ -69,6 +94,7 @@ def test_auto_chooses_what_fits_on_every_rank_and_trains_as_that_size(ds, tmp_pa
     assert {r["train/micro_batch"] for r in rows} == {4}
 
 
+@pytest.mark.slow
 def test_a_step_that_runs_out_of_memory_is_retried_with_the_same_data(ds, tmp_path):
     """One process, micro-batch 4 (accumulation 2); the 6th step runs out of memory in its second
     micro-step. It is retried at micro-batch 2 from the step's first sequence: every step once, and the
@@ -101,6 +127,7 @@ def test_a_step_that_runs_out_of_memory_is_retried_with_the_same_data(ds, tmp_pa
     assert "OutOfMemoryError" in (tmp_path / "fixed.log").read_text()
 
 
+@pytest.mark.slow
 def test_nothing_fits_is_a_clear_exit_2(ds, tmp_path):
     run_dir = tmp_path / "run"
     p = start(python_cmd(args(overrides(ds, run_dir, **{"train.micro_batch": "auto"}))), tmp_path,
@@ -113,6 +140,7 @@ def test_nothing_fits_is_a_clear_exit_2(ds, tmp_path):
     assert not list((run_dir / "checkpoints").glob("step_*")) if (run_dir / "checkpoints").exists() else True
 
 
+@pytest.mark.slow
 def test_the_probe_runs_compiled_as_the_gpu_job_does(ds, tmp_path):
     """train.compile=true (the GPU default): the probe compiles each size it tries, then leaves the
     trainer's compile to itself (torch.compiler.reset)."""

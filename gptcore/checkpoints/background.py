@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from gptcore.checkpoints.run_files import CheckpointError, step_dir
 from gptcore.files import write_json
 
 WRITTEN, SKIPPED, FAILED = "written", "skipped", "failed"
+ALIGN = 64  # bytes: every tensor's view into the staging buffer starts at a multiple (any dtype's alignment)
 
 
 @dataclass
@@ -37,6 +39,7 @@ class Outcome:
     step: int
     status: str  # WRITTEN, SKIPPED (non-finite weights: nothing written, the run goes on) or FAILED
     text: str  # the checkpoint's directory, or why not
+    seconds: float = 0.0  # how long the write took (hashing, fsync, rename), off the critical path
 
 
 class Checkpointer:
@@ -45,7 +48,9 @@ class Checkpointer:
 
     def __init__(self, run_dir: Path, keep_last: int, background: bool = True):
         self.run_dir, self.keep_last, self.background = run_dir, keep_last, background
-        self._buffers: list[torch.Tensor] = []  # the previous snapshot's CPU tensors, reused
+        # the weights and the trainer state each in their own buffer: torch.save writes a view's whole
+        # storage, so trainer.pt must not share one with the weights
+        self._weights, self._state = Staging(), Staging()
         self._thread: threading.Thread | None = None
         self._outcome: Outcome | None = None
         self._lock = threading.Lock()  # guards _writing and _attachments (the writer thread reads them)
@@ -55,7 +60,9 @@ class Checkpointer:
     def save(self, step: int, model: torch.nn.Module, trainer_state: dict, meta: dict) -> None:
         """Copy the state off the device (the only part the ranks wait for), then write it."""
         self.wait()
-        weights, state = self._stage((weights_of(model), trainer_state))
+        weights, state = self._weights.copy(weights_of(model)), self._state.copy(trainer_state)
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # the non-blocking device-to-host copies have landed
         with self._lock:
             self._writing = step
         args = (step, weights, state, meta)
@@ -93,31 +100,8 @@ class Checkpointer:
 
     # --- inside -------------------------------------------------------------------------------
 
-    def _stage(self, obj):
-        """`obj` with every tensor copied into a CPU buffer (the previous snapshot's, when it fits); other
-        values deep-copied, so training may go on changing the originals."""
-        old, new = iter(self._buffers), []
-
-        def copy_of(x):
-            if isinstance(x, torch.Tensor):
-                buf = next(old, None)
-                if buf is None or buf.shape != x.shape or buf.dtype != x.dtype:
-                    buf = torch.empty(x.shape, dtype=x.dtype, pin_memory=x.is_cuda)
-                new.append(buf)
-                return buf.copy_(x.detach(), non_blocking=x.is_cuda)
-            if isinstance(x, dict):
-                return {k: copy_of(v) for k, v in x.items()}
-            if isinstance(x, (list, tuple)):
-                return type(x)(copy_of(v) for v in x)
-            return copy.deepcopy(x)
-
-        out = copy_of(obj)
-        self._buffers = new
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()  # the non-blocking device-to-host copies have landed
-        return out
-
     def _write(self, step: int, weights: dict, state: dict, meta: dict) -> None:
+        t0 = time.monotonic()
         try:
             path = write_checkpoint(self.run_dir, step, weights, state, meta, self.keep_last,
                                     before_prune=self._write_attachments)
@@ -130,6 +114,7 @@ class Checkpointer:
             with self._lock:
                 self._writing = None
                 self._attachments = []
+        out.seconds = time.monotonic() - t0
         self._outcome = out
 
     def _write_attachments(self, path: Path) -> None:
@@ -137,6 +122,53 @@ class Checkpointer:
             pending, self._attachments, self._writing = self._attachments, [], None
         for name, obj in pending:
             _attach_file(path, name, obj)
+
+
+class Staging:
+    """CPU copies of a snapshot's tensors in one buffer per dtype (pinned when they come from the GPU),
+    allocated once at their exact size and reused by every later save of the same layout; other values are
+    deep-copied, so training may go on changing the originals. One allocation per dtype, not one per
+    tensor: pinned memory is slow to allocate (the first save of a run pays for it, the later ones do not)
+    and the caching host allocator rounds each request up to a power of two. Per dtype, because torch.save
+    refuses views of one storage as different types. The copies are non-blocking: synchronize first."""
+
+    def __init__(self):
+        self.flats: dict[torch.dtype, torch.Tensor] = {}
+        self.views: list[torch.Tensor] = []  # one per tensor, in traversal order
+        self.layout: list | None = None  # the shapes and dtypes they were carved for, and pinned or not
+
+    def copy(self, obj):
+        tensors: list[torch.Tensor] = []
+        walk(obj, tensors.append)
+        views = iter(self.views_for(tensors))
+        return walk(obj, lambda t: next(views).copy_(t.detach(), non_blocking=t.is_cuda))
+
+    def views_for(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        pinned = any(t.is_cuda for t in tensors)
+        layout = [(tuple(t.shape), t.dtype) for t in tensors] + [pinned]
+        if layout != self.layout:
+            offsets, totals = [], {}
+            for t in tensors:
+                offsets.append(totals.get(t.dtype, 0))
+                step = max(ALIGN // t.element_size(), 1)  # each view starts ALIGN bytes aligned
+                totals[t.dtype] = offsets[-1] + -(-t.numel() // step) * step
+            self.flats, self.views = {}, []  # the old buffers are freed before the new ones are allocated
+            self.flats = {d: torch.empty(n, dtype=d, pin_memory=pinned) for d, n in totals.items()}
+            self.views = [self.flats[t.dtype][o:o + t.numel()].view(t.shape)
+                          for o, t in zip(offsets, tensors, strict=True)]
+            self.layout = layout
+        return self.views
+
+
+def walk(x, on_tensor):
+    """`x` rebuilt with on_tensor(t) in place of each tensor (dicts, lists, tuples); other values copied."""
+    if isinstance(x, torch.Tensor):
+        return on_tensor(x)
+    if isinstance(x, dict):
+        return {k: walk(v, on_tensor) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(walk(v, on_tensor) for v in x)
+    return copy.deepcopy(x)
 
 
 def _attach_file(ckpt: Path, name: str, obj: dict) -> None:

@@ -15,7 +15,10 @@ class Harness(Evaluation):
 
     def settings(self, cfg) -> dict:
         e = cfg.eval
-        return {"tasks": e.harness_task_list, "limit": e.harness_limit, "include_path": e.harness_include_path}
+        # dtype: fp32 and autocast scores differ (bf16 moved log-likelihoods by up to 0.126 nats), so results
+        # scored in one are never taken for the other's
+        return {"tasks": e.harness_task_list, "limit": e.harness_limit, "include_path": e.harness_include_path,
+                "dtype": e.harness_dtype}
 
     def interval(self, cfg) -> int | None:
         return cfg.eval.harness_interval or None
@@ -25,4 +28,4 @@ class Harness(Evaluation):
 
         e = ctx.cfg.eval
         return run_tasks(ctx.model, e.harness_task_list, ctx.device, ctx.autocast_ctx,
-                         e.harness_include_path or None, e.harness_limit or None)
+                         e.harness_include_path or None, e.harness_limit or None, dtype=e.harness_dtype)
