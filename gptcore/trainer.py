@@ -293,13 +293,15 @@ class Trainer:
         self.report_damaged_shards(self.pending[-1].step, [d for _, d in heard])
         batch = cfg.train.total_batch_tokens
         tok_s = batch / dt
-        mfu = {"train/mfu": self.raw.estimate_mfu(tok_s, self.peak_flops, cfg.train.seq_len)} if self.peak_flops else {}
+        rates = {"train/mfu": self.raw.estimate_mfu(tok_s, self.peak_flops, cfg.train.seq_len)} if self.peak_flops else {}
+        if env.device.type == "cuda":  # the allocator's own count: no device sync
+            rates["train/peak_memory_gib"] = torch.cuda.max_memory_allocated(env.device) / 2**30
         read = Read(math.nan, OK, False)
         for p, s in zip(self.pending, rows, strict=True):
             read.loss, read.stop = s.loss_sum / env.world, read.stop or s.stop_votes > 0
             self.logger.log(p.step, {"train/loss": read.loss, "train/lr": p.lr, "train/grad_norm": s.grad_norm,
                                      "train/step_time": dt, "train/tokens_per_s": tok_s,
-                                     "train/tokens_seen": p.step * batch, "train/epoch": p.epoch, **mfu,
+                                     "train/tokens_seen": p.step * batch, "train/epoch": p.epoch, **rates,
                                      "train/micro_batch": self.loader.B,
                                      **(ranks if p is self.pending[-1] else {})})
             if read.verdict != ROLLBACK:

@@ -190,7 +190,8 @@ def test_background_saves_stage_into_one_buffer_allocated_once(tmp_path):
 
     m, opt = trained_model()
     ck = Checkpointer(tmp_path, keep_last=3)
-    state = lambda: {"optimizer": opt.state_dict(), "step": 1, "rng": [{"torch": torch.get_rng_state()}]}  # noqa: E731
+    state = lambda: {"optimizer": opt.state_dict(), "step": 1, "loader": {}, "scaler": {},  # noqa: E731
+                     "rng": [{"torch": torch.get_rng_state()}, {"torch": torch.get_rng_state()}]}
     ck.save(1, m, state(), {"run_name": "t"})
     ck.close()
     out = ck.outcome(wait=True)
@@ -213,3 +214,13 @@ def test_background_saves_stage_into_one_buffer_allocated_once(tmp_path):
     assert not all(torch.equal(first[k], second[k]) for k in first)
     weight_bytes = sum(v.numel() * v.element_size() for v in weights.values())
     assert (R.step_dir(tmp_path, 2) / C.TRAINER_FILE).stat().st_size < 2.2 * weight_bytes  # AdamW's 2 moments
+    # rank 1's RNG state is a view in the middle of the buffer: restoring it must not crash the process
+    # (torch.set_rng_state segfaults on such a view; resume.restore clones it)
+    from gptcore.checkpoints.resume import restore
+    from gptcore.distributed import Env
+
+    ts = C.load_trainer_state(R.step_dir(tmp_path, 2))
+    assert ts["rng"][1]["torch"].storage_offset() > 0
+    env = Env(rank=1, local_rank=1, world=2, device=torch.device("cpu"), dtype=torch.float32, compile=False,
+              loss="plain")
+    assert restore(ts, opt, None, None, env, data=False) == 1

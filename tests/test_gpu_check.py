@@ -34,21 +34,42 @@ def without_the_pipeline_packages(tmp_path: Path) -> dict:
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(stubs), str(ROOT)])}
 
 
-def test_every_check_runs_and_passes_on_cpu_without_prefect_or_mlflow(tmp_path):
+def test_every_row_runs_on_cpu_without_prefect_or_mlflow_and_a_failing_row_leaves_the_table(tmp_path):
+    """The whole default table on CPU, on a bare-image environment, with one row made to raise: that row is
+    a FAIL naming the error, every other row still runs and passes (or informs), each is printed as it
+    completes, and --out holds them all."""
     env = without_the_pipeline_packages(tmp_path)
     probe = subprocess.run([sys.executable, "-c", "import prefect"], env=env, capture_output=True, text=True)
     assert probe.returncode == 1 and "not on a bare CUDA image" in probe.stderr  # the stubs work
     (tmp_path / "work").mkdir()
-    r = gpu_check("--device", "cpu", "--speed-steps", "5", "--work", str(tmp_path / "work"), env=env)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    out = tmp_path / "rows.json"
+    r = gpu_check("--device", "cpu", "--work", str(tmp_path / "work"), "--out", str(out),
+                  "--fail-row", "harness parity", env=env)
+    assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
     table = r.stdout.split("gpu_check on", 1)[1]
-    for row in ("PASS  train micro", "PASS  resume after SIGKILL", "PASS  2 ranks == 1 rank",
-                "PASS  train gpt2-shaped", "info  speed gpt2-shaped", "info  guards gpt2-shaped",
-                "info  micro-batch auto"):
+    for row in ("info    micro-batch auto", "PASS    train gpt2-shaped", "info    outside steps gpt2-shaped",
+                "PASS    train micro", "info    reference", "FAIL    harness parity", "info    guards gpt2-shaped",
+                "PASS    resume after SIGKILL", "PASS    2 ranks == 1 rank"):
         assert row in table, table
+    assert "RuntimeError: injected failure (--fail-row)" in table
     assert "killed mid-run: True" in table and "auto dtype float32)" in table
-    assert "consistency check" in table and "micro: micro_batch 8 of at most 8" in table
-    assert json.loads(r.stdout.strip().splitlines()[-1]) == {"passed": True}
+    assert "consistency check" in table and "micro: micro_batch 8 of at most 8" in table and "loss=plain" in table
+    assert "over 2 alternated rounds" in table and "reference: our stand-in" in table
+    rows = json.loads(out.read_text())
+    assert [x["status"] for x in rows["rows"]].count("FAIL") == 1 and rows["passed"] is False
+    assert len(rows["rows"]) == 9 and rows["device"] == "2 x CPU"
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == {"passed": False}
+
+
+def test_rows_past_the_budget_are_reported_not_run(tmp_path):
+    out = tmp_path / "rows.json"
+    r = gpu_check("--device", "cpu", "--rows", "micro-batch,harness", "--budget-s", "0", "--out", str(out), timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(x["name"], x["status"]) for x in rows] == [("micro-batch auto", "not run"), ("harness parity", "not run")]
+    assert "budget of 0 s was spent" in rows[0]["detail"]
+    bad = gpu_check("--device", "cpu", "--rows", "nope", timeout=120)
+    assert bad.returncode == 2 and "--rows: unknown nope" in bad.stderr
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")

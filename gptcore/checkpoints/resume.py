@@ -189,9 +189,11 @@ def restore(ts: dict, optimizer, loader: ShardLoader, scaler, env: distributed.E
         loader.load_state_dict(ts["loader"])
     if env.rank < len(ts["rng"]):  # a new world size: extra ranks keep their fresh seed
         rng = ts["rng"][env.rank]
-        torch.set_rng_state(rng["torch"])
+        # clones: the checkpoint stores each rank's state as a view into one buffer (checkpoints/background.py)
+        # and torch.set_rng_state crashes the process (SIGSEGV) on a view that does not start its storage
+        torch.set_rng_state(rng["torch"].clone())
         if env.device.type == "cuda" and "cuda" in rng:
-            torch.cuda.set_rng_state(rng["cuda"], env.device)
+            torch.cuda.set_rng_state(rng["cuda"].clone(), env.device)
     if scaler is not None and ts.get("scaler"):
         scaler.load_state_dict(ts["scaler"])
     return int(ts["step"])
