@@ -50,7 +50,7 @@ bench-smoke: install
 	$(PY) -m pytest -q tests/test_benchmarks.py --durations=0
 
 gpu-check: install
-	$(PY) -m benchmarks.gpu_check
+	$(PY) -m benchmarks.gpu_check $(if $(wildcard reference/build-nanogpt/train_gpt2.py),--reference reference/build-nanogpt/train_gpt2.py) --out $(GPTPIPE_HOME)/gpu_check.json
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -13,8 +13,9 @@ What the launcher guarantees:
   second flow run wait (then fail with a clear message); the ground truth is the trainer's own lock on
   `<run_dir>/train.lock` (gptcore.runlock), which also holds when the Prefect server is unreachable, a
   lease expired, or someone runs torchrun by hand.
-- torchrun gets --shutdown-timeout SHUTDOWN_SECONDS, and this task waits longer than that before its
-  SIGKILL, so a SIGTERM (cancel, preemption) always ends with a complete stop checkpoint.
+- torchrun gets --shutdown-timeout SHUTDOWN_SECONDS (where it has the flag: torch >= 2.12; 30 s fixed on
+  2.11, gptcore.launch), and this task waits longer than that before its SIGKILL, so a SIGTERM (cancel,
+  preemption) always ends with a complete stop checkpoint.
 - While training, integrations.tracking.Shipper ships metrics.jsonl to MLflow from a background thread.
 """
 
