@@ -72,7 +72,7 @@ class FaultInjector:
     loss is NaN until a rollback); before the 9th it is multiplied by -30 (the model now favours what it had
     ruled out: a loss spike that lasts); before the 4th, one bit of that weight flips on the last rank only
     (a silent corruption of one replica). Counting calls, not steps, means a rollback does not replay the
-    fault. slow@1: rank 1 sleeps SLOW_SECONDS in every forward pass (a straggler). oomabove@4: a forward pass
+    fault. flip0@4: the same bit flip on rank 0, the rank that writes checkpoints. slow@1: rank 1 sleeps SLOW_SECONDS in every forward pass (a straggler). oomabove@4: a forward pass
     of more than 4 sequences runs out of memory (a smaller card); oom@6: the 6th call's second forward pass
     runs out of memory once (after a micro-step's gradients exist). The 1st evaluation raises
     a RuntimeError and the 2nd an out-of-memory error, on rank 0 only (the other ranks finish their share:
@@ -81,7 +81,7 @@ class FaultInjector:
     def __init__(self, rank: int = 0, world: int = 1):
         spec = os.environ.get("GPTPIPE_TEST_FAULT", "")
         faults = [(kind, int(at)) for kind, _, at in (f.partition("@") for f in spec.split(",") if f)]
-        self.faults = {at: kind for kind, at in faults if kind in ("nan", "spike", "flip", "oom")}
+        self.faults = {at: kind for kind, at in faults if kind in ("nan", "spike", "flip", "flip0", "oom")}
         self.oom_above = min((at for kind, at in faults if kind == "oomabove"), default=None)
         self.oom_in = 0  # forward passes until the injected out-of-memory error (0: none pending)
         self.eval_faults = {at: kind for kind, at in faults if kind.startswith("eval")}
@@ -118,7 +118,7 @@ class FaultInjector:
             w.mul_(-30.0)
         elif kind == "oom":
             self.oom_in = 2
-        elif kind == "flip" and self.rank == self.world - 1:
+        elif (kind == "flip" and self.rank == self.world - 1) or (kind == "flip0" and self.rank == 0):
             w.view(torch.int32)[0] ^= 1 << 12  # a low mantissa bit: the loss barely moves, the bits do
 
     def before_eval(self, rank: int) -> None:

@@ -185,10 +185,13 @@ class Trainer:
                 if read.verdict == ROLLBACK:
                     self.roll_back()
                     continue
-                if due.consistency and self.replicas_differ():
+                stopping = read.stop and not due.last  # checkpoint and go: the flow evaluates that checkpoint
+                # a stop checkpoint is checked too: rank 0 alone writes it, and the next start broadcasts
+                # rank 0's weights, so drift on rank 0 would become permanent
+                checked = due.consistency or (stopping and self.env.ddp and bool(self.cfg.guard.consistency_interval))
+                if checked and self.replicas_differ():
                     continue
                 spent: dict[str, float] = {}
-                stopping = read.stop and not due.last  # checkpoint and go: the flow evaluates that checkpoint
                 troubled = self.guard.nonfinite or self.guard.spiking  # an interval checkpoint waits for a healthy step
                 if due.last or stopping or (due.checkpoint and not troubled):
                     # apart: waiting for the previous write (only when saves come faster than the disk

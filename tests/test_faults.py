@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import shutil
 import time
 from pathlib import Path
 
@@ -207,3 +208,31 @@ def test_a_shard_that_rots_in_place_is_caught_within_the_epoch_and_rebuilt(tmp_p
     assert why is not None and victim.name in why
     build.run(cfg, workers=1)  # ... and rebuilds it
     assert {p.name: p.read_bytes() for p in out.glob("*.bin")} == good
+
+
+def test_a_stop_checkpoint_is_checked_before_rank_0_writes_it(ds, tmp_path):
+    """A nightly run ends with a stop checkpoint at an arbitrary step, which rank 0 alone writes and the next
+    start broadcasts. Rank 0's weights drift (a bit flips) at a step that is no consistency step, and the
+    time budget stops the run right there: the stop checkpoint is checked first and the drift rolled back,
+    so what is written equals what a run whose drift was on another rank writes (without the check, rank
+    0's flipped weights were written)."""
+    def o(run_dir, **extra):  # a consistency check only every 100 steps; 3 ranks: the odd one is known
+        return overrides(ds, run_dir, 3, **{"guard.consistency_interval": 100, "train.max_minutes": 0.0001,
+                                            **extra})
+
+    night1 = tmp_path / "night1"
+    # night 1: the budget is spent before the first step: a stop checkpoint at step 1
+    assert run(torchrun_cmd("micro", o(night1), 3), tmp_path, timeout=400).returncode == 0
+    assert [int(p.name[5:]) for p in sorted((night1 / "checkpoints").glob("step_*"))] == [1]
+    written = {}
+    for fault, odd in (("flip0@1", 0), ("flip@1", 2)):  # the drift on rank 0, then on rank 2
+        run_dir = tmp_path / f"rank{odd}"
+        shutil.copytree(night1, run_dir)
+        # night 2: one rank drifts before its first step (step 2), and the stop comes at that step
+        proc = start(torchrun_cmd("micro", o(run_dir), 3), tmp_path, tmp_path / f"log{odd}", GPTPIPE_TEST_FAULT=fault)
+        assert proc.wait(timeout=400) == 0, (tmp_path / f"log{odd}").read_text()[-3000:]
+        found = [e for e in events(run_dir) if "replicas disagree" in e]
+        assert found and found[0].startswith(f"replicas disagree at step 2: the weights of rank {odd} on host "), found
+        written[odd] = final_weights(run_dir, 2)
+    for k in written[2]:
+        assert torch.equal(written[0][k], written[2][k]), k
