@@ -10,6 +10,7 @@ is bit-identical to one without the guard.
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 import time
@@ -64,6 +65,7 @@ class Guard:
 
 
 SLOW_SECONDS = 0.05  # the injected straggler's extra time per forward pass
+STALL_SECONDS = 3600  # the injected hangs: longer than any test waits
 
 
 class FaultInjector:
@@ -72,7 +74,9 @@ class FaultInjector:
     loss is NaN until a rollback); before the 9th it is multiplied by -30 (the model now favours what it had
     ruled out: a loss spike that lasts); before the 4th, one bit of that weight flips on the last rank only
     (a silent corruption of one replica). Counting calls, not steps, means a rollback does not replay the
-    fault. flip0@4: the same bit flip on rank 0, the rank that writes checkpoints. slow@1: rank 1 sleeps SLOW_SECONDS in every forward pass (a straggler). oomabove@4: a forward pass
+    fault. flip0@4: the same bit flip on rank 0, the rank that writes checkpoints. stall@3: rank 0 sleeps an
+hour before its 3rd step (a hang the watchdog thread can see); gil@3: the same inside a C call that holds
+the GIL (no Python thread runs: only the C backstop can act). slow@1: rank 1 sleeps SLOW_SECONDS in every forward pass (a straggler). oomabove@4: a forward pass
     of more than 4 sequences runs out of memory (a smaller card); oom@6: the 6th call's second forward pass
     runs out of memory once (after a micro-step's gradients exist). The 1st evaluation raises
     a RuntimeError and the 2nd an out-of-memory error, on rank 0 only (the other ranks finish their share:
@@ -81,7 +85,8 @@ class FaultInjector:
     def __init__(self, rank: int = 0, world: int = 1):
         spec = os.environ.get("GPTPIPE_TEST_FAULT", "")
         faults = [(kind, int(at)) for kind, _, at in (f.partition("@") for f in spec.split(",") if f)]
-        self.faults = {at: kind for kind, at in faults if kind in ("nan", "spike", "flip", "flip0", "oom")}
+        self.faults = {at: kind for kind, at in faults if kind in ("nan", "spike", "flip", "flip0", "oom", "stall",
+                                                                   "gil")}
         self.oom_above = min((at for kind, at in faults if kind == "oomabove"), default=None)
         self.oom_in = 0  # forward passes until the injected out-of-memory error (0: none pending)
         self.eval_faults = {at: kind for kind, at in faults if kind.startswith("eval")}
@@ -118,6 +123,12 @@ class FaultInjector:
             w.mul_(-30.0)
         elif kind == "oom":
             self.oom_in = 2
+        elif kind == "stall" and self.rank == 0:
+            time.sleep(STALL_SECONDS)  # a wait Python can watch (the GIL is free)
+        elif kind == "gil" and self.rank == 0:
+            # a C call that never returns and holds the GIL (as a page fault on a hung file system does):
+            # ctypes.PyDLL calls without releasing it, so no Python thread runs until it returns
+            ctypes.PyDLL(None).sleep(int(STALL_SECONDS))
         elif (kind == "flip" and self.rank == self.world - 1) or (kind == "flip0" and self.rank == 0):
             w.view(torch.int32)[0] ^= 1 << 12  # a low mantissa bit: the loss barely moves, the bits do
 

@@ -18,6 +18,7 @@ the same data at the next smaller size (gptcore/trainer.py).
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
 from dataclasses import asdict
 
 import torch
@@ -115,14 +116,18 @@ def fits(raw: torch.nn.Module, model: torch.nn.Module, micro: int, cfg: RunConfi
         free_memory(env.device)
 
 
-def probe(raw: torch.nn.Module, cfg: RunConfig, env: distributed.Env) -> tuple[int | None, list[int]]:
+def probe(raw: torch.nn.Module, cfg: RunConfig, env: distributed.Env,
+          beat: Callable[[int], None] | None = None) -> tuple[int | None, list[int]]:
     """(the largest candidate that fits, the ones that did not), on the plain model: no collective runs,
-    so a rank that runs out of memory cannot leave the others waiting."""
+    so a rank that runs out of memory cannot leave the others waiting. `beat(micro)` before each candidate:
+    progress for the hang watchdog (each candidate compiles afresh: minutes on a large model)."""
     # static shapes, as the trainer's step has: one compile per size tried, not a dynamic-shape kernel
     model = torch.compile(raw, dynamic=False) if env.compile else raw
     failed = []
     try:
         for micro in candidates(share(cfg, env.world), cfg.train.micro_batch_max):
+            if beat is not None:
+                beat(micro)
             if fits(raw, model, micro, cfg, env, reserve=True):
                 return micro, failed
             failed.append(micro)
@@ -132,7 +137,8 @@ def probe(raw: torch.nn.Module, cfg: RunConfig, env: distributed.Env) -> tuple[i
             torch.compiler.reset()
 
 
-def choose(run_dir, raw: torch.nn.Module, cfg: RunConfig, env: distributed.Env) -> tuple[int, str]:
+def choose(run_dir, raw: torch.nn.Module, cfg: RunConfig, env: distributed.Env,
+           beat: Callable[[int], None] | None = None) -> tuple[int, str]:
     """The micro-batch every rank uses (collective), and how it was found (for the start line). Reuses
     <run_dir>/micro_batch.json when this hardware and these settings made it. NothingFits when some rank
     cannot fit a single sequence."""
@@ -140,7 +146,7 @@ def choose(run_dir, raw: torch.nn.Module, cfg: RunConfig, env: distributed.Env) 
     kept = read_json(run_dir / CHOICE_FILE) or {}
     if all(distributed.all_gather_object(kept.get("fingerprint") == fp)):
         return int(kept["micro_batch"]), f"auto, kept from {CHOICE_FILE}"
-    mine, failed = probe(raw, cfg, env)
+    mine, failed = probe(raw, cfg, env, beat)
     answers = distributed.all_gather_object((mine, failed[-1] if failed else None, memory_text(env)))
     if any(a is None for a, _, _ in answers):
         r, (_, smallest, memory) = next((r, a) for r, a in enumerate(answers) if a[0] is None)

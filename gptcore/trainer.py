@@ -42,6 +42,8 @@ from gptcore.watchdog import CEILING_S, Watchdog
 
 STOP_FILE = "STOP"  # create <run_dir>/STOP to stop a run gracefully (checkpoint, exit 0, torchrun too)
 EVAL_PATIENCE_S = CEILING_S  # the hang limit while evaluating (unless train.hang_timeout_s sets one)
+WRITE_PATIENCE_S = CEILING_S  # ... while waiting for a checkpoint write (1.5 GB on slow shared storage)
+PROBE_PATIENCE_S = CEILING_S  # ... per micro-batch size the probe tries (a fresh compile each: minutes)
 PEAK_ENV = "GPTPIPE_PEAK_FLOPS"  # peak FLOP/s per device for MFU (default: a table for known GPUs)
 STOP_SIGNAL: dict = {"signal": None}  # set by gptcore.train's signal handler; read at every step
 
@@ -111,6 +113,16 @@ class Trainer:
         self.cfg, self.env, self.run_dir, self.raw, self.t_start = cfg, env, prep.run_dir, raw, t_start
         # first: a peer that never joins the collectives below is a hang too
         self.watchdog = Watchdog(prep.run_dir, env.rank, tc.hang_timeout_s).start()
+        try:
+            self.setup(prep)
+        except BaseException:
+            self.watchdog.stop()  # its C backstop would end the process (a test's) long after this error
+            raise
+
+    def setup(self, prep: Prepared) -> None:
+        """Everything the loop holds, built while the watchdog runs (the probe and the collectives may hang)."""
+        cfg, env, raw = prep.cfg, prep.env, prep.model
+        tc = cfg.train
         self.faults = FaultInjector(env.rank, env.world)  # test-only trouble (GPTPIPE_TEST_FAULT)
         self.faults.install(raw)
         raw.head_loss = make_loss(env.loss)  # train.loss; the trainer owns the fused loss's reusable buffers
@@ -119,9 +131,12 @@ class Trainer:
         self.auto_micro = tc.micro_batch == microbatch.AUTO
         self.micro_how = "set"
         if self.auto_micro:  # from here on this invocation's config holds the choice (eval, records)
-            tc.micro_batch, self.micro_how = microbatch.choose(prep.run_dir, raw, cfg, env)
+            tc.micro_batch, self.micro_how = microbatch.choose(
+                prep.run_dir, raw, cfg, env,
+                beat=lambda micro: self.watchdog.beat(f"probing micro-batch {micro}", patience=PROBE_PATIENCE_S))
         self.loader = ShardLoader(prep.data_dir, tc.micro_batch, tc.seq_len, tc.total_batch_tokens, tc.seed,
-                                  env.rank, env.world, env.device, manifest=prep.manifest)
+                                  env.rank, env.world, env.device, manifest=prep.manifest,
+                                  verify_reads=env.local_rank == 0)  # one hashing loader per node
         torch.manual_seed(tc.seed + env.rank)  # per-rank randomness (dropout) from here on
         self.step = 0  # steps done; tokens seen = step * train.total_batch_tokens (part of the run identity)
         if prep.trainer_state is not None:
@@ -417,7 +432,11 @@ class Trainer:
         a failed write stops every rank with the same error; a skipped one (non-finite weights) is an event."""
         if self.unconfirmed is None:
             return
+        if wait:  # rank 0 waits for its writer, the others in the broadcast: progress, with its own patience
+            self.watchdog.beat("waiting for a checkpoint write", patience=WRITE_PATIENCE_S)
         out = distributed.broadcast_object(self.checkpointer.outcome(wait) if self.env.master else None)
+        if wait:
+            self.watchdog.beat("training")
         if out is None:
             return  # still being written
         self.unconfirmed = None

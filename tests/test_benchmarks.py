@@ -61,6 +61,13 @@ LINES = {
         rf"\| numpy baseline {N}M tok/s \| ratio {N}x \({N}-{N}\)$",
         rf"^projected for 10B tokens on one core: {N} min",
     ],
+    "bench_bitrot": [
+        rf"^{N} ranks, {N} shards of {N} tokens, one epoch: sha256 {N} MB/s$",
+        rf"^  every rank hashes: {N} shard checks, [\d.]+ s of hashing$",
+        rf"^  one per node: +{N} shard checks, [\d.]+ s of hashing \([\d.]+x less\)$",
+        rf"^  at gpt2-124m on one 8-GPU node \([\d.]+ s steps\): {N}% of step time with {N} hashing ranks, {N}% "
+        r"with one",
+    ],
     "bench_eval": [
         rf"^  eager \(trainer\) +first +{N} s, later median {N} s",
         rf"^  compiled +first +{N} s, later median {N} s",

@@ -140,3 +140,24 @@ def test_no_train_split(tmp_path):
     assert Manifest.load(d).split("train") == []
     with pytest.raises(ShardError, match="no train shards"):
         open_dataset(d)
+
+
+def test_one_loader_per_node_hashes_every_shard_any_rank_reads(ds):
+    """Bit-rot checks are one node-wide job: the loader of local rank 0 submits each shard that any rank's
+    step reads, once per epoch; the node's other loaders hash nothing (8 ranks used to read every shard 8
+    times over)."""
+    world, total = 4, B * T * 8
+    loaders = [ShardLoader(ds, B, T, total, seed=3, rank=r, world=world, verify_reads=r == 0) for r in range(world)]
+    read: set[tuple[int, int]] = set()
+    for _ in range(200):  # past an epoch boundary
+        for L in loaders:
+            for _ in range(L.accum):
+                g = L.position + (L.micro * world + L.rank) * B
+                read.update((e, s) for e, s, _ in (L.locate(g + i) for i in range(B)))
+                L.next_batch()
+    assert loaders[0].epoch >= 1
+    assert read <= loaders[0]._hashed and len({e for e, _ in read}) >= 2  # every (epoch, shard) any rank read
+    assert all(not L._hashed for L in loaders[1:])
+    for _, f in loaders[0]._hashes:  # the background checks finish: an intact dataset has no damaged shard
+        f.result(timeout=60)
+    assert loaders[0].damaged() == []

@@ -34,6 +34,7 @@ from tests.test_train_utils import (
     kill_tree,
     losses,
     make_dataset,
+    python_cmd,
     rank_exit_codes,
     run,
     start,
@@ -236,3 +237,60 @@ def test_a_stop_checkpoint_is_checked_before_rank_0_writes_it(ds, tmp_path):
         written[odd] = final_weights(run_dir, 2)
     for k in written[2]:
         assert torch.equal(written[0][k], written[2][k]), k
+
+
+def single(ds: Path, run_dir: Path, **extra) -> list[str]:
+    """`python -m gptcore.train micro ...` in one process (the watchdog is the same without torchrun)."""
+    return python_cmd(["micro", *(f"{k}={v}" for k, v in overrides(ds, run_dir, 1, **extra).items())])
+
+
+def test_a_rank_that_holds_the_gil_is_ended_by_the_c_backstop(ds, tmp_path):
+    """The main thread stuck in a C call that holds the GIL (as a page fault on a hung network filesystem
+    does): the Python watchdog thread never runs; faulthandler's C thread prints every stack to stderr and
+    ends the process (status 1) soon after the limit, where before it waited for ever."""
+    t0 = time.monotonic()
+    proc = start(single(ds, tmp_path / "run", **{"train.hang_timeout_s": 3}), tmp_path, tmp_path / "log",
+                 GPTPIPE_TEST_FAULT="gil@3")
+    try:
+        rc = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
+    out = (tmp_path / "log").read_text()
+    assert rc == 1, out[-3000:]
+    assert "Timeout (" in out and "most recent call first" in out and "before_step" in out, out[-3000:]
+    assert time.monotonic() - t0 < 100
+
+
+def test_a_hang_on_a_hung_file_system_still_exits(ds, tmp_path):
+    """The hang file's path blocks when opened (a FIFO with no reader stands in for a hung file system, a
+    write stuck in the kernel): the stacks are on stderr first, and the process exits with the hang code
+    after the bounded wait for the write."""
+    run_dir = tmp_path / "run"
+    folder = run_dir / "hangs" / "step00000002-attempt0"  # the hang's one folder: its step, torchrun's attempt
+    folder.mkdir(parents=True)
+    os.mkfifo(folder / "rank0.txt")
+    proc = start(single(ds, run_dir, **{"train.hang_timeout_s": 3}), tmp_path, tmp_path / "log",
+                 GPTPIPE_TEST_FAULT="stall@3")
+    try:
+        rc = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
+    out = (tmp_path / "log").read_text()
+    assert rc == HANG_EXIT, out[-3000:]
+    assert out.index("made no progress") < out.index("before_step")  # the stacks, on stderr
+    assert "did not finish in 10s" in out and "exiting without it" in out, out[-3000:]
+
+
+def test_a_slow_final_checkpoint_write_is_progress(ds, tmp_path):
+    """The end of a run waits for its last checkpoint's write (slow storage, 8 s here) with no step to
+    beat: that wait has its own patience, so a derived limit of 2 s (the floor lowered for the test) does
+    not take it for a hang."""
+    run_dir = tmp_path / "run"
+    proc = start(single(ds, run_dir, **{"train.max_steps": 4, "train.checkpoint_interval": 100}), tmp_path,
+                 tmp_path / "log", GPTPIPE_TEST_HANG_FLOOR_S="2", GPTPIPE_TEST_CHECKPOINT_DELAY="8")
+    rc = proc.wait(timeout=300)
+    out = (tmp_path / "log").read_text()
+    assert rc == 0 and "made no progress" not in out, out[-3000:]
+    assert (run_dir / "DONE").is_file() and "checkpoint write delayed 8s" in out

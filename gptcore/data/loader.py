@@ -63,7 +63,7 @@ class ShardLoader:
 
     def __init__(self, dataset_dir: Path, B: int, T: int, total_batch_tokens: int, seed: int,
                  rank: int = 0, world: int = 1, device: torch.device | str = "cpu",
-                 manifest: Manifest | None = None):
+                 manifest: Manifest | None = None, verify_reads: bool = True):
         self.dir = Path(dataset_dir)
         self.manifest = manifest or open_dataset(self.dir)
         self.B, self.T, self.seed, self.rank, self.world = B, T, seed, rank, world
@@ -85,7 +85,10 @@ class ShardLoader:
         self.position = 0  # global sequence index at the start of the next optimizer step
         self.micro = 0  # micro-batch of the current step handed out so far
         # bit rot: each shard is re-hashed in the background at its first read of every epoch (a flipped
-        # byte keeps size, mtime and inode, so the cached check at start-up cannot see it)
+        # byte keeps size, mtime and inode, so the cached check at start-up cannot see it). One loader per
+        # node does it (`verify_reads`: the trainer's local rank 0), for every shard the whole step reads on
+        # any rank: the ranks of a node read the same files, and 8 hashing ranks would read each shard 8 times
+        self.verify_reads = verify_reads
         self._hashed: set[tuple[int, int]] = set()  # (epoch, shard) already submitted
         self._hashes: list[tuple[str, Future]] = []
         self._hasher: ThreadPoolExecutor | None = None
@@ -126,11 +129,21 @@ class ShardLoader:
         out = np.empty((count, self.T + 1), dtype=np.int64)
         for i in range(count):
             epoch, shard, start = self.locate(g + i)
-            if (epoch, shard) not in self._hashed:
-                self._check_in_background(epoch, shard)
             if shard not in self._tokens:
                 self._tokens[shard] = read_shard(self.dir / self.shards[shard].name)
             out[i] = self._tokens[shard][start:start + self.T + 1]
+        return out
+
+    def shards_between(self, g0: int, g1: int) -> list[tuple[int, int]]:
+        """The (epoch, shard) pairs that global sequences [g0, g1) are read from, in order."""
+        out, g = [], g0
+        while g < g1:
+            self.locate(g)  # grows the epoch starts to cover g
+            e = bisect.bisect_right(self._epoch_starts, g) - 1
+            order, _, cum = self._epoch(e)
+            j = bisect.bisect_right(cum, g - self._epoch_starts[e])
+            out.append((e, int(order[j])))
+            g = self._epoch_starts[e] + int(cum[j])  # the next shard's first sequence
         return out
 
     def _check_in_background(self, epoch: int, shard: int) -> None:
@@ -152,6 +165,10 @@ class ShardLoader:
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's next micro-batch (x, y), each (B, T) int64 on the loader's device."""
+        if self.verify_reads and self.micro == 0:  # the shards every rank reads in this step
+            for epoch, shard in self.shards_between(self.position, self.position + self.seqs_per_step):
+                if (epoch, shard) not in self._hashed:
+                    self._check_in_background(epoch, shard)
         g = self.position + (self.micro * self.world + self.rank) * self.B
         buf = torch.from_numpy(self.sequences(g, self.B))
         self.micro += 1
