@@ -30,6 +30,7 @@ from gptcore.tokenizer import N_VOCAB
 
 AUTO = "auto"
 CHOICE_FILE = "micro_batch.json"
+MARGIN = 0.10  # of the card's memory a chosen size leaves free at its step's peak
 
 
 class NothingFits(RuntimeError):
@@ -86,23 +87,40 @@ def probe_tokens(micro: int, seq_len: int, seed: int) -> torch.Tensor:
     return torch.randint(0, N_VOCAB, (micro, seq_len + 1), generator=gen)
 
 
+def reserved_copies(env: distributed.Env) -> int:
+    """fp32 weight-sized buffers the real step holds beside the probe's: AdamW's two moments, and under
+    DDP its gradient buckets (another copy of the gradients)."""
+    return 2 + (1 if env.ddp else 0)
+
+
+def too_close(peak: int, total: int) -> bool:
+    """A size whose step peaks within MARGIN of the card's memory is no fit: fragmentation, an evaluation
+    and NCCL's buffers come on top in the real run, and an out-of-memory step under DDP costs a restart."""
+    return peak > (1 - MARGIN) * total
+
+
 def fits(raw: torch.nn.Module, model: torch.nn.Module, micro: int, cfg: RunConfig, env: distributed.Env,
          reserve: bool) -> bool:
-    """One forward + backward of `model` on `micro` random sequences, with the optimizer's state (two
-    fp32 copies of the weights, AdamW's moments) held beside it when `reserve`. The weights, gradients,
-    optimizer and random streams are as they were afterwards; False when it ran out of memory."""
+    """One forward + backward of `model` on `micro` random sequences, with what the real step holds beside
+    it when `reserve` (reserved_copies). The weights, gradients, optimizer and random streams are as they
+    were afterwards; False when it ran out of memory, or on CUDA came within MARGIN of it."""
     T = cfg.train.seq_len
     rng = torch.get_rng_state(), (torch.cuda.get_rng_state(env.device) if env.device.type == "cuda" else None)
     held: list[torch.Tensor] = []
     try:
+        if env.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(env.device)
         if reserve:
-            held = [torch.empty_like(p, dtype=torch.float32) for p in raw.parameters() for _ in range(2)]
+            held = [torch.empty_like(p, dtype=torch.float32) for p in raw.parameters()
+                    for _ in range(reserved_copies(env))]
         x = probe_tokens(micro, T, micro).to(env.device)
         with env.autocast():
             _, loss = model(x[:, :-1], x[:, 1:], return_logits=False)
         loss.backward()
         if env.device.type == "cuda":
             torch.cuda.synchronize(env.device)  # an asynchronous out-of-memory error surfaces here
+            total = torch.cuda.get_device_properties(env.device).total_memory
+            return not too_close(torch.cuda.max_memory_allocated(env.device), total)
         return True
     except torch.OutOfMemoryError:
         return False

@@ -152,3 +152,18 @@ def test_the_probe_runs_compiled_as_the_gpu_job_does(ds, tmp_path):
     log = (tmp_path / "log").read_text()
     assert "accum=2 micro_batch=4 (auto: 4 fits, 8 ran out of memory)" in log and "compile=True" in log
     assert "RUN_DONE" in log
+
+
+def test_the_probe_holds_what_the_real_step_holds_and_keeps_a_margin():
+    """Under DDP the real step holds the gradient buckets beside AdamW's two moments: the probe reserves
+    them too, and on CUDA a size whose step peaks within 10% of the card is no fit (an out-of-memory step
+    under DDP costs a restart)."""
+    from gptcore.distributed import Env
+    from gptcore.microbatch import reserved_copies, too_close
+
+    def env(world):
+        return Env(rank=0, local_rank=0, world=world, device=torch.device("cpu"), dtype=torch.float32, compile=False)
+
+    assert reserved_copies(env(1)) == 2 and reserved_copies(env(8)) == 3
+    gib = 2**30
+    assert too_close(73 * gib, 80 * gib) and not too_close(71 * gib, 80 * gib)
