@@ -12,6 +12,7 @@ import sys
 from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -105,12 +106,27 @@ def use_tf32() -> None:
         torch.set_float32_matmul_precision("high")
 
 
-def init_process_group(env: Env, hang_limit_s: float = 0.0) -> None:
+def flight_recorder_env(trace_dir: Path) -> dict[str, str]:
+    """NCCL's flight recorder, as environment (read when the process group is created): a trace buffer,
+    a dump when NCCL's own watchdog sees a collective time out or fail, and where the dumps go. Both the
+    older (TORCH_NCCL_*) and the newer (TORCH_FR_*) names, for every torch the project allows."""
+    prefix = str(trace_dir / "nccl-trace-rank_")
+    return {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_FR_BUFFER_SIZE": "2000",
+            "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+            "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix, "TORCH_FR_DUMP_TEMP_FILE": prefix}
+
+
+def init_process_group(env: Env, hang_limit_s: float = 0.0, trace_dir: Path | None = None) -> None:
     """Join the process group (nccl on GPUs, gloo on CPU) when launched with more than one rank. Its
     timeout stays above the hang watchdog's limit (`hang_limit_s`), so a stuck collective is reported by
-    the watchdog (stacks on disk, a restart) before the process group gives up on it."""
+    the watchdog (stacks on disk, a restart) before the process group gives up on it. On NCCL the flight
+    recorder writes to `trace_dir` (the run's hangs/ folder); settings the user made win."""
     if env.world > 1 and not dist.is_initialized():
         backend = "nccl" if env.device.type == "cuda" else "gloo"
+        if backend == "nccl" and trace_dir is not None:
+            trace_dir.mkdir(parents=True, exist_ok=True)
+            for key, value in flight_recorder_env(trace_dir).items():
+                os.environ.setdefault(key, value)
         # long: rank 0 alone may spend minutes on a checkpoint, a sample or a download
         timeout = timedelta(seconds=max(30 * 60, hang_limit_s + 10 * 60))
         store = restart_store(timeout)

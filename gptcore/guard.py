@@ -74,9 +74,10 @@ class FaultInjector:
     loss is NaN until a rollback); before the 9th it is multiplied by -30 (the model now favours what it had
     ruled out: a loss spike that lasts); before the 4th, one bit of that weight flips on the last rank only
     (a silent corruption of one replica). Counting calls, not steps, means a rollback does not replay the
-    fault. flip0@4: the same bit flip on rank 0, the rank that writes checkpoints. stall@3: rank 0 sleeps an
-hour before its 3rd step (a hang the watchdog thread can see); gil@3: the same inside a C call that holds
-the GIL (no Python thread runs: only the C backstop can act). slow@1: rank 1 sleeps SLOW_SECONDS in every forward pass (a straggler). oomabove@4: a forward pass
+    fault. flip0@4: the same bit flip on rank 0, the rank that writes checkpoints. stall@3: rank 0 sleeps
+    an hour before its 3rd step (a hang the watchdog thread can see); gil@3: the same inside a C call that
+    holds the GIL (no Python thread runs: only the C backstop can act). slow@1: rank 1 sleeps SLOW_SECONDS
+    in every forward pass (a straggler). oomabove@4: a forward pass
     of more than 4 sequences runs out of memory (a smaller card); oom@6: the 6th call's second forward pass
     runs out of memory once (after a micro-step's gradients exist). The 1st evaluation raises
     a RuntimeError and the 2nd an out-of-memory error, on rank 0 only (the other ranks finish their share:

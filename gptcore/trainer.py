@@ -311,7 +311,9 @@ class Trainer:
         self.report_damaged_shards(self.pending[-1].step, [d for _, d in heard])
         batch = cfg.train.total_batch_tokens
         tok_s = batch / dt
-        rates = {"train/mfu": self.raw.estimate_mfu(tok_s, self.peak_flops, cfg.train.seq_len)} if self.peak_flops else {}
+        rates = {}
+        if self.peak_flops:
+            rates["train/mfu"] = self.raw.estimate_mfu(tok_s, self.peak_flops, cfg.train.seq_len)
         if env.device.type == "cuda":  # the allocator's own count: no device sync
             rates["train/peak_memory_gib"] = torch.cuda.max_memory_allocated(env.device) / 2**30
         read = Read(math.nan, OK, False)

@@ -15,9 +15,9 @@ lost, or stop with the exit code that names the trouble.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
-import shutil
 import time
 from pathlib import Path
 

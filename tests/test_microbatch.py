@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from gptcore.checkpoints import run_files as R
-from gptcore.launch import torchrun_cmd
-from gptcore.metrics import read_metrics
 from gptcore.config import load_config
 from gptcore.distributed import select
+from gptcore.launch import torchrun_cmd
 from gptcore.loss import make_loss
+from gptcore.metrics import read_metrics
 from gptcore.microbatch import CHOICE_FILE, candidates, probe, probe_tokens, smaller
 from gptcore.model import GPT
 from gptcore.tokenizer import N_VOCAB
