@@ -48,6 +48,7 @@ the speed target, so a lease's budget cuts the least telling rows):
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -114,6 +115,7 @@ class Table:
                 ok, status = False, "FAIL"
                 detail = f"{type(e).__name__}: {e} (at {Path(where.filename).name}:{where.lineno})"
             row = Row(name, status, detail, time.monotonic() - t0)
+            release_device_memory()
         self.rows.append(row)
         print(f"  {row.status:7s} {row.name:26s} {row.detail}  [{row.seconds:.0f} s]", flush=True)
         self.save()
@@ -134,6 +136,14 @@ class Table:
 
         write_json(self.out, {**self.header, "seconds": round(time.monotonic() - self.t0, 1),
                               "passed": self.passed, "rows": [asdict(r) for r in self.rows]})
+
+
+def release_device_memory() -> None:
+    """After a row that ran on the GPU in this process (the probe alone caches tens of GB): hand the
+    cached blocks back, so the trainers the next rows launch on the same GPU find the card free."""
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 # --- the data and the trainer --------------------------------------------------------------------------
