@@ -14,6 +14,9 @@ directory or dataset that cannot be read or written): nothing half-written is ke
 guard rolled back guard.max_rollbacks times in a row; the checkpoints are intact); 4 = the replicas disagreed
 twice on the same rank (drain that host); 5 = a rank made no progress (gptcore/watchdog.py: stacks in
 <run_dir>/hangs/; torchrun restarts the job with train.max_restarts); anything else = a crash.
+Exits 2, 3 and 4 are verdicts, recorded in <run_dir>/verdict.json (gptcore/verdict.py): a torchrun restart
+of the same launch exits at once with the recorded code instead of replaying the same end; the next launch
+moves the record aside (verdict.<time>.json) and runs.
 
 The trainer defends its run by itself, whoever launched it: it locks the run directory (train.lock),
 resumes from the newest checkpoint that verifies whole (others are moved to checkpoints/rejected/), skips
@@ -31,9 +34,12 @@ import signal
 import sys
 import time
 
-from gptcore import distributed, watchdog
+import torch
+
+from gptcore import distributed, verdict, watchdog
 from gptcore.checkpoints import run_files
 from gptcore.checkpoints.resume import RunError, prepare
+from gptcore.checkpoints.run_files import run_dir_for
 from gptcore.config import ConfigError, load_config
 from gptcore.data.shard_format import ShardError
 from gptcore.microbatch import NothingFits
@@ -55,11 +61,25 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_OK if argv else EXIT_BAD_INPUT
     t_start = time.time()
     rank = int(os.environ.get("RANK", 0))
+    # before CUDA starts: memory freed by an out-of-memory step (or the probe) is reused instead of
+    # fragmenting the card; the user's own allocator settings win
+    if not (os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")):
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    known = (ConfigError, ShardError, RunError, LockHeld, run_files.CheckpointError, OSError)
     try:
         cfg = load_config(argv[0], argv[1:], world_size=distributed.world_size())
+        run_dir = run_dir_for(cfg)
+    except known as e:
+        return fail(e)  # no run directory yet to record the verdict in: the exit code says it
+    if (earlier := verdict.of_this_launch(run_dir)) is not None:
+        print(f"error: the run ended with a verdict in this launch: {earlier.summary()} (attempt {earlier.attempt}, "
+              f"{earlier.time}); torchrun's restart cannot change it. Fix the cause, then launch again",
+              file=sys.stderr)
+        return earlier.code
+    try:
         prep = prepare(cfg, rank)
-    except (ConfigError, ShardError, RunError, LockHeld, run_files.CheckpointError, OSError) as e:
-        return fail(e)
+    except known as e:  # LockHeld: the run directory is another trainer's, so is its record
+        return fail(e, None if isinstance(e, LockHeld) else run_dir)
     if prep is None:
         return EXIT_OK
     # flag-only handlers for the run; the previous ones come back after it (main may run in-process: a
@@ -67,12 +87,12 @@ def main(argv: list[str] | None = None) -> int:
     previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         distributed.init_process_group(prep.env, watchdog.CEILING_S if not cfg.train.hang_timeout_s
-                                       else cfg.train.hang_timeout_s)
+                                       else cfg.train.hang_timeout_s, trace_dir=prep.run_dir / "hangs")
         return Trainer(prep, t_start).run()
     # RunError: found only once the ranks talk (e.g. a run dir not shared between nodes); OSError after
     # the checks: e.g. the disk filled up, or a file turned into a directory
     except (RunError, Diverged, ReplicasDisagree, NothingFits, OSError) as e:
-        return fail(e)
+        return fail(e, prep.run_dir)
     finally:
         distributed.teardown()
         if prep.lock is not None:
@@ -82,17 +102,26 @@ def main(argv: list[str] | None = None) -> int:
         STOP_SIGNAL["signal"] = None
 
 
-def fail(e: Exception) -> int:
-    """Print the one error line for a failure the trainer knows; returns its exit code."""
+def fail(e: Exception, run_dir=None) -> int:
+    """Print the one error line for a failure the trainer knows; returns its exit code, a verdict, which is
+    recorded in `run_dir` (when known) for torchrun's restarts and the launcher to read."""
     why = str(e)
     if isinstance(e, OSError):
         why = (f"{type(e).__name__}: {e}. The run directory or the dataset cannot be read or written there: "
                "check that path (a file where a directory belongs, or the reverse), its permissions and the "
                "free disk, then run again: the run continues from its newest checkpoint")
     print(f"error: {why}", file=sys.stderr)
-    if isinstance(e, ReplicasDisagree):
-        return EXIT_REPLICAS
-    return EXIT_DIVERGED if isinstance(e, Diverged) else EXIT_BAD_INPUT
+    code = EXIT_REPLICAS if isinstance(e, ReplicasDisagree) else EXIT_DIVERGED if isinstance(e, Diverged) \
+        else EXIT_BAD_INPUT
+    if run_dir is not None and not restart_helps(e):
+        verdict.record(run_dir, code, why)
+    return code
+
+
+def restart_helps(e: Exception) -> bool:
+    """The DDP out-of-memory exit (Trainer.smaller_micro_batch: a RunError from torch's OutOfMemoryError) is
+    exit 2 but no verdict: the restart starts at the smaller micro-batch that micro_batch.json keeps."""
+    return isinstance(e.__cause__, torch.OutOfMemoryError)
 
 
 if __name__ == "__main__":

@@ -169,6 +169,7 @@ class Trainer:
         self.pending: list[Pending] = []
         self.unconfirmed: int | None = None  # the step of a checkpoint whose write every rank has not confirmed
         self.saved_step: int | None = None  # the step of the newest checkpoint this invocation saved
+        self.skipped_step: int | None = None  # the step of a checkpoint not written (non-finite weights)
         self.stop_file = False  # rank 0 saw a STOP file
         self.t_read = time.time()
 
@@ -446,6 +447,7 @@ class Trainer:
             raise RunError(out.text)
         if out.status == SKIPPED:
             self.event(out.step, f"checkpoint not written: {out.text}", who="checkpoint")
+            self.skipped_step = out.step
             return
         if self.env.master:
             print(f"checkpoint {out.text} written in {out.seconds:.2f} s", flush=True)
@@ -506,8 +508,15 @@ class Trainer:
         return 0
 
     def finished(self) -> int:
-        """max_steps reached: the last checkpoint is on disk, then DONE."""
+        """max_steps reached: the last checkpoint is on disk, then DONE. Final weights that are not finite
+        (their checkpoint was not written) are no finished run: Diverged, and the next start resumes from
+        the newest good checkpoint."""
         self.confirm_checkpoint(wait=True)
+        if self.skipped_step == self.step:
+            raise Diverged(f"the run reached max_steps={self.step} with non-finite weights, so its last "
+                           "checkpoint was not written and it is not done; lower optim.max_lr (or raise "
+                           "optim.warmup_steps), then run the same command: it resumes from the newest good "
+                           "checkpoint")
         if self.env.master:
             write_json(self.run_dir / DONE_FILE, {"step": self.step, "time": time.time(),
                                                   "tokens_seen": self.step * self.cfg.train.total_batch_tokens})

@@ -124,8 +124,8 @@ class Watchdog:
     def _hang(self, idle: float, limit: float) -> None:
         path = self.hang_folder() / f"rank{self.rank}.txt"
         text = (f"rank {self.rank} (pid {os.getpid()}, host {os.uname().nodename}) made no progress for "
-                f"{idle:.0f}s (limit {limit:.0f}s) while {self.doing}; exiting with {HANG_EXIT} so that torchrun "
-                f"restarts the job from its newest checkpoint (train.max_restarts)")
+                f"{idle:.0f}s (limit {limit:.0f}s) while {self.doing}; exiting with {HANG_EXIT} so that the job is "
+                f"restarted from its newest checkpoint (train.max_restarts: torchrun's or the train task's)")
         # stderr first: it needs no file system, which may be what hung
         print(f"error: {text}; stacks follow and in {path}", file=sys.stderr, flush=True)
         faulthandler.dump_traceback(sys.stderr, all_threads=True)

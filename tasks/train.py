@@ -17,6 +17,11 @@ What the launcher guarantees:
   2.11, gptcore.launch), and this task waits longer than that before its SIGKILL, so a SIGTERM (cancel,
   preemption) always ends with a complete stop checkpoint.
 - While training, integrations.tracking.Shipper ships metrics.jsonl to MLflow from a background thread.
+- Restarts are this task's, not torchrun's (which restarts every non-zero exit, then exits 1 whatever the
+  trainer's code): torchrun runs with --max-restarts=0, and after a hang or a crash it is launched again,
+  up to train.max_restarts times. A verdict (the trainer's <run_dir>/verdict.json, gptcore/verdict.py:
+  bad input 2, diverged 3, replicas disagree 4) is never restarted: it fails the task with a TrainError
+  that starts with its name and code, e.g. "diverged (exit 3): ...".
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from gptcore import verdict
 from gptcore.checkpoints.run_files import run_dir_for, run_state
 from gptcore.config import RunConfig, load_config
 from gptcore.launch import SHUTDOWN_SECONDS, torchrun_cmd
@@ -41,6 +47,7 @@ from integrations import processes
 TRAIN_LOG = "train.log"  # the trainer's stdout/stderr, appended per invocation
 GRACE_SECONDS = SHUTDOWN_SECONDS + 30.0  # this task's SIGKILL comes only after torchrun's has had its turn
 LEASE_SECONDS = 60  # Prefect's minimum; a killed holder's slot is reclaimed this long after its death
+SIGNALLED = "SignalException"  # in torchrun's last line when it was told to stop (SIGTERM/SIGINT): exit 1
 
 # Runs the command with PR_SET_PDEATHSIG=SIGTERM: the kernel signals it when the launching thread dies.
 # (A tiny exec wrapper instead of preexec_fn, which is unsafe in a threaded process.)
@@ -129,6 +136,32 @@ def launch(cmd: list[str], run_dir: Path, log, env: dict, on_tick) -> tuple[int,
     return proc.returncode, list(tail)
 
 
+def run_trainer(preset: str, overrides: dict | None, nproc: int, max_restarts: int, run_dir: Path, log,
+                env: dict, on_tick=lambda: None) -> tuple[int, list[str]]:
+    """Launch torchrun without its own restarts and launch it again after a hang or a crash, up to
+    `max_restarts` times; returns the last (exit code, last lines). A verdict that this launch recorded in
+    <run_dir>/verdict.json raises TrainError at once: a restart would replay the same batches into it."""
+    cmd, restarts = torchrun_cmd(preset, overrides, nproc, max_restarts=0), 0
+    while True:
+        before = verdict.read(run_dir)  # an earlier launch's, which this launch's trainer moves aside
+        rc, tail = launch(cmd, run_dir, log, env, on_tick)
+        if rc == 0:
+            return rc, tail
+        after = verdict.read(run_dir)
+        # this launch's: new since the launch, and written by a trainer this task started (not a stranger's)
+        if after is not None and after != before and after.launched_by == verdict.launcher(env):
+            raise TrainError(f"{after.summary()}\n(the trainer's verdict in {run_dir / verdict.VERDICT_FILE}; "
+                             "a restart cannot change it, so none was made. Fix the cause, then run the flow "
+                             "again: the run continues from its newest checkpoint)")
+        if any(SIGNALLED in line for line in tail[-3:]):  # someone stopped torchrun: a stop, not a crash
+            log.warning("torchrun was stopped by a signal (its workers wrote a stop checkpoint): not restarted")
+            return rc, tail
+        if restarts == max_restarts:
+            return rc, tail
+        restarts += 1
+        log.warning("torchrun exited %d (a hang or crash): restart %d of %d", rc, restarts, max_restarts)
+
+
 def done(cfg: RunConfig) -> str | None:
     """Why the train stage has nothing to do (the run reached max_steps: DONE with a checkpoint, for this
     identity), or None: this stage's one decision, asked by the flow (a Skipped task run) and by
@@ -183,10 +216,10 @@ def train_task(preset: str, overrides: dict | None, run_name: str, nproc: int, w
                                                                 "pid": os.getpid()}))
         progress = TrainProgress(run_dir, run_name, cfg.train.max_steps, cfg.train.max_minutes * 60, shipper, log)
         try:
-            cmd = torchrun_cmd(preset, overrides, nproc, max_restarts=cfg.train.max_restarts)
-            rc, tail = launch(cmd, run_dir, log, env, on_tick=progress.tick)
-            progress.tick(final=True)
+            rc, tail = run_trainer(preset, overrides, nproc, cfg.train.max_restarts, run_dir, log, env,
+                                   on_tick=progress.tick)
         finally:
+            progress.tick(final=True)  # after a verdict too: the UI shows the step where it ended
             if shipper is not None and not shipper.stop():
                 log.warning("MLflow shipping incomplete (%s); metrics stay in %s/metrics.jsonl and are "
                             "sent on the next run", shipper.last_error, run_dir)

@@ -294,3 +294,17 @@ def test_a_slow_final_checkpoint_write_is_progress(ds, tmp_path):
     out = (tmp_path / "log").read_text()
     assert rc == 0 and "made no progress" not in out, out[-3000:]
     assert (run_dir / "DONE").is_file() and "checkpoint write delayed 8s" in out
+
+
+def test_a_run_whose_final_weights_are_not_finite_is_not_done(ds, tmp_path):
+    """The weights turn non-finite at the last step (too late for the guard's rollback): the final checkpoint
+    is refused, so the run is not DONE; it ends diverged (exit 3) and the newest good checkpoint stays the
+    one the next start resumes from (it used to write DONE and exit 0)."""
+    run_dir = tmp_path / "run"
+    proc = start(single(ds, run_dir), tmp_path, tmp_path / "log", GPTPIPE_TEST_FAULT=f"nan@{STEPS}")
+    rc = proc.wait(timeout=300)
+    out = (tmp_path / "log").read_text()
+    assert rc == 3, out[-3000:]
+    assert not (run_dir / "DONE").exists()
+    assert "reached max_steps=14 with non-finite weights" in out
+    assert sorted(int(p.name[5:]) for p in (run_dir / "checkpoints").glob("step_*")) == [4, 8, 12]
