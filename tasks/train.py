@@ -19,9 +19,12 @@ What the launcher guarantees:
 - While training, integrations.tracking.Shipper ships metrics.jsonl to MLflow from a background thread.
 - Restarts are this task's, not torchrun's (which restarts every non-zero exit, then exits 1 whatever the
   trainer's code): torchrun runs with --max-restarts=0, and after a hang or a crash it is launched again,
-  up to train.max_restarts times. A verdict (the trainer's <run_dir>/verdict.json, gptcore/verdict.py:
-  bad input 2, diverged 3, replicas disagree 4) is never restarted: it fails the task with a TrainError
-  that starts with its name and code, e.g. "diverged (exit 3): ...".
+  up to train.max_restarts times. A rank that ran out of memory under DDP (train.micro_batch=auto) keeps a
+  smaller micro-batch in micro_batch.json and exits: that restart is free (a step down in size, at most
+  MAX_SMALLER_RESTARTS), so the restarts kept for hangs are still there for the night. A verdict (the
+  trainer's <run_dir>/verdict.json, gptcore/verdict.py: bad input 2, diverged 3, replicas disagree 4) is
+  never restarted: it fails the task with a TrainError that starts with its name and code, e.g.
+  "diverged (exit 3): ...".
 """
 
 from __future__ import annotations
@@ -41,12 +44,15 @@ from prefect.cache_policies import NO_CACHE
 from gptcore import verdict
 from gptcore.checkpoints.run_files import run_dir_for, run_state
 from gptcore.config import RunConfig, load_config
+from gptcore.files import read_json
 from gptcore.launch import SHUTDOWN_SECONDS, torchrun_cmd
+from gptcore.microbatch import CHOICE_FILE
 from integrations import processes
 
 TRAIN_LOG = "train.log"  # the trainer's stdout/stderr, appended per invocation
 GRACE_SECONDS = SHUTDOWN_SECONDS + 30.0  # this task's SIGKILL comes only after torchrun's has had its turn
 LEASE_SECONDS = 60  # Prefect's minimum; a killed holder's slot is reclaimed this long after its death
+MAX_SMALLER_RESTARTS = 7  # restarts at a smaller micro-batch after an out-of-memory step (64 -> 1 halves 6 times)
 SIGNALLED = "SignalException"  # in torchrun's last line when it was told to stop (SIGTERM/SIGINT): exit 1
 
 # Runs the command with PR_SET_PDEATHSIG=SIGTERM: the kernel signals it when the launching thread dies.
@@ -141,12 +147,21 @@ def run_trainer(preset: str, overrides: dict | None, nproc: int, max_restarts: i
     """Launch torchrun without its own restarts and launch it again after a hang or a crash, up to
     `max_restarts` times; returns the last (exit code, last lines). A verdict that this launch recorded in
     <run_dir>/verdict.json raises TrainError at once: a restart would replay the same batches into it."""
-    cmd, restarts = torchrun_cmd(preset, overrides, nproc, max_restarts=0), 0
+    cmd, restarts, smaller = torchrun_cmd(preset, overrides, nproc, max_restarts=0), 0, 0
     while True:
         before = verdict.read(run_dir)  # an earlier launch's, which this launch's trainer moves aside
+        micro_before = out_of_memory_choice(run_dir)
         rc, tail = launch(cmd, run_dir, log, env, on_tick)
         if rc == 0:
             return rc, tail
+        micro_after = out_of_memory_choice(run_dir)
+        if micro_after is not None and micro_after != micro_before and smaller < MAX_SMALLER_RESTARTS:
+            # a rank ran out of memory under DDP and kept a smaller micro-batch for the next start: that
+            # restart is a step down in size, not a hang's, and spends none of train.max_restarts
+            smaller += 1
+            log.warning("out of memory under DDP: restarting at micro-batch %d (not counted against "
+                        "train.max_restarts)", micro_after)
+            continue
         after = verdict.read(run_dir)
         # this launch's: new since the launch, and written by a trainer this task started (not a stranger's)
         if after is not None and after != before and after.launched_by == verdict.launcher(env):
@@ -160,6 +175,13 @@ def run_trainer(preset: str, overrides: dict | None, nproc: int, max_restarts: i
             return rc, tail
         restarts += 1
         log.warning("torchrun exited %d (a hang or crash): restart %d of %d", rc, restarts, max_restarts)
+
+
+def out_of_memory_choice(run_dir: Path) -> int | None:
+    """The micro-batch a rank fell back to after running out of memory (<run_dir>/micro_batch.json, written
+    by the trainer under train.micro_batch=auto), or None."""
+    kept = read_json(run_dir / CHOICE_FILE) or {}
+    return int(kept["micro_batch"]) if kept.get("after_out_of_memory") else None
 
 
 def done(cfg: RunConfig) -> str | None:
