@@ -12,13 +12,12 @@ not know. Without the flag torchrun gives its workers its fixed 30 s between SIG
 
 from __future__ import annotations
 
+# lazy imports: torch's torchrun module (and torch) only when the command is built: the flow imports this
+# module through the train stage, and its no-op re-run must not import torch
 import contextlib
 import io
 import sys
 from functools import cache
-
-import torch
-from torch.distributed import run as torchrun
 
 from gptcore.config import flatten
 
@@ -33,6 +32,8 @@ def accepts(flag: str) -> bool:
     """Whether the installed torchrun knows `flag` (e.g. "--shutdown-timeout"), asked of its own argument
     parser: an unknown flag comes back among parse_known_args' leftovers; a known switch given a value
     makes the parser exit (its complaint is not shown)."""
+    from torch.distributed import run as torchrun
+
     try:
         with contextlib.redirect_stderr(io.StringIO()):
             _, unknown = torchrun.get_args_parser().parse_known_args([f"{flag}=1", "script.py"])
@@ -47,6 +48,8 @@ def shutdown_args(shutdown_seconds: float) -> list[str]:
     if accepts("--shutdown-timeout"):
         return [f"--shutdown-timeout={shutdown_seconds:g}"]
     if shutdown_seconds > TORCHRUN_GRACE_SECONDS:
+        import torch
+
         print(f"warning: this torchrun (torch {torch.__version__}) has no --shutdown-timeout: after a SIGTERM it "
               f"kills the workers after its fixed {TORCHRUN_GRACE_SECONDS} s, not {shutdown_seconds:g} s, so a "
               "stop checkpoint that takes longer is lost (the run resumes from the one before) and a restart "

@@ -24,12 +24,13 @@ from dataclasses import asdict
 import torch
 
 from gptcore import distributed
+from gptcore.checkpoints.run_files import MICRO_BATCH_FILE
 from gptcore.config import RunConfig
 from gptcore.files import read_json, write_json
 from gptcore.tokenizer import N_VOCAB
 
 AUTO = "auto"
-CHOICE_FILE = "micro_batch.json"
+CHOICE_FILE = MICRO_BATCH_FILE
 MARGIN = 0.10  # of the card's memory a chosen size leaves free at its step's peak
 
 

@@ -42,11 +42,9 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from gptcore import verdict
-from gptcore.checkpoints.run_files import run_dir_for, run_state
+from gptcore.checkpoints.run_files import out_of_memory_choice, run_dir_for, run_state
 from gptcore.config import RunConfig, load_config
-from gptcore.files import read_json
 from gptcore.launch import SHUTDOWN_SECONDS, torchrun_cmd
-from gptcore.microbatch import CHOICE_FILE
 from integrations import processes
 
 TRAIN_LOG = "train.log"  # the trainer's stdout/stderr, appended per invocation
@@ -175,13 +173,6 @@ def run_trainer(preset: str, overrides: dict | None, nproc: int, max_restarts: i
             return rc, tail
         restarts += 1
         log.warning("torchrun exited %d (a hang or crash): restart %d of %d", rc, restarts, max_restarts)
-
-
-def out_of_memory_choice(run_dir: Path) -> int | None:
-    """The micro-batch a rank fell back to after running out of memory (<run_dir>/micro_batch.json, written
-    by the trainer under train.micro_batch=auto), or None."""
-    kept = read_json(run_dir / CHOICE_FILE) or {}
-    return int(kept["micro_batch"]) if kept.get("after_out_of_memory") else None
 
 
 def done(cfg: RunConfig) -> str | None:

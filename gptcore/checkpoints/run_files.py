@@ -23,6 +23,7 @@ from gptcore.files import read_json
 RUN_FILE = "run.json"
 DONE_FILE = "DONE"
 META_FILE = "meta.json"
+MICRO_BATCH_FILE = "micro_batch.json"  # train.micro_batch=auto's choice (gptcore/microbatch.py)
 EVAL_FILE = "eval.json"  # a checkpoint's evaluation: written by the trainer after the checkpoint, or the flow
 REJECTED_DIR = "rejected"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -221,3 +222,10 @@ def run_state(run_dir: Path, identity_hash: str | None = None) -> dict:
     if done and identity_hash:
         done = read_json(run_dir / RUN_FILE, {}).get("identity_hash") == identity_hash
     return {"run_dir": str(run_dir), "checkpoint": str(ckpt) if ckpt else None, "step": step, "done": done}
+
+
+def out_of_memory_choice(run_dir: Path) -> int | None:
+    """The micro-batch a rank fell back to after running out of memory (micro_batch.json, written by the
+    trainer under train.micro_batch=auto), or None: for a launcher, which must not import torch."""
+    kept = read_json(Path(run_dir) / MICRO_BATCH_FILE) or {}
+    return int(kept["micro_batch"]) if kept.get("after_out_of_memory") else None
