@@ -14,9 +14,10 @@ directory or dataset that cannot be read or written): nothing half-written is ke
 guard rolled back guard.max_rollbacks times in a row; the checkpoints are intact); 4 = the replicas disagreed
 twice on the same rank (drain that host); 5 = a rank made no progress (gptcore/watchdog.py: stacks in
 <run_dir>/hangs/; torchrun restarts the job with train.max_restarts); anything else = a crash.
-Exits 2, 3 and 4 are verdicts, recorded in <run_dir>/verdict.json (gptcore/verdict.py): a torchrun restart
-of the same launch exits at once with the recorded code instead of replaying the same end; the next launch
-moves the record aside (verdict.<time>.json) and runs.
+Exits 2, 3 and 4 once training started are verdicts, recorded in <run_dir>/verdict.json (gptcore/verdict.py):
+a torchrun restart of the same launch exits at once with the recorded code instead of replaying the same
+end; the next launch moves the record aside (verdict.<time>.json) and runs. A start refused before training
+(bad input found by the checks) writes nothing into the run directory: a restart only repeats the checks.
 
 The trainer defends its run by itself, whoever launched it: it locks the run directory (train.lock),
 resumes from the newest checkpoint that verifies whole (others are moved to checkpoints/rejected/), skips
@@ -78,10 +79,11 @@ def main(argv: list[str] | None = None) -> int:
         return earlier.code
     try:
         prep = prepare(cfg, rank)
-    except known as e:  # LockHeld: the run directory is another trainer's, so is its record
-        return fail(e, None if isinstance(e, LockHeld) else run_dir)
+    except known as e:  # refused before training: the run directory stays as it was (no record either)
+        return fail(e)
     if prep is None:
         return EXIT_OK
+    verdict.set_aside_stale(prep.run_dir)  # an earlier launch's verdict: this launch runs
     # flag-only handlers for the run; the previous ones come back after it (main may run in-process: a
     # process forked later must not inherit a SIGTERM that does nothing)
     previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}

@@ -14,6 +14,7 @@ so last night's record is never mistaken for tonight's. Any other record is move
 
     record(run_dir, 3, "the run diverged again ...")    # in the trainer's fail path, every rank may
     earlier = of_this_launch(run_dir)                   # at start: a Verdict -> exit with its code
+    set_aside_stale(run_dir)                            # once the start is accepted
 """
 
 from __future__ import annotations
@@ -87,19 +88,25 @@ def read(run_dir: Path) -> Verdict | None:
 
 def of_this_launch(run_dir: Path) -> Verdict | None:
     """The verdict an earlier attempt of this torchrun launch recorded (a restart cannot change it), or None.
-    A record of an earlier launch (or a damaged one) is moved aside so this run goes on; one written by a
-    sibling rank of this very attempt is left for the launcher to read."""
+    Reads only: a start that is refused afterwards leaves the run directory as it was."""
+    v, (launch, attempt) = read(run_dir), this_launch()
+    if v is not None and launch and v.launch == launch and v.attempt < attempt:
+        return v
+    return None
+
+
+def set_aside_stale(run_dir: Path) -> None:
+    """Once a start is accepted: a record of an earlier launch (or a damaged one) is moved aside, so the
+    next restart does not take it for this launch's. One written by a sibling rank of this very attempt is
+    left for the launcher to read."""
     path = Path(run_dir) / VERDICT_FILE
     if not path.is_file():
-        return None
+        return
     v, (launch, attempt) = read(run_dir), this_launch()
-    if v is not None and launch and v.launch == launch:
-        if v.attempt < attempt:
-            return v
-        if v.attempt == attempt and _younger_than_this_process(path):
-            return None  # a sibling rank's verdict moments ago: torchrun ends this attempt anyway
+    if v is not None and launch and v.launch == launch and (
+            v.attempt < attempt or (v.attempt == attempt and _younger_than_this_process(path))):
+        return
     set_aside(path)
-    return None
 
 
 def _younger_than_this_process(path: Path) -> bool:

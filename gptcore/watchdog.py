@@ -45,6 +45,12 @@ WRITE_TIMEOUT_S = 10.0  # the hang path's file writes (hang file, event): a hung
 BACKSTOP_S = WRITE_TIMEOUT_S + 5.0  # the C backstop fires this long after the Python watchdog would (+ a poll)
 
 
+def real_stderr():
+    """The process's own stderr (file descriptor 2): faulthandler writes to a descriptor, and sys.stderr may be
+    a stand-in without one (pytest's capture when the trainer runs in-process)."""
+    return sys.__stderr__ if sys.__stderr__ is not None else sys.stderr
+
+
 def limit_for(timeout_s: float, step_times: list[float], floor_s: float = FLOOR_S) -> float:
     """Seconds without progress that count as a hang."""
     if timeout_s > 0:
@@ -99,8 +105,12 @@ class Watchdog:
         if self._stop.is_set():
             return
         self.armed_at, self.armed_limit = now, limit if limit is not None else self.limit()
-        faulthandler.dump_traceback_later(self.armed_limit * 1.25 + self.poll_s + BACKSTOP_S, exit=True,
-                                          file=sys.stderr)
+        try:
+            faulthandler.dump_traceback_later(self.armed_limit * 1.25 + self.poll_s + BACKSTOP_S, exit=True,
+                                              file=real_stderr())
+        except (OSError, ValueError, AttributeError) as e:  # no file descriptor to write to: no backstop
+            print(f"warning: the hang watchdog's backstop is off ({type(e).__name__}: {e})", file=sys.stderr)
+            self.armed_limit = float("inf")  # not tried again on every beat
 
     def limit(self) -> float:
         if self.timeout_s > 0:  # the user's own limit holds everywhere
@@ -128,7 +138,10 @@ class Watchdog:
                 f"restarted from its newest checkpoint (train.max_restarts: torchrun's or the train task's)")
         # stderr first: it needs no file system, which may be what hung
         print(f"error: {text}; stacks follow and in {path}", file=sys.stderr, flush=True)
-        faulthandler.dump_traceback(sys.stderr, all_threads=True)
+        try:
+            faulthandler.dump_traceback(real_stderr(), all_threads=True)
+        except (OSError, ValueError, AttributeError):
+            pass  # no file descriptor for stderr: the hang file below still gets them
         writer = threading.Thread(target=self._record, args=(path, text), name="hang-record", daemon=True)
         writer.start()
         writer.join(WRITE_TIMEOUT_S)
