@@ -48,7 +48,6 @@ the speed target, so a lease's budget cuts the least telling rows):
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import math
 import os
@@ -141,9 +140,10 @@ class Table:
 def release_device_memory() -> None:
     """After a row that ran on the GPU in this process (the probe alone caches tens of GB): hand the
     cached blocks back, so the trainers the next rows launch on the same GPU find the card free."""
-    gc.collect()
+    from gptcore.microbatch import free_memory
+
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
+        free_memory(torch.device("cuda"))
 
 
 # --- the data and the trainer --------------------------------------------------------------------------

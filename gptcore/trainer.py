@@ -412,8 +412,8 @@ class Trainer:
 
     def checkpoint(self, reason: str, train_loss: float) -> None:
         """Checkpoint the state after this step: the ranks wait for rank 0's copy of it, not for the disk
-        (train.async_checkpoint). Collective: every rank contributes its RNG state."""
-        self.confirm_checkpoint(wait=True)  # at most one write in flight
+        (train.async_checkpoint). Collective: every rank contributes its RNG state. The previous write is
+        confirmed first by the caller (run(), which times that wait apart): at most one write in flight."""
         env = self.env
         rng = {"torch": torch.get_rng_state()}  # every rank's, so dropout masks resume exactly
         if env.device.type == "cuda":

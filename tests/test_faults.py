@@ -244,19 +244,24 @@ def single(ds: Path, run_dir: Path, **extra) -> list[str]:
     return python_cmd(["micro", *(f"{k}={v}" for k, v in overrides(ds, run_dir, 1, **extra).items())])
 
 
+def ended(cmd: list[str], tmp_path: Path, timeout: float, **extra_env: str) -> tuple[int, str]:
+    """Run `cmd` to its end (its process tree killed if it outlives `timeout`): (exit code, its output)."""
+    proc = start(cmd, tmp_path, tmp_path / "log", **extra_env)
+    try:
+        rc = proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
+    return rc, (tmp_path / "log").read_text()
+
+
 def test_a_rank_that_holds_the_gil_is_ended_by_the_c_backstop(ds, tmp_path):
     """The main thread stuck in a C call that holds the GIL (as a page fault on a hung network filesystem
     does): the Python watchdog thread never runs; faulthandler's C thread prints every stack to stderr and
     ends the process (status 1) soon after the limit, where before it waited for ever."""
     t0 = time.monotonic()
-    proc = start(single(ds, tmp_path / "run", **{"train.hang_timeout_s": 3}), tmp_path, tmp_path / "log",
-                 GPTPIPE_TEST_FAULT="gil@3")
-    try:
-        rc = proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            kill_tree(proc)
-    out = (tmp_path / "log").read_text()
+    rc, out = ended(single(ds, tmp_path / "run", **{"train.hang_timeout_s": 3}), tmp_path, 120,
+                    GPTPIPE_TEST_FAULT="gil@3")
     assert rc == 1, out[-3000:]
     assert "Timeout (" in out and "most recent call first" in out and "before_step" in out, out[-3000:]
     assert time.monotonic() - t0 < 100
@@ -270,14 +275,7 @@ def test_a_hang_on_a_hung_file_system_still_exits(ds, tmp_path):
     folder = run_dir / "hangs" / "step00000002-attempt0"  # the hang's one folder: its step, torchrun's attempt
     folder.mkdir(parents=True)
     os.mkfifo(folder / "rank0.txt")
-    proc = start(single(ds, run_dir, **{"train.hang_timeout_s": 3}), tmp_path, tmp_path / "log",
-                 GPTPIPE_TEST_FAULT="stall@3")
-    try:
-        rc = proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            kill_tree(proc)
-    out = (tmp_path / "log").read_text()
+    rc, out = ended(single(ds, run_dir, **{"train.hang_timeout_s": 3}), tmp_path, 120, GPTPIPE_TEST_FAULT="stall@3")
     assert rc == HANG_EXIT, out[-3000:]
     assert out.index("made no progress") < out.index("before_step")  # the stacks, on stderr
     assert "did not finish in 10s" in out and "exiting without it" in out, out[-3000:]
@@ -288,10 +286,8 @@ def test_a_slow_final_checkpoint_write_is_progress(ds, tmp_path):
     beat: that wait has its own patience, so a derived limit of 2 s (the floor lowered for the test) does
     not take it for a hang."""
     run_dir = tmp_path / "run"
-    proc = start(single(ds, run_dir, **{"train.max_steps": 4, "train.checkpoint_interval": 100}), tmp_path,
-                 tmp_path / "log", GPTPIPE_TEST_HANG_FLOOR_S="2", GPTPIPE_TEST_CHECKPOINT_DELAY="8")
-    rc = proc.wait(timeout=300)
-    out = (tmp_path / "log").read_text()
+    rc, out = ended(single(ds, run_dir, **{"train.max_steps": 4, "train.checkpoint_interval": 100}), tmp_path, 300,
+                    GPTPIPE_TEST_HANG_FLOOR_S="2", GPTPIPE_TEST_CHECKPOINT_DELAY="8")
     assert rc == 0 and "made no progress" not in out, out[-3000:]
     assert (run_dir / "DONE").is_file() and "checkpoint write delayed 8s" in out
 
@@ -301,9 +297,7 @@ def test_a_run_whose_final_weights_are_not_finite_is_not_done(ds, tmp_path):
     is refused, so the run is not DONE; it ends diverged (exit 3) and the newest good checkpoint stays the
     one the next start resumes from (it used to write DONE and exit 0)."""
     run_dir = tmp_path / "run"
-    proc = start(single(ds, run_dir), tmp_path, tmp_path / "log", GPTPIPE_TEST_FAULT=f"nan@{STEPS}")
-    rc = proc.wait(timeout=300)
-    out = (tmp_path / "log").read_text()
+    rc, out = ended(single(ds, run_dir), tmp_path, 300, GPTPIPE_TEST_FAULT=f"nan@{STEPS}")
     assert rc == 3, out[-3000:]
     assert not (run_dir / "DONE").exists()
     assert "reached max_steps=14 with non-finite weights" in out
