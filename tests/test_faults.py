@@ -165,22 +165,21 @@ def test_a_replica_that_drifts_is_rolled_back_then_its_host_named(ds, tmp_path):
     assert "replicas' weights differ again" in out and "drain host(s)" in out
 
 
-def test_a_shard_that_rots_in_place_is_caught_within_the_epoch_and_rebuilt(tmp_path, monkeypatch):
-    """A byte flips in a train shard and the file keeps its size, mtime and inode (what failing disks and
-    memory do): the trainer's cached check at start-up cannot see it, the loader's background check of the
-    shard's first read does, as an event; the next data stage rebuilds it byte-identical."""
+SMALL = ["data.shard_tokens=20000", "data.max_docs=8", "data.piece_bytes=150000"]
+
+
+def rotted_dataset(home: Path):
+    """A built dataset (GPTPIPE_HOME=home) one of whose train shards, the first one read, had a byte flipped
+    in place: same size, mtime and inode, so the cached check at start-up cannot see it. Returns (cfg, its
+    directory, the shards' good bytes, the damaged shard)."""
     from gptcore.config import load_config
     from gptcore.data import build, location
     from gptcore.data.loader import ShardLoader
 
-    home = tmp_path / "home"
-    monkeypatch.setenv("GPTPIPE_HOME", str(home))
-    small = ["data.shard_tokens=20000", "data.max_docs=8", "data.piece_bytes=150000"]
-    cfg = load_config("micro", small)
+    cfg = load_config("micro", SMALL)
     m = build.run(cfg, workers=1)
     out = location.dataset_dir(cfg)
     good = {p.name: p.read_bytes() for p in out.glob("*.bin")}
-    # the shard the first step reads
     first = ShardLoader(out, 2, 32, 256, cfg.train.seed, manifest=m).locate(0)[1]
     victim = out / m.split("train")[first].name
     st = victim.stat()
@@ -191,15 +190,31 @@ def test_a_shard_that_rots_in_place_is_caught_within_the_epoch_and_rebuilt(tmp_p
         f.write(bytes([byte[0] ^ 0x10]))
     os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert location.why_incomplete(cfg) is None  # the cached check: size, mtime and inode unchanged
+    return cfg, out, good, victim
 
+
+def rot_run_args(run_dir: Path, steps: int) -> list[str]:
+    """A run that verified the shards on an earlier night: it holds their hashes by (size, mtime, inode)."""
+    return ["micro", *SMALL, f"train.run_dir={run_dir}", "train.micro_batch=2", "train.seq_len=32",
+            "train.total_batch_tokens=256", f"train.max_steps={steps}", "train.log_interval=1",
+            f"train.checkpoint_interval={steps}", "eval.eval_interval=0", "eval.sample_interval=0",
+            "eval.val_tokens=128"]
+
+
+def test_a_shard_that_rots_in_place_is_caught_within_the_epoch_and_rebuilt(tmp_path, monkeypatch):
+    """A byte flips in a train shard and the file keeps its size, mtime and inode (what failing disks and
+    memory do): the trainer's cached check at start-up cannot see it, the loader's background check of the
+    shard's first read does, as an event; the next data stage rebuilds it byte-identical."""
+    from gptcore.data import build, location
+
+    home = tmp_path / "home"
+    monkeypatch.setenv("GPTPIPE_HOME", str(home))
+    cfg, out, good, victim = rotted_dataset(home)
     run_dir = tmp_path / "run"
-    # a run that verified these shards on an earlier night holds their hashes by (size, mtime, inode) too
     run_dir.mkdir()
     (run_dir / "shard_hashes.json").write_bytes((out / location.SHARD_HASHES).read_bytes())
-    args = ["micro", *small, f"train.run_dir={run_dir}", "train.micro_batch=2", "train.seq_len=32",
-            "train.total_batch_tokens=256", "train.max_steps=8", "train.log_interval=1",
-            "train.checkpoint_interval=8", "eval.eval_interval=0", "eval.sample_interval=0", "eval.val_tokens=128"]
-    p = start([sys.executable, "-m", "gptcore.train", *args], tmp_path, tmp_path / "log", GPTPIPE_HOME=str(home))
+    p = start([sys.executable, "-m", "gptcore.train", *rot_run_args(run_dir, 8)], tmp_path, tmp_path / "log",
+              GPTPIPE_HOME=str(home))
     assert p.wait(timeout=300) == 0, (tmp_path / "log").read_text()[-3000:]
     found = [e for e in events(run_dir) if "no longer matches its sha256" in e]
     assert len(found) == 1 and found[0].startswith(f"shard {victim.name} (read by rank 0 on host "), found
@@ -209,6 +224,37 @@ def test_a_shard_that_rots_in_place_is_caught_within_the_epoch_and_rebuilt(tmp_p
     assert why is not None and victim.name in why
     build.run(cfg, workers=1)  # ... and rebuilds it
     assert {p.name: p.read_bytes() for p in out.glob("*.bin")} == good
+
+
+def test_a_restart_after_a_damaged_shard_rebuilds_it_and_trains_on(tmp_path, monkeypatch):
+    """The same night: the damage is reported mid-run, then the job stops before the next data stage (here a
+    STOP file; at night a hang and its restart). The next start finds the shard damaged, rebuilds it
+    byte-identical from its source before anything trains on it, and the run goes on to the end. (Before,
+    rank 0 refused the start with exit 2, and the night was lost.)"""
+    from gptcore.data import location
+
+    home = tmp_path / "home"
+    monkeypatch.setenv("GPTPIPE_HOME", str(home))
+    _, out, good, victim = rotted_dataset(home)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "shard_hashes.json").write_bytes((out / location.SHARD_HASHES).read_bytes())
+    cmd = [sys.executable, "-m", "gptcore.train", *rot_run_args(run_dir, 200)]
+    p = start(cmd, tmp_path, tmp_path / "log1", GPTPIPE_HOME=str(home))
+    deadline = time.time() + 120
+    while not any("no longer matches its sha256" in e for e in events(run_dir)):
+        assert p.poll() is None and time.time() < deadline, (tmp_path / "log1").read_text()[-3000:]
+        time.sleep(0.05)
+    (run_dir / "STOP").touch()
+    assert p.wait(timeout=120) == 0, (tmp_path / "log1").read_text()[-3000:]
+    assert not (run_dir / "DONE").exists()
+
+    p = start(cmd, tmp_path, tmp_path / "log2", GPTPIPE_HOME=str(home))
+    log = (tmp_path / "log2")
+    assert p.wait(timeout=300) == 0, log.read_text()[-3000:]
+    assert f"shards {victim.name} rebuilt from the source" in log.read_text()
+    assert {p.name: p.read_bytes() for p in out.glob("*.bin")} == good
+    assert (run_dir / "DONE").is_file()
 
 
 def test_a_stop_checkpoint_is_checked_before_rank_0_writes_it(ds, tmp_path):
@@ -302,3 +348,19 @@ def test_a_run_whose_final_weights_are_not_finite_is_not_done(ds, tmp_path):
     assert not (run_dir / "DONE").exists()
     assert "reached max_steps=14 with non-finite weights" in out
     assert sorted(int(p.name[5:]) for p in (run_dir / "checkpoints").glob("step_*")) == [4, 8, 12]
+
+
+def test_a_damaged_shard_of_another_source_is_not_rebuilt_but_named(tmp_path, monkeypatch):
+    """A rebuild from other data settings would make another dataset: the start refuses (ShardError, exit 2)
+    and says why it did not rebuild, with nothing written to the shards."""
+    from gptcore.checkpoints.resume import verify_or_rebuild
+    from gptcore.config import load_config
+    from gptcore.data.shard_format import Manifest, ShardError
+
+    monkeypatch.setenv("GPTPIPE_HOME", str(tmp_path / "home"))
+    _, out, good, victim = rotted_dataset(tmp_path / "home")
+    other = load_config("micro", [*SMALL[:1], "data.max_docs=7", SMALL[2], f"data.dataset_dir={out}"])
+    damaged = victim.read_bytes()
+    with pytest.raises(ShardError, match="was not rebuilt: this run's data settings are not the ones"):
+        verify_or_rebuild(other, out, Manifest.load(out), tmp_path / "cache.json")
+    assert victim.read_bytes() == damaged != good[victim.name]

@@ -21,6 +21,7 @@ from gptcore import distributed
 from gptcore.checkpoints import checkpoint, run_files
 from gptcore.checkpoints.run_files import DONE_FILE, RUN_FILE, latest, run_dir_for
 from gptcore.config import RunConfig
+from gptcore.data.build import rebuild_damaged
 from gptcore.data.loader import ShardLoader, open_dataset, verify_hashes
 from gptcore.data.location import SHARD_HASHES, dataset_dir  # the hash cache's name; the run dir keeps a copy
 from gptcore.data.shard_format import Manifest
@@ -63,8 +64,8 @@ def prepare(cfg: RunConfig, rank: int) -> Prepared | None:
     check_checkpoints_fit(run_dir, cfg, manifest)
     lock = RunLock(run_dir).acquire() if rank == 0 else None
     try:
-        if rank == 0:  # a damaged shard stops the run here (the other ranks are stopped by torchrun)
-            verify_hashes(data_dir, manifest, run_dir / SHARD_HASHES)
+        if rank == 0:  # the other ranks wait for it in the process group's rendezvous
+            verify_or_rebuild(cfg, data_dir, manifest, run_dir / SHARD_HASHES)
         env = distributed.select(cfg.train)
         torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
         model = GPT(cfg.model).to(env.device)
@@ -74,6 +75,22 @@ def prepare(cfg: RunConfig, rank: int) -> Prepared | None:
             lock.release()
         raise
     return Prepared(cfg, run_dir, data_dir, manifest, env, model, ckpt, trainer_state, lock)
+
+
+def verify_or_rebuild(cfg: RunConfig, data_dir: Path, manifest: Manifest, cache: Path) -> None:
+    """Every shard's sha256 (cached by size, mtime and inode). A shard that no longer matches (bit rot that
+    the trainer reported as an event earlier the same night, then a hang restart) is rebuilt byte-identical
+    from the dataset's source before anything trains on it; where that cannot be done, ShardError names the
+    shard, why, and the repair. Skipping it instead would change every later batch of the run."""
+    bad = manifest.verify_hashes(data_dir, cache)
+    if not bad:
+        return
+    why = rebuild_damaged(cfg, manifest, bad, say=lambda msg: print(msg, file=sys.stderr, flush=True))
+    if why is None and not manifest.verify_hashes(data_dir, cache):
+        print(f"shards {', '.join(bad[:5])} rebuilt from the source: identical to the manifest again",
+              file=sys.stderr, flush=True)
+        return
+    verify_hashes(data_dir, manifest, cache, why=why or "the rebuilt shards still differ")
 
 
 def check_run(run_dir: Path, cfg: RunConfig, manifest: Manifest) -> None:

@@ -113,6 +113,26 @@ def build(cfg: RunConfig, tokenize, full_verify: bool = False, say=None) -> Mani
         return manifest
 
 
+def rebuild_damaged(cfg: RunConfig, manifest: Manifest, bad: list[str], say=None) -> str | None:
+    """Rebuild shards `bad` of `manifest`'s dataset in place, byte-identical, from the source it was made
+    from (the trainer's start after a damaged-shard event: its hang restart the same night would otherwise
+    stop on the damage). Refuses (returns why) unless cfg's data settings and the source are still the ones
+    the manifest records: a rebuild from anything else would be another dataset, and this one's run would
+    then refuse it. One tokenizer process: it runs inside a trainer, where forking is not safe."""
+    m, d = manifest, cfg.data
+    if (m.shard_tokens, m.source.get("source"), m.source.get("text_column"), m.source.get("max_docs")) != (
+            d.shard_tokens, d.source, d.text_column, d.max_docs):
+        return "this run's data settings are not the ones the dataset was made with"
+    try:
+        if (change := sources.source_kind(cfg).changed(cfg, m.source, listing_path(cfg).parent)) is not None:
+            return f"its source changed since ({change})"
+        (say or print)(f"shards {', '.join(bad[:5])} no longer match their sha256: rebuilding them from the source")
+        rebuilt = build(cfg, lambda *a: _pool_tokenize(*a, workers=1), full_verify=True, say=say)
+    except (sources.SourceError, DataError, ShardError, OSError) as e:
+        return f"rebuilding failed ({type(e).__name__}: {e})"
+    return None if rebuilt.id == m.id else f"the rebuilt dataset differs (manifest id {rebuilt.id}, not {m.id})"
+
+
 @contextmanager
 def build_lock(out: Path, say):
     """One build per dataset directory (e.g. two nightly deployments sharing a dataset): the second waits

@@ -47,15 +47,15 @@ def open_dataset(dataset_dir: Path) -> Manifest:
     return manifest
 
 
-def verify_hashes(dataset_dir: Path, manifest: Manifest, cache: Path) -> None:
+def verify_hashes(dataset_dir: Path, manifest: Manifest, cache: Path, why: str = "") -> None:
     """Check every shard's sha256 against the manifest (Manifest.verify_hashes: re-hashed only when a file
-    changed, so a nightly restart of a ~20 GB dataset costs stats); ShardError names the first that differs
-    and the repair."""
+    changed, so a nightly restart of a ~20 GB dataset costs stats); ShardError names the first that differs,
+    `why` it was not rebuilt, and the repair."""
     bad = manifest.verify_hashes(Path(dataset_dir), cache)
     if bad:
         raise ShardError(f"shard {Path(dataset_dir) / bad[0]} does not match its sha256 in the manifest (damaged or "
-                         "half-copied): nothing was trained on it. Repair it with `python -m gptcore.data.build "
-                         "<preset> --full-verify` (re-cuts only the damaged shards), then run again")
+                         f"half-copied){f' and was not rebuilt: {why}' if why else ''}. Repair it with `python -m "
+                         "gptcore.data.build <preset> --full-verify` (re-cuts only the damaged shards), then run again")
 
 
 class ShardLoader:
