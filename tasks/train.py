@@ -24,13 +24,15 @@ What the launcher guarantees:
   MAX_SMALLER_RESTARTS), so the restarts kept for hangs are still there for the night. A verdict (the
   trainer's <run_dir>/verdict.json, gptcore/verdict.py: bad input 2, diverged 3, replicas disagree 4) is
   never restarted: it fails the task with a TrainError that starts with its name and code, e.g.
-  "diverged (exit 3): ...".
+  "diverged (exit 3): ...". A hang (the watchdog's exit 5, stacks in <run_dir>/hangs/<folder>) is restarted;
+  once the restarts are spent the TrainError starts "hang (exit 5): ..." and names the rank and the folder.
 """
 
 from __future__ import annotations
 
 # lazy imports: prefect's client and the shipper only when a run is launched (the skip decision reads files)
 import collections
+import contextlib
 import json
 import os
 import subprocess
@@ -45,6 +47,7 @@ from gptcore import verdict
 from gptcore.checkpoints.run_files import out_of_memory_choice, run_dir_for, run_state
 from gptcore.config import RunConfig, load_config
 from gptcore.launch import SHUTDOWN_SECONDS, torchrun_cmd
+from gptcore.watchdog import HANG_EXIT
 from integrations import processes
 
 TRAIN_LOG = "train.log"  # the trainer's stdout/stderr, appended per invocation
@@ -149,9 +152,11 @@ def run_trainer(preset: str, overrides: dict | None, nproc: int, max_restarts: i
     while True:
         before = verdict.read(run_dir)  # an earlier launch's, which this launch's trainer moves aside
         micro_before = out_of_memory_choice(run_dir)
+        hangs_before = hang_folders(run_dir)
         rc, tail = launch(cmd, run_dir, log, env, on_tick)
         if rc == 0:
             return rc, tail
+        hung = sorted(hang_folders(run_dir) - hangs_before)
         micro_after = out_of_memory_choice(run_dir)
         if micro_after is not None and micro_after != micro_before and smaller < MAX_SMALLER_RESTARTS:
             # a rank ran out of memory under DDP and kept a smaller micro-batch for the next start: that
@@ -169,10 +174,32 @@ def run_trainer(preset: str, overrides: dict | None, nproc: int, max_restarts: i
         if any(SIGNALLED in line for line in tail[-3:]):  # someone stopped torchrun: a stop, not a crash
             log.warning("torchrun was stopped by a signal (its workers wrote a stop checkpoint): not restarted")
             return rc, tail
+        if hung:
+            log.warning("%s", hang_summary(run_dir, hung))
         if restarts == max_restarts:
+            if hung:  # torchrun's own exit is 1: the hang's code and where its stacks are come from the folder
+                raise TrainError(f"{hang_summary(run_dir, hung)}; train.max_restarts={max_restarts} restart(s) "
+                                 "spent. Read the stacks to find what the rank waited for (a collective, the disk, "
+                                 "a lock), then run the flow again: the run continues from its newest checkpoint")
             return rc, tail
         restarts += 1
         log.warning("torchrun exited %d (a hang or crash): restart %d of %d", rc, restarts, max_restarts)
+
+
+def hang_folders(run_dir: Path) -> set[str]:
+    """The watchdog's hang folders (<run_dir>/hangs/step<N>-attempt<k>, one per hang, every rank's stacks)."""
+    return {p.name for p in (Path(run_dir) / "hangs").glob("step*")}
+
+
+def hang_summary(run_dir: Path, folders: list[str]) -> str:
+    """`hang (exit 5): <the first rank's report>; stacks in <folders>`: how the task names a hang."""
+    first = ""
+    for folder in folders:
+        for path in sorted((Path(run_dir) / "hangs" / folder).glob("rank*.txt")):
+            with contextlib.suppress(OSError, UnicodeDecodeError):
+                first = first or path.read_text().partition("\n")[0]
+    where = ", ".join(str(Path(run_dir) / "hangs" / f) for f in folders)
+    return f"hang (exit {HANG_EXIT}): {first or 'a rank made no progress'}; stacks in {where}"
 
 
 def done(cfg: RunConfig) -> str | None:

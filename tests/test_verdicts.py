@@ -193,3 +193,23 @@ def _cmdline(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
     except OSError:
         return ""
+
+
+def test_the_prefect_launcher_names_a_hang_once_its_restarts_are_spent(ds, tmp_path, monkeypatch):
+    """torchrun exits 1 whatever its ranks' codes: the launcher learns of a hang (the watchdog's exit 5) from
+    its folder of stacks and, once train.max_restarts are spent (none here), fails the task with an error
+    that starts with the hang's name and code, the rank, and where its stacks are (it said only "torchrun
+    exited with code 1" before)."""
+    from gptcore.watchdog import HANG_EXIT
+    from tasks.train import TrainError, run_trainer
+
+    run_dir, rec = tmp_path / "run", Recorder(f"hang-{tmp_path.name}")
+    monkeypatch.chdir(REPO)
+    ov = overrides(ds, run_dir, **{"train.hang_timeout_s": 3})
+    with pytest.raises(TrainError) as e:  # rank 0 stalls at step 3; the other rank waits for it
+        run_trainer("micro", ov, NPROC, 0, run_dir, rec.log, {**env(), "GPTPIPE_TEST_FAULT": "stall@3"})
+    text = str(e.value)
+    assert text.startswith(f"hang (exit {HANG_EXIT}): rank "), text
+    assert "made no progress" in text and f"stacks in {run_dir / 'hangs' / 'step00000002-attempt0'}" in text, text
+    assert "train.max_restarts=0 restart(s) spent" in text
+    assert rec.count("launching:") == 1 and rec.count(f"hang (exit {HANG_EXIT}): rank") == 1, rec.lines[-30:]
