@@ -7,9 +7,12 @@ accumulation makes up the rest, and the trajectory is the same up to float summa
 `device_train_microbatch_size: auto` does the same).
 
 Before the first step each rank tries the divisors of its share of the batch (sequences per rank per step),
-largest first and at most train.micro_batch_max, with one full step of the real model: forward and backward
-at the real dtype (compiled when the run compiles), with the optimizer's state allocated beside it. A size
-that runs out of memory is freed and the next one tried; the ranks adopt the smallest answer. The choice is
+largest first and at most train.micro_batch_max, with one full step of what trains: the DDP-wrapped model
+(its gradient buckets are real allocations; `no_sync`, so no collective runs and a rank that runs out of
+memory leaves no other waiting), forward and backward at the real dtype and loss (compiled when the run
+compiles), then the real optimizer's step with its state held throughout, at learning rate 0 on zeroed
+gradients so that no weight moves. A size that runs out of memory, or on CUDA peaks within MARGIN of the
+card, is freed and the next one tried; the ranks adopt the smallest answer. The choice is
 kept in <run_dir>/micro_batch.json for this hardware and settings, so a nightly resume does not probe again.
 A step that still runs out of memory later (fragmentation, a longer evaluation before it) is retried with
 the same data at the next smaller size (gptcore/trainer.py).
@@ -17,6 +20,7 @@ the same data at the next smaller size (gptcore/trainer.py).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 from collections.abc import Callable
 from dataclasses import asdict
@@ -88,36 +92,33 @@ def probe_tokens(micro: int, seq_len: int, seed: int) -> torch.Tensor:
     return torch.randint(0, N_VOCAB, (micro, seq_len + 1), generator=gen)
 
 
-def reserved_copies(env: distributed.Env) -> int:
-    """fp32 weight-sized buffers the real step holds beside the probe's: AdamW's two moments, and under
-    DDP its gradient buckets (another copy of the gradients)."""
-    return 2 + (1 if env.ddp else 0)
-
-
 def too_close(peak: int, total: int) -> bool:
     """A size whose step peaks within MARGIN of the card's memory is no fit: fragmentation, an evaluation
     and NCCL's buffers come on top in the real run, and an out-of-memory step under DDP costs a restart."""
     return peak > (1 - MARGIN) * total
 
 
-def fits(raw: torch.nn.Module, model: torch.nn.Module, micro: int, cfg: RunConfig, env: distributed.Env,
-         reserve: bool) -> bool:
-    """One forward + backward of `model` on `micro` random sequences, with what the real step holds beside
-    it when `reserve` (reserved_copies). The weights, gradients, optimizer and random streams are as they
-    were afterwards; False when it ran out of memory, or on CUDA came within MARGIN of it."""
+def fits(model: torch.nn.Module, optimizer, micro: int, cfg: RunConfig, env: distributed.Env) -> bool:
+    """One training step of `model` (what trains: DDP-wrapped under DDP, compiled when the run compiles) on
+    `micro` random sequences, with `optimizer`'s state held (held_state). The weights, gradients and random
+    streams are as they were afterwards; False when it ran out of memory, or on CUDA came within MARGIN of it."""
     T = cfg.train.seq_len
+    params = [p for g in optimizer.param_groups for p in g["params"]]
     rng = torch.get_rng_state(), (torch.cuda.get_rng_state(env.device) if env.device.type == "cuda" else None)
-    held: list[torch.Tensor] = []
+    x = loss = None
     try:
         if env.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(env.device)
-        if reserve:
-            held = [torch.empty_like(p, dtype=torch.float32) for p in raw.parameters()
-                    for _ in range(reserved_copies(env))]
         x = probe_tokens(micro, T, micro).to(env.device)
-        with env.autocast():
+        with no_sync(model), env.autocast():
             _, loss = model(x[:, :-1], x[:, 1:], return_logits=False)
-        loss.backward()
+        with no_sync(model):
+            loss.backward()
+        x = loss = None
+        for p in params:  # the step's arithmetic on zeros at learning rate 0: no weight moves
+            if p.grad is not None:
+                p.grad.zero_()
+        optimizer.step()
         if env.device.type == "cuda":
             torch.cuda.synchronize(env.device)  # an asynchronous out-of-memory error surfaces here
             total = torch.cuda.get_device_properties(env.device).total_memory
@@ -126,8 +127,8 @@ def fits(raw: torch.nn.Module, model: torch.nn.Module, micro: int, cfg: RunConfi
     except torch.OutOfMemoryError:
         return False
     finally:
-        held, x, loss = [], None, None  # noqa: F841 - dropped before freeing
-        for p in raw.parameters():
+        x = loss = None  # noqa: F841 - dropped before freeing
+        for p in params:
             p.grad = None
         torch.set_rng_state(rng[0])
         if rng[1] is not None:
@@ -135,28 +136,63 @@ def fits(raw: torch.nn.Module, model: torch.nn.Module, micro: int, cfg: RunConfi
         free_memory(env.device)
 
 
-def probe(raw: torch.nn.Module, cfg: RunConfig, env: distributed.Env,
-          beat: Callable[[int], None] | None = None) -> tuple[int | None, list[int]]:
-    """(the largest candidate that fits, the ones that did not), on the plain model: no collective runs,
-    so a rank that runs out of memory cannot leave the others waiting. `beat(micro)` before each candidate:
-    progress for the hang watchdog (each candidate compiles afresh: minutes on a large model)."""
-    # static shapes, as the trainer's step has: one compile per size tried, not a dynamic-shape kernel
-    model = torch.compile(raw, dynamic=False) if env.compile else raw
-    failed = []
+def no_sync(model: torch.nn.Module):
+    """DDP's no_sync (through torch.compile's wrapper), else nothing: the probe's backward must not all-reduce."""
+    return model.no_sync() if hasattr(model, "no_sync") else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def held_state(optimizer):
+    """The optimizer's state allocated as the real run holds it from its first step on (AdamW's moments,
+    Muon's momentum): one step on zero gradients at learning rate 0, which moves no weight. Afterwards the
+    state is dropped and the rates put back, so the optimizer is as new (a resumed run loads its own state
+    after the probe). OutOfMemoryError when the state itself does not fit beside the weights."""
+    groups = optimizer.param_groups
+    params = [p for g in groups for p in g["params"]]
+    rates = [g["lr"] for g in groups]
     try:
-        for micro in candidates(share(cfg, env.world), cfg.train.micro_batch_max):
-            if beat is not None:
-                beat(micro)
-            if fits(raw, model, micro, cfg, env, reserve=True):
-                return micro, failed
-            failed.append(micro)
-        return None, failed
+        for g in groups:
+            g["lr"] = 0.0
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+        for p in params:
+            p.grad = None
+        yield
+    finally:
+        for g, lr in zip(groups, rates, strict=True):
+            g["lr"] = lr
+        for p in params:
+            p.grad = None
+        for o in getattr(optimizer, "optimizers", [optimizer]):
+            o.state.clear()
+
+
+def probe(model: torch.nn.Module, optimizer, cfg: RunConfig, env: distributed.Env,
+          beat: Callable[[int], None] | None = None) -> tuple[int | None, list[int]]:
+    """(the largest candidate that fits, the ones that did not), each tried as one real step of `model`
+    (what trains, before torch.compile: DDP-wrapped under DDP) and `optimizer`. `beat(micro)` before each
+    candidate: progress for the hang watchdog (each candidate compiles afresh: minutes on a large model)."""
+    # static shapes, as the trainer's step has: one compile per size tried, not a dynamic-shape kernel
+    stepped = torch.compile(model, dynamic=False) if env.compile else model
+    sizes, failed = candidates(share(cfg, env.world), cfg.train.micro_batch_max), []
+    try:
+        with held_state(optimizer):
+            for micro in sizes:
+                if beat is not None:
+                    beat(micro)
+                if fits(stepped, optimizer, micro, cfg, env):
+                    return micro, failed
+                failed.append(micro)
+            return None, failed
+    except torch.OutOfMemoryError:  # the optimizer's state alone does not fit beside the weights
+        return None, sizes
     finally:
         if env.compile:  # the probe's graphs must not count against the trainer's recompile limit
             torch.compiler.reset()
 
 
-def choose(run_dir, raw: torch.nn.Module, cfg: RunConfig, env: distributed.Env,
+def choose(run_dir, model: torch.nn.Module, optimizer, cfg: RunConfig, env: distributed.Env,
            beat: Callable[[int], None] | None = None) -> tuple[int, str]:
     """The micro-batch every rank uses (collective), and how it was found (for the start line). Reuses
     <run_dir>/micro_batch.json when this hardware and these settings made it. NothingFits when some rank
@@ -165,7 +201,7 @@ def choose(run_dir, raw: torch.nn.Module, cfg: RunConfig, env: distributed.Env,
     kept = read_json(run_dir / CHOICE_FILE) or {}
     if all(distributed.all_gather_object(kept.get("fingerprint") == fp)):
         return int(kept["micro_batch"]), f"auto, kept from {CHOICE_FILE}"
-    mine, failed = probe(raw, cfg, env, beat)
+    mine, failed = probe(model, optimizer, cfg, env, beat)
     answers = distributed.all_gather_object((mine, failed[-1] if failed else None, memory_text(env)))
     if any(a is None for a, _, _ in answers):
         r, (_, smallest, memory) = next((r, a) for r, a in enumerate(answers) if a[0] is None)

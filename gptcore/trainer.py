@@ -130,9 +130,10 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(env.device.type) if env.dtype == torch.float16 else None
         self.auto_micro = tc.micro_batch == microbatch.AUTO
         self.micro_how = "set"
+        distributed_model = self.distribute(raw)
         if self.auto_micro:  # from here on this invocation's config holds the choice (eval, records)
             tc.micro_batch, self.micro_how = microbatch.choose(
-                prep.run_dir, raw, cfg, env,
+                prep.run_dir, distributed_model, self.optimizer, cfg, env,
                 beat=lambda micro: self.watchdog.beat(f"probing micro-batch {micro}", patience=PROBE_PATIENCE_S))
         self.loader = ShardLoader(prep.data_dir, tc.micro_batch, tc.seq_len, tc.total_batch_tokens, tc.seed,
                                   env.rank, env.world, env.device, manifest=prep.manifest,
@@ -148,7 +149,7 @@ class Trainer:
         if len(set(seen)) > 1:
             raise RunError(f"ranks found different checkpoints in {self.run_dir} (steps {seen}); the run "
                            "directory must be on a filesystem shared by all nodes (or set train.run_dir to one)")
-        self.model = self.wrap(raw)
+        self.model = self.compiled(distributed_model)
         self.logger = JsonlLogger(self.run_dir / METRICS_FILE) if env.master else NullLogger()
         if env.master:
             write_records(prep, self.step, self.micro_how)
@@ -173,14 +174,19 @@ class Trainer:
         self.stop_file = False  # rank 0 saw a STOP file
         self.t_read = time.time()
 
-    def wrap(self, raw: torch.nn.Module) -> torch.nn.Module:
-        """What trains: the plain model, wrapped in DDP and/or torch.compile."""
-        model, env = raw, self.env
-        if env.ddp:
-            model = DDP(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None)
-            if self.cfg.train.ddp_bf16_grads:  # halves the all-reduce bytes (multi-node); gradients summed in bf16
-                model.register_comm_hook(None, distributed.allreduce_in_bf16)
-        if env.compile:
+    def distribute(self, raw: torch.nn.Module) -> torch.nn.Module:
+        """The plain model, wrapped in DDP under DDP (its gradient buckets are allocated here: the micro-batch
+        probe steps this, so they count)."""
+        if not self.env.ddp:
+            return raw
+        model = DDP(raw, device_ids=[self.env.local_rank] if self.env.device.type == "cuda" else None)
+        if self.cfg.train.ddp_bf16_grads:  # halves the all-reduce bytes (multi-node); gradients summed in bf16
+            model.register_comm_hook(None, distributed.allreduce_in_bf16)
+        return model
+
+    def compiled(self, model: torch.nn.Module) -> torch.nn.Module:
+        """What trains: `distribute`'s model, through torch.compile when the run compiles."""
+        if self.env.compile:
             # DDP first, then compile: dynamo's DDPOptimizer splits the graph at DDP's bucket boundaries, so
             # each bucket's all-reduce starts while the rest of backward still runs (compiled-then-wrapped,
             # the hooks would fire only after the whole compiled backward)

@@ -7,6 +7,8 @@ retried with the same data at a smaller size; nothing that fits is a clear exit 
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,8 +21,9 @@ from gptcore.loss import make_loss
 from gptcore.metrics import read_metrics
 from gptcore.microbatch import CHOICE_FILE, candidates, probe, probe_tokens, smaller
 from gptcore.model import GPT
+from gptcore.optim import build_optimizer
 from gptcore.tokenizer import N_VOCAB
-from tests.test_train_utils import final_weights, losses, make_dataset, python_cmd, start
+from tests.test_train_utils import env, final_weights, losses, make_dataset, python_cmd, start
 
 STEPS = 10
 
@@ -61,7 +64,7 @@ def test_the_probe_feeds_ids_the_loss_accepts():
     torch.manual_seed(0)
     raw = GPT(cfg.model)
     raw.head_loss = make_loss(env.loss)
-    assert probe(raw, cfg, env) == (8, [])  # the old draw had id 50268 here: IndexError
+    assert probe(raw, build_optimizer(raw, cfg.optim, "cpu"), cfg, env) == (8, [])  # the old draw: IndexError
     x = probe_tokens(8, 64, seed=8)  # what the probe fed the model for its first candidate
     assert 0 <= int(x.min()) and int(x.max()) < N_VOCAB
     _, loss = raw(x[:, :-1], x[:, 1:], return_logits=False)
@@ -154,16 +157,51 @@ def test_the_probe_runs_compiled_as_the_gpu_job_does(ds, tmp_path):
     assert "RUN_DONE" in log
 
 
-def test_the_probe_holds_what_the_real_step_holds_and_keeps_a_margin():
-    """Under DDP the real step holds the gradient buckets beside AdamW's two moments: the probe reserves
-    them too, and on CUDA a size whose step peaks within 10% of the card is no fit (an out-of-memory step
-    under DDP costs a restart)."""
-    from gptcore.distributed import Env
-    from gptcore.microbatch import reserved_copies, too_close
+def test_the_probe_steps_the_real_optimizer_and_leaves_everything_as_it_was():
+    """The probe's step is the real one: the optimizer's state (AdamW's two moments) is held while the
+    candidate's forward and backward run, as from the real run's second step on, and the optimizer steps.
+    Afterwards no weight has moved, the optimizer is as new (no state, its learning rates back) and no
+    gradient is left. On CUDA a size whose step peaks within 10% of the card is no fit."""
+    from gptcore.microbatch import too_close
 
-    def env(world):
-        return Env(rank=0, local_rank=0, world=world, device=torch.device("cpu"), dtype=torch.float32, compile=False)
-
-    assert reserved_copies(env(1)) == 2 and reserved_copies(env(8)) == 3
+    cfg = load_config("micro", ["train.micro_batch=auto", "train.micro_batch_max=4", "train.seq_len=32",
+                                "train.total_batch_tokens=256", "train.device=cpu", "train.compile=false"])
+    env = select(cfg.train)
+    torch.manual_seed(0)
+    raw = GPT(cfg.model)
+    raw.head_loss = make_loss(env.loss)
+    optimizer = build_optimizer(raw, cfg.optim, "cpu")
+    for g in optimizer.param_groups:
+        g["lr"] = 3e-4
+    before = {k: v.clone() for k, v in raw.state_dict().items()}
+    held = []
+    raw.register_forward_pre_hook(lambda m, a: held.append([set(st) for st in optimizer.state.values()]))
+    assert probe(raw, optimizer, cfg, env) == (4, [])
+    assert len(held) == 1 and len(held[0]) == len(list(raw.parameters()))
+    assert all({"exp_avg", "exp_avg_sq"} <= keys for keys in held[0])
+    assert all(torch.equal(v, before[k]) for k, v in raw.state_dict().items())
+    assert not optimizer.state and all(g["lr"] == 3e-4 for g in optimizer.param_groups)
+    assert all(p.grad is None for p in raw.parameters())
     gib = 2**30
     assert too_close(73 * gib, 80 * gib) and not too_close(71 * gib, 80 * gib)
+
+
+@pytest.mark.slow
+def test_the_probe_steps_the_ddp_model_so_its_first_real_step_fits(ds, tmp_path):
+    """A card where the DDP step needs more memory than a plain forward (its gradient buckets, the
+    optimizer's state): an injected allocation limit (tests/fixtures/ddp_memory/sitecustomize.py, loaded by
+    Python at start-up, raising torch's OutOfMemoryError from torch's global module hooks) lets 2 sequences
+    through DDP's forward and any number through a plain one. The probe steps the DDP-wrapped model, so it
+    chooses 2 and the run trains to the end with no restart (torchrun --max-restarts=0). The probe used to
+    step the plain model: it chose 8, the first DDP step ran out of memory and the launch failed."""
+    run_dir = tmp_path / "run"
+    o = overrides(ds, run_dir, 2, **{"train.micro_batch": "auto", "train.max_steps": 3})
+    fixture = Path(__file__).resolve().parent / "fixtures" / "ddp_memory"
+    p = start(torchrun_cmd("micro", o, 2, max_restarts=0), tmp_path, tmp_path / "log",
+              GPTPIPE_TEST_DDP_FITS="2", PYTHONPATH=f"{fixture}{os.pathsep}{env()['PYTHONPATH']}")
+    out_code = p.wait(timeout=300)
+    log = (tmp_path / "log").read_text()
+    assert out_code == 0, log[-3000:]
+    assert "micro_batch=2 (auto: 2 fits, 8, 4 ran out of memory)" in log, log[-3000:]
+    assert "injected (tests/fixtures/ddp_memory)" not in log and "RUN_DONE" in log
+    assert json.loads((run_dir / CHOICE_FILE).read_text())["micro_batch"] == 2
