@@ -113,9 +113,11 @@ class Watchdog:
             self.armed_limit = float("inf")  # not tried again on every beat
 
     def limit(self) -> float:
-        if self.timeout_s > 0:  # the user's own limit holds everywhere
-            return self.timeout_s
-        return max(limit_for(0.0, list(self.step_times), self.floor_s), self.patience)
+        """The user's own limit (train.hang_timeout_s) or the derived one, but never less than the current
+        wait's patience: a wait known to be long (a probe's compile, a checkpoint write, an evaluation) is
+        paced by its own work, not by the steps either limit is made for."""
+        base = self.timeout_s if self.timeout_s > 0 else limit_for(0.0, list(self.step_times), self.floor_s)
+        return max(base, self.patience)
 
     def stop(self) -> None:
         self._stop.set()

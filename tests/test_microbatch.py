@@ -193,15 +193,17 @@ def test_the_probe_steps_the_ddp_model_so_its_first_real_step_fits(ds, tmp_path)
     Python at start-up, raising torch's OutOfMemoryError from torch's global module hooks) lets 2 sequences
     through DDP's forward and any number through a plain one. The probe steps the DDP-wrapped model, so it
     chooses 2 and the run trains to the end with no restart (torchrun --max-restarts=0). The probe used to
-    step the plain model: it chose 8, the first DDP step ran out of memory and the launch failed."""
+    step the plain model: it chose 8, the first DDP step ran out of memory and the launch failed.
+    Each size that does not fit takes 6 s here (a compile of minutes on a large model), longer than the
+    4 s hang limit: the probe beats before each size, with its own patience, so the watchdog lets it be."""
     run_dir = tmp_path / "run"
-    o = overrides(ds, run_dir, 2, **{"train.micro_batch": "auto", "train.max_steps": 3})
+    o = overrides(ds, run_dir, 2, **{"train.micro_batch": "auto", "train.max_steps": 3, "train.hang_timeout_s": 4})
     fixture = Path(__file__).resolve().parent / "fixtures" / "ddp_memory"
     p = start(torchrun_cmd("micro", o, 2, max_restarts=0), tmp_path, tmp_path / "log",
-              GPTPIPE_TEST_DDP_FITS="2", PYTHONPATH=f"{fixture}{os.pathsep}{env()['PYTHONPATH']}")
+              GPTPIPE_TEST_DDP_FITS="2", GPTPIPE_TEST_DDP_SLOW_S="6", PYTHONPATH=f"{fixture}{os.pathsep}{env()['PYTHONPATH']}")
     out_code = p.wait(timeout=300)
     log = (tmp_path / "log").read_text()
     assert out_code == 0, log[-3000:]
     assert "micro_batch=2 (auto: 2 fits, 8, 4 ran out of memory)" in log, log[-3000:]
-    assert "injected (tests/fixtures/ddp_memory)" not in log and "RUN_DONE" in log
+    assert "injected (tests/fixtures/ddp_memory)" not in log and "made no progress" not in log and "RUN_DONE" in log
     assert json.loads((run_dir / CHOICE_FILE).read_text())["micro_batch"] == 2
