@@ -368,8 +368,8 @@ class Trainer:
     def report_damaged_shards(self, step: int, found: list[list[str]]) -> None:
         """Shards whose bytes no longer hash to the manifest (bit rot that kept size and mtime): an event,
         and out of both hash caches (the dataset's and this run's), so the next data stage re-hashes and
-        rebuilds them, and so does the next trainer start (resume.verify_or_rebuild). Training goes on: the damage is
-        already in this run, and stopping would not undo it."""
+        rebuilds them, and so does the next trainer start (resume.verify_or_rebuild). Training goes on: the
+        damage is already in this run, and stopping would not undo it."""
         for rank, names in enumerate(found):
             for name in names:
                 if name in self.damaged_shards:
@@ -377,9 +377,9 @@ class Trainer:
                 self.damaged_shards.add(name)
                 self.event(step, f"shard {name} (read by rank {rank} on host {self.hosts[rank]}) no longer "
                            "matches its sha256 in the manifest: its bytes changed on disk or in memory "
-                           "without a new size or mtime (bit rot). This run goes on with it; the trainer's next start (a "
-                           "restart) or the next data stage rebuilds it from its source (it is dropped from the "
-                           "hash caches)", who="data")
+                           "without a new size or mtime (bit rot). This run goes on with it; the trainer's next "
+                           "start (a restart) or the next data stage rebuilds it from its source (it is dropped "
+                           "from the hash caches)", who="data")
                 if self.env.master:
                     for cache in (self.data_dir / SHARD_HASHES, self.run_dir / SHARD_HASHES):
                         forget_hash(cache, name)

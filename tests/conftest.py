@@ -7,15 +7,25 @@ Hugging Face hub stand-in.
 A test is marked by what it starts, found from what it uses (nobody has to remember to mark it):
   server  -- a real Prefect or MLflow server: a fixture of MARKING_FIXTURES (directly or through another
              fixture: pytest's `item.fixturenames` is the closure)
-  spawns  -- trainer, torchrun or CLI processes: such a fixture, or the test's code uses the subprocess module
-             or a helper of tests/ that does (followed through the helpers it calls)
+  spawns  -- trainer, torchrun or CLI processes (another program): such a fixture, or code that uses the
+             subprocess module (a module-level import, one inside the function, or its functions imported
+             by name) in the test, its fixtures, or what they call: functions and classes of tests/, and the
+             methods they call of the project's classes (devstack.services.Service.spawn, say). A pool of
+             forked workers (the tokenizer's) is in-process work in parallel, not a spawn
 Whole modules that launch torchrun jobs, and long in-process computations, say `pytest.mark.slow`.
 `make test-quick` runs what is left (-m "not slow and not server and not spawns"): the in-process tests.
-`make test` (CI) runs everything.
+`make test` (CI) runs everything, and checks the marks as it goes: a test left unmarked that starts a
+process anyway (Python's audit events: subprocess.Popen, os.posix_spawn, os.spawn, os.system, os.exec)
+fails, naming the event, so a leak into the quick loop cannot pass CI. Skips at collection time (a
+module-level `pytest.importorskip`) and xfail/xpass outcomes count as skips for --fail-on-unexpected-skips.
 """
 
+import importlib
 import inspect
+import os
 import subprocess
+import sys
+import threading
 
 import pytest
 
@@ -44,12 +54,29 @@ def pytest_addoption(parser):
 
 
 _skipped: list[tuple[str, str]] = []
+QUICK_EXCLUDED = ("slow", "server", "spawns")  # the markers `make test-quick` deselects
+SPAWN_EVENTS = {"subprocess.Popen", "os.posix_spawn", "os.spawn", "os.system", "os.exec"}
+# what libraries start for their own metadata, in milliseconds: MLflow tags a run with the git commit
+# (`git rev-parse HEAD`), platform.processor() runs `uname -p`. Not the test starting the product.
+INCIDENTAL = {"git", "uname"}
+PROJECT = ("tests.", "devstack.", "integrations.", "tasks.", "flows.", "gptcore.", "benchmarks.")
+
+
+def _reason(report) -> str:
+    return report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+
+
+def pytest_collectreport(report):
+    if report.skipped:  # a module-level importorskip: every test in it vanishes without a test report
+        _skipped.append((report.nodeid, _reason(report)))
 
 
 def pytest_runtest_logreport(report):
-    if report.skipped and not hasattr(report, "wasxfail"):
-        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
-        _skipped.append((report.nodeid, reason))
+    if hasattr(report, "wasxfail"):  # xfail and xpass: a test that may fail is a skip by another name
+        if report.when == "call" or report.skipped:
+            _skipped.append((report.nodeid, f"xfail: {report.wasxfail}"))
+    elif report.skipped:
+        _skipped.append((report.nodeid, _reason(report)))
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -65,30 +92,110 @@ def pytest_sessionfinish(session, exitstatus):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
-def starts_processes(fn, seen: set | None = None) -> bool:
-    """True if function `fn` uses the subprocess module, or calls a function of tests/ that does (its nested
-    functions and lambdas included)."""
+def _spawns(obj) -> bool:
+    return obj is subprocess or getattr(obj, "__module__", None) == "subprocess"
+
+
+def _module(name: str):
+    try:
+        return importlib.import_module(name)
+    except ImportError:  # an attribute that only looks like a module path
+        return None
+
+
+def starts_processes(fn, seen: set | None = None, attrs: frozenset = frozenset()) -> bool:
+    """True if function `fn` uses the subprocess module (imported at module level or
+    inside it, or one of their functions imported by name), or calls a function or class of tests/ that
+    does, or a method of a project class that does (among the attribute names `fn` uses): nested functions
+    and lambdas included."""
     seen = set() if seen is None else seen
     codes = [getattr(fn, "__code__", None)]
+    names: set[str] = set()
     while codes:
         code = codes.pop()
         if code is None or code in seen:
             continue
         seen.add(code)
         codes += [c for c in code.co_consts if inspect.iscode(c)]
-        for name in code.co_names:
-            obj = fn.__globals__.get(name)
-            if obj is subprocess:
-                return True
-            if inspect.isfunction(obj) and obj.__module__.startswith("tests.") and starts_processes(obj, seen):
-                return True
+        names |= set(code.co_names)
+    if "subprocess" in names:  # `import subprocess` inside the function
+        return True
+    # modules of the project imported inside the function (`from devstack.services import Service`): their
+    # names are locals, looked up in those modules
+    local_modules = [m for n in names if n.startswith(PROJECT) or f"{n}." in PROJECT if (m := _module(n))]
+    for name in names:
+        obj = getattr(fn, "__globals__", {}).get(name)
+        for mod in local_modules:
+            obj = obj if obj is not None else getattr(mod, name, None)
+        if obj is None:
+            continue
+        if _spawns(obj):
+            return True
+        mod = getattr(obj, "__module__", "") or ""
+        if inspect.isfunction(obj) and mod.startswith("tests.") and starts_processes(obj, seen):
+            return True
+        if inspect.isclass(obj) and mod.startswith(PROJECT):
+            # its methods that this code names (svc.spawn(...)), and everything of a helper class of tests/
+            wanted = names if not mod.startswith("tests.") else set(vars(obj))
+            for attr in wanted & set(vars(obj)):
+                member = inspect.unwrap(getattr(obj, attr, None)) if callable(getattr(obj, attr, None)) else None
+                if inspect.isfunction(member) and starts_processes(member, seen):
+                    return True
     return False
+
+
+def _fixture_functions(item) -> list:
+    info = getattr(item, "_fixtureinfo", None)
+    defs = getattr(info, "name2fixturedefs", {}) or {}
+    return [d.func for ds in defs.values() for d in ds if getattr(d, "func", None) is not None]
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
         markers = {MARKING_FIXTURES[n] for n in getattr(item, "fixturenames", ()) if n in MARKING_FIXTURES}
-        if isinstance(item, pytest.Function) and starts_processes(item.function):
-            markers.add("spawns")
+        if isinstance(item, pytest.Function):
+            fixtures = [f for f in _fixture_functions(item) if (f.__module__ or "").startswith("tests")]
+            if any(starts_processes(f) for f in [item.function, *fixtures]):
+                markers.add("spawns")
         for marker in sorted(markers):
             item.add_marker(getattr(pytest.mark, marker))
+
+
+# --- the marks checked as the tests run -----------------------------------------------------------------
+_watch = {"quick": False, "events": []}
+
+
+def _audit(event: str, args) -> None:
+    # only the main thread: a server fixture's threads from an earlier (marked) test may start processes
+    if _watch["quick"] and event in SPAWN_EVENTS and threading.current_thread() is threading.main_thread():
+        first = args[0] if args else ""
+        program = os.path.basename(os.fsdecode(first)) if isinstance(first, (str, bytes, os.PathLike)) else ""
+        if program not in INCIDENTAL:
+            _watch["events"].append(f"{event} {str(args)[:120]}")
+
+
+sys.addaudithook(_audit)
+
+
+def _check_spawning(item, phase: str):
+    quick = not any(item.get_closest_marker(m) for m in QUICK_EXCLUDED)
+    _watch.update(quick=quick, events=[])
+    try:
+        return (yield)
+    finally:
+        events, _watch["quick"] = _watch["events"], False
+        if quick and events:
+            pytest.fail(f"{item.nodeid} started a process in its {phase} ({events[0]}) but is not marked slow, "
+                        "server or spawns, so `make test-quick` runs it: mark it (pytest.mark.slow or a fixture "
+                        "of MARKING_FIXTURES), or teach tests/conftest.py's starts_processes to see it",
+                        pytrace=False)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    return (yield from _check_spawning(item, "setup"))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    return (yield from _check_spawning(item, "call"))

@@ -200,7 +200,8 @@ def test_the_probe_steps_the_ddp_model_so_its_first_real_step_fits(ds, tmp_path)
     o = overrides(ds, run_dir, 2, **{"train.micro_batch": "auto", "train.max_steps": 3, "train.hang_timeout_s": 4})
     fixture = Path(__file__).resolve().parent / "fixtures" / "ddp_memory"
     p = start(torchrun_cmd("micro", o, 2, max_restarts=0), tmp_path, tmp_path / "log",
-              GPTPIPE_TEST_DDP_FITS="2", GPTPIPE_TEST_DDP_SLOW_S="6", PYTHONPATH=f"{fixture}{os.pathsep}{env()['PYTHONPATH']}")
+              GPTPIPE_TEST_DDP_FITS="2", GPTPIPE_TEST_DDP_SLOW_S="6",
+              PYTHONPATH=f"{fixture}{os.pathsep}{env()['PYTHONPATH']}")
     out_code = p.wait(timeout=300)
     log = (tmp_path / "log").read_text()
     assert out_code == 0, log[-3000:]
