@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 export GPTPIPE_HOME ?= $(CURDIR)/var
 
-.PHONY: install demo test test-quick stop bench bench-smoke gpu-check lint clean
+.PHONY: install demo test test-quick readme-counts stop bench bench-smoke gpu-check lint clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,10 @@ test: install
 # the inner loop: the in-process tests only (no server, no torchrun, no spawned trainer fixtures)
 test-quick: install
 	$(PY) -m pytest -q -m "not slow and not server and not spawns" --durations=10
+
+# README's table of test counts, from collecting the suite (tests/test_suite.py checks it)
+readme-counts: install
+	$(PY) -m tests.readme_counts --write
 
 # each prints its ratios against a baseline measured in the same run (docs/*.md "Speed")
 bench: install

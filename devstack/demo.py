@@ -105,6 +105,20 @@ def read_summary(flow_run_id) -> dict:
     return {r["key"]: json.loads(r["value"]) for r in rows}
 
 
+def mlflow_ui(uri: str) -> str:
+    """The pipeline experiment's page in model-training mode (MLflow's UI starts in GenAI mode), or the
+    server's home page in that mode when the experiment cannot be read."""
+    from integrations import mlflow_links as links
+    from integrations import mlflow_store as store
+
+    try:
+        exp = (store.rest_read(uri, "experiments/get-by-name", {"experiment_name": store.EXPERIMENT}) or {})
+    except store.RestUnavailable:
+        exp = {}
+    exp_id = (exp.get("experiment") or {}).get("experiment_id")
+    return links.experiment_link(uri, exp_id) if exp_id else links.ui_link(uri, "experiments")
+
+
 def report(s: dict, stack: Stack, seconds: float) -> str:
     val = s.get("val_loss")
     stages = ", ".join(f"{k} {v}" for k, v in (s.get("stages") or {}).items())
@@ -123,7 +137,7 @@ def report(s: dict, stack: Stack, seconds: float) -> str:
         "  " + str(s.get("sample", "")).replace("\n", "\n  "),
         "",
         f"Prefect UI         {stack.prefect_ui_url}",
-        f"MLflow UI          {stack.mlflow_uri}",
+        f"MLflow UI          {mlflow_ui(stack.mlflow_uri)}",
         f"checkpoint         {s.get('checkpoint')}",
         f"took               {seconds:.0f}s",
         "stop the servers:  python -m devstack.demo --stop   (make stop)",

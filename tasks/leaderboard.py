@@ -161,10 +161,14 @@ def publish_leaderboard(name: str, tracking_uri: str | None = None) -> list[dict
     """The leaderboard of `name` as a Prefect table artifact (key leaderboard-<name>); returns its rows."""
     from prefect.artifacts import create_table_artifact
 
+    from integrations.mlflow_links import model_link
+
     rows = records(leaderboard(name, tracking_uri))
+    uri = tracking_uri or store.tracking_uri()
+    where = f" [{name} in MLflow]({model_link(uri, name)})" if uri.startswith("http") else ""
     create_table_artifact(rows, key=artifact_key("leaderboard", name),
                           description=f"Registered versions of {name}: val loss, HellaSwag, step, tokens, recipe "
-                                      "(`python -m tasks.leaderboard " + name + "`)")
+                                      f"(`python -m tasks.leaderboard {name}`).{where}")
     return rows
 
 

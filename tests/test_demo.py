@@ -53,6 +53,8 @@ def test_make_demo_runs_the_shipped_deployment_then_reuses_and_stops(tmp_path):
         assert field(out, "MLflow model") == "models:/tiny-cpu/1"
         assert "Hello, I'm a language model," in out
         prefect_ui, mlflow_ui = field(out, "Prefect UI"), field(out, "MLflow UI")
+        # the experiment's page in model-training mode (MLflow's UI starts in GenAI mode)
+        assert re.fullmatch(r"http://127\.0\.0\.1:\d+/#/experiments/\d+\?workflowType=machine_learning", mlflow_ui)
         assert set(status(home).values()) == {"running"}
 
         # again: the same servers (same addresses), every stage finds its artifacts, nothing changes

@@ -105,3 +105,14 @@ def test_an_unmarked_test_that_starts_a_process_fails(tmp_path):
             '    getattr(mod, "run")([sys.executable, "-c", "pass"], check=True)\n')
     r = run_suite(tmp_path, body.replace("import subprocess, sys", "import sys"))
     assert r.returncode != 0 and "started a process in its call (subprocess.Popen" in r.stdout, r.stdout[-2000:]
+
+
+def test_the_readmes_test_counts_are_the_collected_ones():
+    """README's counts come from `make readme-counts`, not from a hand: a test added or removed without
+    running it leaves the table stale, and this fails naming the command."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "tests.readme_counts", "--check"], cwd=TESTS.parent,
+                       capture_output=True, text=True, timeout=1200)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
