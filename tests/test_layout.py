@@ -104,19 +104,6 @@ def test_no_private_name_of_a_library_is_used():
     assert not found, "private names of libraries in use:\n" + "\n".join(found)
 
 
-def test_the_old_checkpoint_module_names_are_the_moved_modules():
-    """gptcore/{checkpoint,checkpointer,resume,run_files}.py moved into gptcore/checkpoints/; for one release
-    the old names import the same module objects (so a monkeypatch through either reaches both)."""
-    from gptcore import checkpoint, checkpointer, resume, run_files
-    from gptcore.checkpoints import background
-    from gptcore.checkpoints import checkpoint as moved_checkpoint
-    from gptcore.checkpoints import resume as moved_resume
-    from gptcore.checkpoints import run_files as moved_run_files
-
-    assert (checkpoint, checkpointer, resume, run_files) == (moved_checkpoint, background, moved_resume,
-                                                            moved_run_files)
-
-
 def test_imports_inside_functions_say_why():
     """Imports sit at the top of a module, where its dependencies show, unless laziness is the point (a
     no-op flow re-run must not import torch or mlflow; lm-eval and the hub clients load only when asked

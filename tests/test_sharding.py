@@ -395,17 +395,6 @@ def test_a_full_disk_while_writing_is_a_clear_error_and_the_next_run_finishes(ho
     assert location.why_incomplete(cfg_of(), full=True) is None
 
 
-def test_the_old_command_name_still_runs_the_builder(tmp_path):
-    """`python -m gptcore.sharding` (documented before the data room became gptcore/data/) is an alias of
-    `python -m gptcore.data.build` for one release."""
-    env = {**os.environ, "GPTPIPE_HOME": str(tmp_path / "h")}
-    old = subprocess.run([sys.executable, "-m", "gptcore.sharding", "--help"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=120)
-    new = subprocess.run([sys.executable, "-m", "gptcore.data.build", "--help"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=120)
-    assert old.returncode == new.returncode == 0 and old.stdout == new.stdout and "--full-verify" in new.stdout
-
-
 def test_cli_exit_codes(tmp_path):
     p = _cli([f"data.source={tmp_path}/nope"], tmp_path / "h")
     _, err = p.communicate(timeout=60)

@@ -6,7 +6,7 @@ training, how it runs on the plain model across ranks, and a one-line summary. I
 numbers, each accuracy with its standard error beside it (`acc`, `acc_stderr`; nested dicts for several
 tasks), or {"skipped": why}. Everything after it loops over EVALUATIONS and names none: the trainer's
 periodic evaluation (gptcore/train_eval.py, each at its own interval), the standalone evaluate
-(gptcore/evaluate.py), eval.json's settings (gptcore/run_files.eval_settings), the flow's evaluate stage
+(gptcore/evaluate.py), eval.json's settings (gptcore/checkpoints/run_files.eval_settings), the flow's evaluate stage
 (one Prefect task run per evaluation) and its eval table, the logged model's metrics (tasks/register.py:
 `<name>/<metric>`), the leaderboard (a column per metric) and the demo's summary.
 
