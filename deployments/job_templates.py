@@ -9,17 +9,26 @@ starts a temporary server; this asks the same sources directly): the installed w
 (prefect-docker 0.7.4 for docker, pinned in constraints.txt, `pip install -e ".[docker]"`), else the
 worker metadata Prefect bundles (kubernetes). An upgrade thus brings its new default fields along, and
 the overlays stay short enough to review.
+
+Both overlays send flow runs to the servers over https and verify them by the stack's CA, mounted
+read-only at /tls/ca.pem (docs/security.md#tls); Kubernetes pods mount it from the ConfigMap `gpt2-ca`.
+The docker pool follows docker/.env as compose does (`set -a; . docker/.env; set +a` before rendering):
+TLS_CA_FILE is the CA's path on the host (a private CA); TLS_CERT_FILE without TLS_CA_FILE means a public
+CA (no CA mounted: the image's system CAs); STACK_PREFECT_API_URL / STACK_MLFLOW_TRACKING_URI replace the
+servers' URLs (https only). None of them set: the overlay as it is (private CA at /etc/gpt2/tls/ca.pem).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 OVERLAYS = {"docker": HERE / "docker-gpu-overlay.json", "kubernetes": HERE / "k8s-gpu-overlay.json"}
 NEEDS = {"docker": "prefect-docker"}  # bundled metadata for these is older than the worker we target
+CA_IN_CONTAINER = "/tls/ca.pem"  # where flow runs find the CA (PREFECT_API_SSL_CERT_FILE, ...)
 
 
 def default_template(worker_type: str) -> dict:
@@ -51,11 +60,48 @@ def merge(base, overlay):
     return overlay
 
 
+CA_VARS = ("PREFECT_API_SSL_CERT_FILE", "MLFLOW_TRACKING_SERVER_CERT_PATH")
+URL_VARS = {"STACK_PREFECT_API_URL": "PREFECT_API_URL", "STACK_MLFLOW_TRACKING_URI": "MLFLOW_TRACKING_URI"}
+
+
+def bad_setting(message: str):
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def as_stack_says(overlay: dict, settings: dict) -> dict:
+    """The docker overlay with docker/.env's TLS settings (`settings`: TLS_CA_FILE, TLS_CERT_FILE,
+    STACK_PREFECT_API_URL, STACK_MLFLOW_TRACKING_URI) applied, as compose applies them to its worker."""
+    props = overlay["variables"]["properties"]
+    env, volumes = props["env"]["default"], props["volumes"]["default"]
+    for name, var in URL_VARS.items():
+        if settings.get(name):
+            if not settings[name].startswith("https://"):
+                bad_setting(f"{name}={settings[name]} is not https: flow runs send credentials to it; give the "
+                            "server's https URL, with a name its certificate holds (docs/security.md#tls)")
+            env[var] = settings[name]
+    ca_file = settings.get("TLS_CA_FILE")
+    if ca_file:
+        if not os.path.isabs(ca_file) or not os.path.isfile(ca_file):
+            bad_setting(f"TLS_CA_FILE={ca_file} is not an existing file given by its absolute path: set it to the "
+                        "CA certificate that signed the servers' certificate, as in docker/.env")
+        volumes[:] = [f"{ca_file}:{CA_IN_CONTAINER}:ro" if v.split(":")[1] == CA_IN_CONTAINER else v
+                      for v in volumes]
+    elif settings.get("TLS_CERT_FILE"):  # a public CA: the system CAs verify it, nothing to mount
+        volumes[:] = [v for v in volumes if v.split(":")[1] != CA_IN_CONTAINER]
+        for var in CA_VARS:
+            env.pop(var)
+    return overlay
+
+
 def template(worker_type: str) -> dict:
     """The GPU pool's base job template: Prefect's default + our overlay."""
     if worker_type not in OVERLAYS:
         raise SystemExit(f"error: no GPU overlay for worker type {worker_type!r}; choose {sorted(OVERLAYS)}")
-    return merge(default_template(worker_type), json.loads(OVERLAYS[worker_type].read_text()))
+    overlay = json.loads(OVERLAYS[worker_type].read_text())
+    if worker_type == "docker":
+        overlay = as_stack_says(overlay, os.environ)
+    return merge(default_template(worker_type), overlay)
 
 
 if __name__ == "__main__":

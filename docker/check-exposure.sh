@@ -2,9 +2,11 @@
 # Refuse to start a stack whose servers other machines can reach without authentication.
 # Run by the compose stack's `exposure-check` service before the Prefect and MLflow servers start:
 # with BIND_ADDRESS a loopback address (the default) nothing is required; with any other address,
-# docker/.env must set PREFECT_AUTH_STRING (user:password), MLFLOW_ADMIN_PASSWORD and
-# MLFLOW_WORKER_PASSWORD, and every password it sets (those, POSTGRES_PASSWORD, MLFLOW_SECRET_KEY) must be
-# at least 16 characters and not docker/.env.example's placeholder (`change-me...`, `<openssl rand ...>`).
+# docker/.env must set PREFECT_AUTH_STRING (user:password), MLFLOW_ADMIN_PASSWORD,
+# MLFLOW_WORKER_PASSWORD and PREFECT_SERVER_ENCRYPTION_KEY (a Fernet key: without it Prefect keeps the key
+# to its Secret blocks in its own database), and every password it sets (those, POSTGRES_PASSWORD,
+# PREFECT_DB_PASSWORD, MLFLOW_DB_PASSWORD, MLFLOW_SECRET_KEY) must be at least 16 characters and not
+# docker/.env.example's placeholder (`change-me...`, `<openssl rand ...>`).
 # Credentials alone go over the network in clear text: an exposed stack also needs https (TLS_CERT_FILE and
 # TLS_KEY_FILE), or ALLOW_PLAIN_HTTP=1 stating that the network between it and its clients is trusted.
 # Each problem is one line naming the variable and the fix; exit 1 when there is any.
@@ -40,7 +42,18 @@ fi
 check MLFLOW_ADMIN_PASSWORD "${MLFLOW_ADMIN_PASSWORD:-}" 1
 check MLFLOW_WORKER_PASSWORD "${MLFLOW_WORKER_PASSWORD:-}" 1
 check POSTGRES_PASSWORD "${POSTGRES_PASSWORD:-}" 0  # compose itself refuses an unset one
+check PREFECT_DB_PASSWORD "${PREFECT_DB_PASSWORD:-}" 0  # (the same)
+check MLFLOW_DB_PASSWORD "${MLFLOW_DB_PASSWORD:-}" 0
 check MLFLOW_SECRET_KEY "${MLFLOW_SECRET_KEY:-}" 0   # optional: a random key per start when unset
+# Prefect's key for Secret blocks, outside the database that holds them: a Fernet key (32 bytes, url-safe
+# base64: 43 characters and '=')
+keyfix="set it to a new Fernet key: \`openssl rand -base64 32 | tr '+/' '-_'\` (docs/security.md)"
+enc=${PREFECT_SERVER_ENCRYPTION_KEY:-}
+if [ -z "$enc" ]; then
+    problems+=("PREFECT_SERVER_ENCRYPTION_KEY is not set, so Prefect would keep the key to its Secret blocks in its own database: $keyfix")
+elif ! [[ "$enc" =~ ^[A-Za-z0-9_-]{43}=$ ]]; then
+    problems+=("PREFECT_SERVER_ENCRYPTION_KEY is not a Fernet key (44 characters of url-safe base64): $keyfix")
+fi
 cert=${TLS_CERT_FILE:-} key=${TLS_KEY_FILE:-}
 if [[ ( -n "$cert" && -z "$key" ) || ( -z "$cert" && -n "$key" ) ]]; then
     problems+=("https needs both TLS_CERT_FILE and TLS_KEY_FILE; only one is set: set the other (absolute paths on this host)")

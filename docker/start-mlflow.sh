@@ -6,9 +6,10 @@
 #   PYTHON                     the interpreter with mlflow (default python)
 #   MLFLOW_HOST, MLFLOW_PORT, MLFLOW_WORKERS    0.0.0.0, 5000, 2
 #   MLFLOW_ARTIFACTS_DIR       /mlartifacts, served to clients through the artifact proxy
-#   MLFLOW_BACKEND_STORE_URI   the tracking database; unset: compose's PostgreSQL, from POSTGRES_USER,
-#                              POSTGRES_PASSWORD, POSTGRES_HOST (postgres), POSTGRES_PORT (5432), database
-#                              mlflow. `mlflow server` reads it from its environment, so the password never
+#   MLFLOW_BACKEND_STORE_URI   the tracking database; unset: compose's PostgreSQL, from POSTGRES_USER
+#                              (mlflow: its own role, docker/postgres-init.sql), POSTGRES_PASSWORD,
+#                              POSTGRES_HOST (postgres), POSTGRES_PORT (5432), database mlflow.
+#                              `mlflow server` reads it from its environment, so the password never
 #                              reaches its argv (visible in `ps` on the host).
 #   MLFLOW_ADMIN_PASSWORD      set: MLflow's basic-auth app. Admin `admin` (created on the first start),
 #                              signed-in users may do nothing they were not granted (NO_PERMISSIONS: the
@@ -29,7 +30,7 @@ artifacts=${MLFLOW_ARTIFACTS_DIR:-/mlartifacts}
 
 if [ -z "${MLFLOW_BACKEND_STORE_URI:-}" ]; then
     [ -n "${POSTGRES_PASSWORD:-}" ] || die "set MLFLOW_BACKEND_STORE_URI, or POSTGRES_PASSWORD for compose's PostgreSQL"
-    MLFLOW_BACKEND_STORE_URI="postgresql+psycopg2://${POSTGRES_USER:-gpt2}:${POSTGRES_PASSWORD}@${POSTGRES_HOST:-postgres}:${POSTGRES_PORT:-5432}/mlflow"
+    MLFLOW_BACKEND_STORE_URI="postgresql+psycopg2://${POSTGRES_USER:-mlflow}:${POSTGRES_PASSWORD}@${POSTGRES_HOST:-postgres}:${POSTGRES_PORT:-5432}/mlflow"
 fi
 export MLFLOW_BACKEND_STORE_URI
 
@@ -52,7 +53,9 @@ if [ -n "${MLFLOW_ADMIN_PASSWORD:-}" ]; then
     printf '[mlflow]\ndefault_permission = NO_PERMISSIONS\ndatabase_uri = sqlite:///%s\nadmin_username = admin\nadmin_password = %s\nauthorization_function = mlflow.server.auth:authenticate_request_basic_auth\n' \
         "$auth/basic_auth.db" "$MLFLOW_ADMIN_PASSWORD" > "$config"
     export MLFLOW_AUTH_CONFIG_PATH="$config"
-    set -- --app-name basic-auth "$@"
+    # MLflow's basic-auth app + one rule: only an admin chooses an experiment's artifact_location
+    # (integrations/mlflow_app.py, the `mlflow.app` entry point `gptpipe-auth` of this project)
+    set -- --app-name gptpipe-auth "$@"
     if [ -z "${MLFLOW_FLASK_SERVER_SECRET_KEY:-}" ]; then
         MLFLOW_FLASK_SERVER_SECRET_KEY=$("$py" -c 'import secrets; print(secrets.token_hex(16))')
         export MLFLOW_FLASK_SERVER_SECRET_KEY

@@ -38,8 +38,8 @@ from prefect.cache_policies import NO_CACHE
 from prefect.states import Completed
 
 from gptcore import evals
-from gptcore.checkpoints.run_files import EVAL_FILE, read_meta, result_metrics, run_dir_for, run_state
-from gptcore.config import ConfigError, RunConfig, load_config, pipeline_home
+from gptcore.checkpoints.run_files import EVAL_FILE, RUN_FILE, read_meta, result_metrics, run_dir_for, run_state
+from gptcore.config import ConfigError, RunConfig, check_name, load_config, pipeline_home
 from gptcore.files import read_json
 from integrations.progress import artifact_key, step_label
 from integrations.secrets import mlflow_credentials_from_prefect
@@ -61,7 +61,7 @@ def check_config(preset: str, overrides: dict | None, nproc: int) -> RunConfig:
     if overrides is not None and not isinstance(overrides, dict):
         raise ConfigError(f"overrides must be a mapping like {{\"train.max_steps\": 100}}, got {overrides!r}")
     cfg = load_config(preset, overrides, world_size=nproc)
-    check_inside_home(cfg)
+    check_write_dirs(cfg)
     from gptcore.data import sources
 
     try:  # the source's kind knows what a usable source is (a local one: only lists its files)
@@ -71,21 +71,59 @@ def check_config(preset: str, overrides: dict | None, nproc: int) -> RunConfig:
     return cfg
 
 
-def check_inside_home(cfg: RunConfig) -> None:
+def check_write_dirs(cfg: RunConfig) -> None:
     """Anyone who can start a flow run chooses its overrides, so the directories it writes must resolve
     (symlinks followed) inside GPTPIPE_HOME, unless the worker is set up with GPTPIPE_ALLOW_OUTSIDE_HOME=1
-    (e.g. run dirs on a shared filesystem elsewhere). Not checked on the CLI: a shell user owns the disk."""
-    if os.environ.get(ALLOW_OUTSIDE_HOME) == "1":
-        return
+    (e.g. run dirs on a shared filesystem elsewhere); and never, whatever the worker allows, onto the
+    servers' own state or another run's directory (check_not_protected). Not checked on the CLI: a shell
+    user owns the disk."""
     home = pipeline_home()
     for key in WRITE_DIRS:
         section, _, name = key.partition(".")
         value = getattr(getattr(cfg, section), name)
-        where = Path(value).expanduser().resolve() if value else None
-        if where is not None and (where == home or not where.is_relative_to(home)):
+        if not value:
+            continue
+        where = Path(value).expanduser().resolve()
+        if os.environ.get(ALLOW_OUTSIDE_HOME) != "1" and (where == home or not where.is_relative_to(home)):
             raise ConfigError(f"{key}={value!r} is not a directory inside GPTPIPE_HOME ({home}): a flow run writes "
                               f"only under it; leave {key} unset for the default there, or set "
                               f"{ALLOW_OUTSIDE_HOME}=1 in the worker's environment to allow other directories")
+        check_not_protected(key, value, where, cfg, home)
+
+
+def server_dirs(home: Path) -> list[Path]:
+    """The servers' own state, never a flow run's to write: devstack's services/ (the TLS key, the MLflow
+    auth config), the embedded MLflow store with its user database (mlflow/auth/), Prefect's home, and the
+    MLflow auth folder wherever MLFLOW_AUTH_DIR puts it."""
+    dirs = [home / "services", home / "mlflow", home / "prefect"]
+    if os.environ.get("MLFLOW_AUTH_DIR"):
+        dirs.append(Path(os.environ["MLFLOW_AUTH_DIR"]).expanduser().resolve())
+    return dirs
+
+
+def owning_run(where: Path) -> tuple[Path, str] | None:
+    """The run directory `where` is or lies in (the nearest one holding run.json), with its run name."""
+    for d in (where, *where.parents):
+        if (d / RUN_FILE).is_file():
+            return d, str(read_json(d / RUN_FILE, {}).get("run_name"))
+    return None
+
+
+def check_not_protected(key: str, value: str, where: Path, cfg: RunConfig, home: Path) -> None:
+    """ConfigError when a write directory is, holds or lies in a server's state folder, holds the runs'
+    folder, or is (or lies in) a run directory that is not this run's own: run.json names its run."""
+    def refuse(what: str):
+        raise ConfigError(f"{key}={value!r} resolves to {where}, {what}: a flow run must not write there; "
+                          f"leave {key} unset for the default, or name a directory of its own")
+
+    for d in server_dirs(home):
+        if where == d or where.is_relative_to(d) or d.is_relative_to(where):
+            refuse(f"which is or holds the servers' own state ({d})")
+    if (home / "runs").is_relative_to(where):
+        refuse(f"which holds every run's directory ({home / 'runs'})")
+    owner = owning_run(where)
+    if owner and not (key == "train.run_dir" and owner == (where, cfg.run_name)):
+        refuse(f"which is or lies in the directory of run {owner[1]!r} ({owner[0]})")
 
 
 def check_params(nproc: int, wait_seconds: float, model_name: str, dask_address: str = "") -> None:
@@ -97,9 +135,8 @@ def check_params(nproc: int, wait_seconds: float, model_name: str, dask_address:
         raise ConfigError(f"nproc must be an integer >= 0 (0 = one per GPU, or 1 on CPU), got {nproc!r}")
     if not wait_seconds >= 0:
         raise ConfigError(f"wait_seconds must be >= 0, got {wait_seconds!r}")
-    if model_name and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", model_name):
-        raise ConfigError(f"model_name {model_name!r} is not a usable registered-model name; use letters, "
-                          "digits, '.', '_' and '-'")
+    if model_name:  # a registered-model name: an MLflow name, a filter value and part of task-run names
+        check_name("model_name", model_name)
 
 
 def dask_runner(address: str):
@@ -117,7 +154,8 @@ def dask_runner(address: str):
 
 def mlflow_links(reg: dict | None, run_name: str) -> str:
     """Markdown links to the MLflow run and model version (when MLflow is a server with a UI); read over
-    REST, so a re-run that changes nothing does not import mlflow."""
+    REST, so a re-run that changes nothing does not import mlflow. They open in MLflow's model-training mode."""
+    from integrations import mlflow_links as links
     from integrations import mlflow_store as store
 
     uri = store.tracking_uri()
@@ -134,12 +172,12 @@ def mlflow_links(reg: dict | None, run_name: str) -> str:
                 "filter": f"tags.`{store.TAG_RUN_NAME}` = {store.quoted(run_name)}"}) or {}).get("runs") or []
             run_id = runs[0]["info"]["run_id"] if runs else None
         if exp is not None and run_id:
-            lines.append(f"- MLflow run: [{run_name}]({uri}/#/experiments/{exp['experiment_id']}/runs/{run_id})")
+            lines.append(f"- MLflow run: [{run_name}]({links.run_link(uri, exp['experiment_id'], run_id)})")
     except store.RestUnavailable as e:  # links are a convenience; never fail the flow for them
         lines.append(f"- MLflow run: unavailable ({e})")
     if reg:
-        lines.append(f"- Model version: [{reg['name']} v{reg['version']}]({uri}/#/models/{reg['name']}/versions/"
-                     f"{reg['version']}) (`{reg['model_uri']}`)")
+        lines.append(f"- Model version: [{reg['name']} v{reg['version']}]"
+                     f"({links.model_version_link(uri, reg['name'], reg['version'])}) (`{reg['model_uri']}`)")
     return "\n".join(lines) or "no MLflow run yet"
 
 

@@ -30,12 +30,56 @@ _NAME = re.compile(rf"[A-Za-z0-9][A-Za-z0-9._-]{{0,{NAME_MAX - 1}}}")
 
 
 def check_name(key: str, value) -> None:
-    """A run or dataset name is joined into paths and MLflow filter strings, and a flow run's overrides come
-    from anyone who can start one: so it must be one plain directory name, never a path (no '/', no '..')."""
+    """The one rule for every name that becomes a path, an MLflow name or a filter value (run, dataset,
+    registered model, experiment): such names are joined into paths and MLflow filter strings, and a flow
+    run's parameters come from anyone who can start one, so each must be one plain directory name, never a
+    path (no '/', no '..'), at most NAME_MAX characters."""
     if not isinstance(value, str) or not _NAME.fullmatch(value) or ".." in value:
         raise ConfigError(f"{key} {value!r} is not a usable name: use 1 to {NAME_MAX} letters, digits, '.', '_' "
                           "and '-', starting with a letter or digit, with no '/' and no '..' (e.g. "
                           "'gpt2-124m-run1')")
+
+
+# Where code may come from. A harness task YAML runs Python (`process_docs: !function evil.f` imports
+# evil.py beside it when the task loads), so the folders such settings name must lie under a root the
+# operator sets in the evaluating process's environment (the worker's), never one a flow parameter sets.
+# eval.harness_include_path is the one such setting today (the rest name data: sources, HellaSwag's jsonl)
+CODE_ROOTS = "GPTPIPE_CODE_ROOTS"  # absolute folders, os.pathsep-separated; unset = no such setting allowed
+
+
+def code_roots() -> list[Path]:
+    """The operator's allowed code roots (symlinks resolved); ConfigError for a relative entry."""
+    roots = []
+    for entry in os.environ.get(CODE_ROOTS, "").split(os.pathsep):
+        if not entry.strip():
+            continue
+        if not Path(entry).expanduser().is_absolute():
+            raise ConfigError(f"{CODE_ROOTS} entry {entry!r} is not an absolute path; list absolute folders, "
+                              f"separated by {os.pathsep!r}")
+        roots.append(Path(entry).expanduser().resolve())
+    return roots
+
+
+def check_code_path(key: str, value: str) -> None:
+    """A setting whose folder a library runs code from must resolve, symlinks followed, inside
+    one of the operator's CODE_ROOTS; "" (not set) is always fine."""
+    if not value:
+        return
+    where, roots = Path(value).expanduser().resolve(), code_roots()
+    if any(where.is_relative_to(root) for root in roots):
+        return
+    allowed = os.pathsep.join(map(str, roots)) if roots else "unset"
+    raise ConfigError(f"{key}={value!r} (resolved: {where}) is outside the folders allowed to hold task code "
+                      f"({CODE_ROOTS}: {allowed}). A harness task YAML can run Python (`!function`), so it is "
+                      f"loaded only from there. Fix: put the task folder under an allowed root, or have the "
+                      f"operator add its folder to {CODE_ROOTS} in the environment of the process that evaluates "
+                      f"(the worker's for flow runs; it cannot be a flow parameter)")
+
+
+# Caps on a model's shape: gpt2-xl (48 layers, 25 heads, 1600 wide, 1.6B parameters) and room around it,
+# but nothing that would exhaust a worker's memory while the model is being built (checked before that)
+MODEL_LIMITS = {"block_size": 32_768, "vocab_size": 262_144, "n_layer": 128, "n_head": 128, "n_embd": 8_192}
+MAX_PARAMS = 2_500_000_000  # 10 GB of fp32 weights
 
 
 @dataclass
@@ -49,9 +93,17 @@ class ModelConfig:
     bias: bool = True  # GPT-2 has biases in Linear and LayerNorm
 
     def validate(self) -> None:
-        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"model.{name} must be positive, got {getattr(self, name)}")
+        """Also the check a checkpoint's or a registered version's model_config passes before GPT allocates
+        anything: a meta.json is data someone else may have written, so absurd shapes are refused here."""
+        for name, cap in MODEL_LIMITS.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(f"model.{name} must be an integer, got {value!r}")
+            if value <= 0:
+                raise ConfigError(f"model.{name} must be positive, got {value}")
+            if value > cap:
+                raise ConfigError(f"model.{name}={value:,} is over this pipeline's limit of {cap:,}; use a smaller "
+                                  "shape (gpt2-xl fits well within the limits)")
         if self.n_embd % self.n_head != 0:  # n_head > 0 checked above
             raise ConfigError(
                 f"model.n_embd={self.n_embd} is not divisible by model.n_head={self.n_head}; "
@@ -61,6 +113,29 @@ class ModelConfig:
                               "(50257); use 50257 or the padded 50304")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
+        if self.approx_params() > MAX_PARAMS:
+            raise ConfigError(f"model: n_layer={self.n_layer}, n_embd={self.n_embd}, vocab_size={self.vocab_size}, "
+                              f"block_size={self.block_size} make about {self.approx_params() / 1e9:.1f}B parameters, "
+                              f"over this pipeline's limit of {MAX_PARAMS / 1e9:.1f}B (gpt2-xl has 1.6B); use a "
+                              "smaller shape")
+
+    def approx_params(self) -> int:
+        """gptcore.model.GPT's parameter count from the shape alone (tied embedding once), nothing allocated."""
+        n = self.n_embd
+        return (self.vocab_size + self.block_size) * n + self.n_layer * (12 * n * n + 13 * n) + 2 * n
+
+
+def model_config_from(d) -> ModelConfig:
+    """A checkpoint's or registered version's recorded model_config (meta.json), checked like a config's
+    model section; ConfigError naming what is wrong."""
+    if not isinstance(d, dict):
+        raise ConfigError(f"model_config must be an object of ModelConfig fields, got {type(d).__name__}")
+    unknown = sorted(set(d) - {f.name for f in fields(ModelConfig)})
+    if unknown:
+        raise ConfigError(f"model_config has unknown fields {unknown}")
+    cfg = ModelConfig(**d)
+    cfg.validate()
+    return cfg
 
 
 # The four OpenAI GPT-2 sizes plus small shapes that train on a CPU in seconds to minutes.
@@ -261,6 +336,7 @@ class EvalConfig:
                      "sample_tokens", "max_failures", "harness_limit", "harness_interval", "contamination_ngram"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"eval.{name} must be >= 0, got {getattr(self, name)}")
+        check_code_path("eval.harness_include_path", self.harness_include_path)
         if self.harness_dtype not in HARNESS_DTYPES:
             raise ConfigError(f"eval.harness_dtype={self.harness_dtype!r}; use float32 (scores comparable across "
                               "cards, the default) or autocast (the trainer's autocast dtype)")

@@ -159,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         if info["kind"] == "checkpoint" and not args.config:
             if not isinstance(info["meta"].get("config"), dict):
                 raise CheckpointError(f"{info['path']} records no training config in its meta.json; pass --config")
-            cfg = apply_overrides(from_dict(info["meta"]["config"]), [*args.set, *cli_overrides(args)])
+            # validated like any config: meta.json may come from a registered version someone else wrote
+            cfg = apply_overrides(from_dict(info["meta"]["config"]), [*args.set, *cli_overrides(args)]).validate()
         else:
             cfg = load_config(args.config or "gpt2-124m", [*args.set, *cli_overrides(args)])
         result = evaluate_model(model, cfg, device, autocast_ctx, val=args.val,

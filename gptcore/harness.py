@@ -29,7 +29,7 @@ from lm_eval.api.task import Task
 from lm_eval.tasks import TaskManager, get_task_dict
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from gptcore.config import HARNESS_DTYPES
+from gptcore.config import HARNESS_DTYPES, check_code_path
 from gptcore.harness_scoring import BATCH_TOKENS, continuation_scores, scoring_context
 from gptcore.model import GPT, unwrap
 from gptcore.tokenizer import EOT, get_encoding
@@ -111,12 +111,23 @@ def summarize(results: dict) -> dict[str, dict]:
     return out
 
 
+def task_manager(include_path: str | None) -> TaskManager:
+    """The harness's task index, with the tasks of `include_path` when given. Loading a task YAML can run
+    Python (`!function module.f` imports the module beside it), so the folder is checked against the
+    operator's GPTPIPE_CODE_ROOTS here as well as where the config is validated: a config rebuilt from a
+    checkpoint's or a registered version's meta.json reaches this point without load_config."""
+    if not include_path:
+        return TaskManager()
+    check_code_path("eval.harness_include_path", include_path)
+    return TaskManager(include_path=include_path)
+
+
 def run_tasks(model: torch.nn.Module, tasks: list[str], device, autocast_ctx=None,
               include_path: str | None = None, limit: int | None = None, dtype: str = "float32") -> dict[str, dict]:
     """Score `model` on each of the harness's `tasks` (names it knows, or defined under `include_path`):
     {task: metrics} or {task: {"skipped": reason}} when the task or its data cannot be had. `dtype`:
     eval.harness_dtype ("float32" ignores `autocast_ctx`)."""
-    manager = TaskManager(include_path=include_path) if include_path else TaskManager()
+    manager = task_manager(include_path)
     lm = GPTHarness(model, device, autocast_ctx, dtype=dtype)
     out: dict[str, dict] = {}
     for task in tasks:  # one at a time: a task that cannot run costs only itself
@@ -143,7 +154,7 @@ def task_documents(tasks: list[str], include_path: str | None = None,
     """Each task's evaluated documents as token lists (its prompt and every choice, the text the model
     reads), for the contamination scan (gptcore/contamination.py); a reason instead for a task that cannot
     be loaded. `limit`: the first documents, as run_tasks scores them."""
-    manager = TaskManager(include_path=include_path) if include_path else TaskManager()
+    manager = task_manager(include_path)
     out: dict[str, list[list[int]] | str] = {}
     for name in tasks:
         try:

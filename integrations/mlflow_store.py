@@ -7,6 +7,7 @@ metrics shipper in integrations/tracking.py).
     rest_read(uri, endpoint)  a read through MLflow's REST API without importing mlflow (a second or more):
                               the flow's skip decisions use it against a tracking server
     ensure_user(uri, admin, ...)  the worker's user on a server with MLflow's basic-auth app, and its grants
+    own_model(mlc, name)      the registered model `name` is the pipeline's (created and recorded), or refused
 
 One MLflow experiment (`gpt2-pretrain`) holds one MLflow run per training run identity (tags below).
 """
@@ -95,6 +96,7 @@ EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
 
 def experiment_id(mlc, name: str = EXPERIMENT) -> str:
     """The id of experiment `name` (created when missing), tagged as model development for MLflow's UI."""
+    check_name("experiment", name)  # an MLflow name someone may pass on a command line: the one name rule
     exp = mlc.get_experiment_by_name(name)
     if exp is None:
         exp_id = _create_experiment(mlc, name)
@@ -272,10 +274,12 @@ def rest_read(uri: str, endpoint: str, params: dict | None = None, body: dict | 
 
 # What the worker account may do beyond the servers' default permission (NO_PERMISSIONS: nothing):
 # EDIT on the pipeline's experiment lets it create runs and log metrics, params, datasets, artifacts and
-# logged models there, but not delete the experiment nor grant anyone access to it. Registered models need
-# no grant: MLflow lets any signed-in user create one and makes the creator its MANAGE holder, so the
-# worker registers versions and moves aliases of the models it created, and of no one else's.
+# logged models there, but not delete the experiment nor grant anyone access to it. MANAGE on the pipeline's
+# registered models (the presets', which ensure_user has the admin create, and those it creates itself):
+# register versions, move aliases, remove a duplicate version. Models of anyone else it refuses to use
+# (own_model).
 WORKER_EXPERIMENT_PERMISSION = "EDIT"
+WORKER_MODEL_PERMISSION = "MANAGE"
 
 
 @contextlib.contextmanager
@@ -300,11 +304,13 @@ def _already_exists(e: Exception) -> bool:
 
 
 def ensure_user(uri: str, admin: tuple[str, str], username: str, password: str,
-                experiment: str = EXPERIMENT) -> None:
+                experiment: str = EXPERIMENT, models: list[str] | None = None) -> list[str]:
     """Create `username` on an MLflow server running the basic-auth app, or set its password if it exists,
     and give it what the pipeline's worker needs (WORKER_EXPERIMENT_PERMISSION on `experiment`, created
-    here by the admin when missing). Idempotent, for a stack's start-up (devstack, the compose stack's
-    mlflow-users); every call goes through MLflow's own auth client as `admin` (name, password)."""
+    here by the admin when missing; WORKER_MODEL_PERMISSION on the pipeline's registered models `models`,
+    default every preset's, created here by the admin: ensure_models). Idempotent, for a stack's start-up
+    (devstack, the compose stack's mlflow-users); every call goes through MLflow's own auth client as
+    `admin` (name, password). Returns the problems found (squatted model names), each also logged."""
     from mlflow.exceptions import MlflowException
     from mlflow.server import get_app_client
 
@@ -317,12 +323,140 @@ def ensure_user(uri: str, admin: tuple[str, str], username: str, password: str,
                 raise RuntimeError(f"cannot create MLflow user {username!r} at {uri}: {e}; check the admin "
                                    "credentials (MLFLOW_ADMIN_PASSWORD)") from e
             auth.update_user_password(username, password)
-        exp_id = experiment_id(client(uri), experiment)
+        _grant(auth, username, "experiment", experiment_id(client(uri), experiment), WORKER_EXPERIMENT_PERMISSION)
+        return ensure_models(uri, auth, username, models, experiment)
+
+
+# --- the pipeline's registered models: its own, never a name someone else took ----------------------
+#
+# Any signed-in user may create a registered model, and MLflow makes the creator its MANAGE holder, who
+# may then grant the worker EDIT: a model's name, its tags and the worker's own permission on it prove
+# nothing about who controls it. What a squatter cannot write is the pipeline's experiment (the admin
+# creates it; only the admin and the worker may change it): the creator of each pipeline model (the admin
+# at stack start, or the worker for a name of its own) records there, as the tag OWNERSHIP_TAG + name, the
+# model's creation timestamp, which the server sets. A model is the pipeline's only when that record
+# matches the model now holding the name: a model made under the name after the pipeline's was deleted
+# carries another timestamp. Checked only for a signed-in client (a server with authentication): without
+# it everyone may do everything, and there is no owner to protect.
+
+OWNERSHIP_TAG = "gptpipe.registered_model."
+MODEL_DESCRIPTION = "GPT-2 ({name}) checkpoints of the gptpipe pretraining pipeline; alias `best` = lowest val loss"
+
+
+class ModelOwnershipError(RuntimeError):
+    """A registered model name taken by a model the pipeline did not create; the message says what to do."""
+
+
+def signed_in() -> bool:
+    """Whether this process talks to MLflow as a user (a server with authentication)."""
+    return bool(os.environ.get("MLFLOW_TRACKING_USERNAME") or os.environ.get("MLFLOW_TRACKING_TOKEN"))
+
+
+def _not_ours(name: str, why: str) -> ModelOwnershipError:
+    return ModelOwnershipError(
+        f"registered model {name!r} is not the pipeline's: {why}. The pipeline never registers into a "
+        f"model it did not create. Register under another name (the flow's model_name, or `tasks.register "
+        f"--name`), or have the MLflow admin check that model's versions, delete it and restart the stack's "
+        f"mlflow-users (or devstack), which creates {name!r} for the pipeline if it is a preset's name. A model "
+        f"the pipeline made before it recorded its models: the admin checks it and runs adopt_model")
+
+
+def own_model(mlc, name: str, experiment: str = EXPERIMENT) -> str:
+    """Make sure registered model `name` is the pipeline's: create it and record it in `experiment` when
+    missing; refuse (ModelOwnershipError) one that someone else created. Returns "created" or "owned"."""
+    from mlflow.exceptions import MlflowException
+
+    exp = mlc.get_experiment_by_name(experiment)
+    if exp is None:
+        raise _not_ours(name, f"the pipeline's experiment {experiment!r}, which records its models, does not "
+                              "exist (or this user may not read it)")
+    # Create first: to a non-admin, basic-auth answers a missing model and someone else's alike (403)
+    try:
+        model = mlc.create_registered_model(name, description=MODEL_DESCRIPTION.format(name=name))
+    except MlflowException as e:
+        if not _already_exists(e):
+            raise
+    else:  # ours: we created it. Recorded where only the admin and the worker may write.
+        mlc.set_experiment_tag(exp.experiment_id, OWNERSHIP_TAG + name, str(model.creation_timestamp))
+        return "created"
+    try:
+        model = mlc.get_registered_model(name)
+    except MlflowException as e:
+        if e.error_code == "PERMISSION_DENIED":
+            raise _not_ours(name, "another user created it and this user may not even read it") from e
+        raise
+    if exp.tags.get(OWNERSHIP_TAG + name) != str(model.creation_timestamp):
+        raise _not_ours(name, f"experiment {experiment!r} records no model of that name created by the "
+                              "pipeline's admin or worker (someone else created it)")
+    return "owned"
+
+
+def model_owned_over_rest(uri: str, name: str, experiment: str = EXPERIMENT) -> bool | None:
+    """own_model's check as two REST reads, for the flow's skip decision: True when `name` is the
+    pipeline's, False when it is someone else's, None when it does not exist."""
+    model = (rest_read(uri, "registered-models/get", {"name": name}) or {}).get("registered_model")
+    if model is None:
+        return None
+    exp = (rest_read(uri, "experiments/get-by-name", {"experiment_name": experiment}) or {}).get("experiment")
+    tags = {t["key"]: t["value"] for t in (exp or {}).get("tags", [])}
+    return tags.get(OWNERSHIP_TAG + name) == str(model.get("creation_timestamp"))
+
+
+def adopt_model(mlc, name: str, experiment: str = EXPERIMENT) -> None:
+    """As the admin, after checking its versions: record existing model `name` as the pipeline's (a model
+    the worker created before the pipeline recorded its models). Then run ensure_user again for the grant:
+
+        MLFLOW_TRACKING_USERNAME=admin MLFLOW_TRACKING_PASSWORD=... python -c "from integrations import \
+        mlflow_store as s; s.adopt_model(s.client(), 'gpt2-124m')"
+    """
+    model = mlc.get_registered_model(name)
+    mlc.set_experiment_tag(experiment_id(mlc, experiment), OWNERSHIP_TAG + name, str(model.creation_timestamp))
+
+
+def model_owners(auth, name: str, uri: str) -> str:
+    """As the admin: the users holding MANAGE on registered model `name` (its creator and whoever it
+    shared it with), for the message naming them; "" when they cannot be listed."""
+    try:
+        users = (rest_read(uri, "users/list") or {}).get("users", [])
+        return ", ".join(sorted(
+            u["username"] for u in users if not u.get("is_admin")
+            and auth.get_user_permission(u["username"], "registered_model", name).permission == "MANAGE"))
+    except Exception:  # only the message loses the names
+        return ""
+
+
+def ensure_models(uri: str, auth, worker: str, models: list[str] | None = None,
+                  experiment: str = EXPERIMENT) -> list[str]:
+    """As the admin (auth: its basic-auth client, signed in): create the pipeline's registered models
+    `models` (default: every preset's name) and give `worker` WORKER_MODEL_PERMISSION on each. A name
+    someone else took gets nothing: it is logged with its owners, and registration refuses it."""
+    import logging
+
+    from gptcore.config import PRESETS
+
+    problems = []
+    mlc = client(uri)
+    for name in models if models is not None else sorted(PRESETS):
         try:
-            auth.grant_user_permission(username, "experiment", exp_id, WORKER_EXPERIMENT_PERMISSION)
-        except MlflowException as e:
-            if not _already_exists(e):
-                raise
-            # granted on an earlier start: reset it, in case someone widened it since
-            auth.revoke_user_permission(username, "experiment", exp_id)
-            auth.grant_user_permission(username, "experiment", exp_id, WORKER_EXPERIMENT_PERMISSION)
+            own_model(mlc, name, experiment)
+        except ModelOwnershipError as e:
+            owners = model_owners(auth, name, uri)
+            problems.append(f"{e}" + (f" Its MANAGE holders: {owners}." if owners else ""))
+            logging.getLogger("gptpipe.mlflow").warning("%s", problems[-1])
+            continue
+        _grant(auth, worker, "registered_model", name, WORKER_MODEL_PERMISSION)
+    return problems
+
+
+def _grant(auth, username: str, resource_type: str, resource_id: str, permission: str) -> None:
+    """Exactly `permission` for `username` on the resource: granted, or reset if granted before (in case
+    someone widened it since)."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        auth.grant_user_permission(username, resource_type, resource_id, permission)
+    except MlflowException as e:
+        if not _already_exists(e):
+            raise
+        auth.revoke_user_permission(username, resource_type, resource_id)
+        auth.grant_user_permission(username, resource_type, resource_id, permission)

@@ -108,19 +108,40 @@ def fetch_verified(model_uri: str, dst: Path, tracking_uri: str | None = None) -
         raise UntrustedWeights(f"{src.label} ({model_uri}) has no {SHA_TAG} tag, so its weights cannot be "
                                f"verified; refusing to load them. Fix: {fix_for(src)}")
     dst.mkdir(parents=True, exist_ok=True)
-    for name in (META, WEIGHTS):  # only these two files: nothing of the stored code is fetched
+
+    def download(name: str) -> None:  # only meta.json and the weights: nothing of the stored code is fetched
         mlflow.artifacts.download_artifacts(artifact_uri=f"{src.artifact_uri.rstrip('/')}/{CHECKPOINT_ARTIFACT}/"
                                             f"{name}", dst_path=str(dst), tracking_uri=uri)
+
+    download(META)  # checked first: the weights are fetched, and the model built, only for a sound meta.json
+    check_meta(read_meta(dst), src, model_uri)
+    download(WEIGHTS)
     actual = file_sha256(dst / WEIGHTS)
     if actual != src.expected:
         raise UntrustedWeights(
             f"{src.label} ({model_uri}): its weights ({CHECKPOINT_ARTIFACT}/{WEIGHTS}) have sha256 {actual}, but "
             f"the version's {SHA_TAG} tag records {src.expected}: the registered weights were changed after "
             f"registration; refusing to load them. Fix: {fix_for(src)}")
-    recorded = read_meta(dst).get("model_sha256")
-    if recorded and recorded != src.expected:  # meta.json belongs to other weights: do not trust its config
-        raise UntrustedWeights(f"{src.label} ({model_uri}): {CHECKPOINT_ARTIFACT}/{META} records weights "
-                               f"with sha256 {recorded}, but the version's {SHA_TAG} tag records "
-                               f"{src.expected}: the registered files were changed after registration; "
-                               f"refusing to load them. Fix: {fix_for(src)}")
     return dst, src
+
+
+def check_meta(meta: dict, src: _Source, model_uri: str) -> None:
+    """A version's meta.json is someone's data until shown otherwise: it must record the weights the tag
+    names (so its config belongs to them) and a model shape within gptcore.config's bounds (so building
+    the model cannot exhaust the worker's memory). UntrustedWeights naming the fix otherwise."""
+    from gptcore.config import ConfigError, model_config_from
+
+    where = f"{src.label} ({model_uri}): {CHECKPOINT_ARTIFACT}/{META}"
+    recorded = meta.get("model_sha256")
+    if not recorded:
+        raise UntrustedWeights(f"{where} records no model_sha256, so it cannot be shown to describe the "
+                               f"registered weights; refusing to load them. Fix: {fix_for(src)}")
+    if recorded != src.expected:  # meta.json belongs to other weights: do not trust its config
+        raise UntrustedWeights(f"{where} records weights with sha256 {recorded}, but the version's {SHA_TAG} "
+                               f"tag records {src.expected}: the registered files were changed after "
+                               f"registration; refusing to load them. Fix: {fix_for(src)}")
+    try:
+        model_config_from(meta.get("model_config"))
+    except (ConfigError, TypeError) as e:
+        raise UntrustedWeights(f"{where} has no usable model_config ({e}); refusing to build the model. "
+                               f"Fix: {fix_for(src)}") from None

@@ -9,8 +9,9 @@ variables: Prefect stores a deployment's or pool's job variables in plain text, 
 - MLflow: the flow run reads MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD from the Prefect Secret
   blocks `mlflow-worker-username` / `mlflow-worker-password` at its start when its environment lacks them
   (`mlflow_credentials_from_prefect`), and puts them in its environment for the MLflow clients, the
-  trainer's metric shipper and every process it starts. Secret blocks are stored encrypted by the
-  Prefect server, and the API returns their values only to a client that asks for them.
+  trainer's metric shipper and every process it starts. The Prefect server keeps Secret blocks encrypted
+  with PREFECT_SERVER_ENCRYPTION_KEY (compose: from docker/.env, never in its database), and the API
+  returns their values to any client with the Prefect credential that asks for them.
 
 Save the blocks once, from a shell that has the worker's MLflow credentials in its environment (the
 compose worker does: docs/docker.md "Docker work pool"):

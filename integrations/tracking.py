@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 
 from gptcore.checkpoints.run_files import DONE_FILE, RUN_FILE
-from gptcore.config import from_dict
+from gptcore.config import ConfigError, check_name, from_dict
 from gptcore.files import read_json, write_json
 from gptcore.metrics import METRICS_FILE, read_new_lines
 from integrations import mlflow_store as store
@@ -309,6 +309,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     run_dir = Path(args.run_dir)
+    try:
+        check_name("--experiment", args.experiment)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if not run_dir.is_dir():
         print(f"error: run directory {run_dir} does not exist; pass <home>/runs/<run_name>", file=sys.stderr)
         return 2

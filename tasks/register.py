@@ -42,7 +42,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from gptcore.checkpoints.run_files import EVAL_FILE, RUN_FILE, CheckpointError, read_meta, result_metrics, val_loss_of
-from gptcore.config import ConfigError
+from gptcore.config import ConfigError, check_name
 from gptcore.files import file_sha256, read_json
 from integrations import mlflow_store as store
 from integrations.mlflow_store import resolve_model_uri  # noqa: F401 -- re-exported: tasks.register.resolve_model_uri
@@ -241,14 +241,19 @@ def register_checkpoint(ckpt_dir: str | Path, model_name: str | None = None, tra
     name = model_name or meta["config"]["preset"]
     uri = tracking_uri or store.tracking_uri()
     mlc = store.client(uri)
-    try:
-        mlc.get_registered_model(name)
-    except MlflowException:
+    if store.signed_in():  # a server with users: the model must be the pipeline's, not a squatter's
         try:
-            mlc.create_registered_model(name, description=f"GPT-2 ({name}) checkpoints of the gptpipe "
-                                        "pretraining pipeline; alias `best` = lowest val loss")
-        except MlflowException:  # created concurrently
+            store.own_model(mlc, name, experiment)
+        except store.ModelOwnershipError as e:
+            raise RegistryError(str(e)) from e
+    else:  # everyone may do everything: there is no owner to check
+        try:
             mlc.get_registered_model(name)
+        except MlflowException:
+            try:
+                mlc.create_registered_model(name, description=store.MODEL_DESCRIPTION.format(name=name))
+            except MlflowException:  # created concurrently
+                mlc.get_registered_model(name)
     tags = _version_tags(ckpt_dir, meta, sha, flow_run_id)
     ident = meta.get("identity_hash")
     mv, created = _existing_version(mlc, name, sha, ident), False
@@ -258,9 +263,10 @@ def register_checkpoint(ckpt_dir: str | Path, model_name: str | None = None, tra
             if k not in mv.tags:
                 mlc.set_model_version_tag(name, mv.version, k, v)
         mv = mlc.get_model_version(name, mv.version)
-        if mv.model_id and mv.run_id:
-            have = {m.key for m in mlc.get_logged_model(mv.model_id).metrics or []}
-            _log_metrics(mlc, mv.run_id, mv.model_id, ckpt_dir, meta, have)
+        model_id = mv.model_id or mv.source.removeprefix("models:/")  # the server may leave model_id unset
+        if model_id and mv.run_id:
+            have = {m.key for m in mlc.get_logged_model(model_id).metrics or []}
+            _log_metrics(mlc, mv.run_id, model_id, ckpt_dir, meta, have)
     else:
         model_id, run_id = _log_model(mlc, uri, ckpt_dir, meta, name, tags, hf, experiment)
         # the sha256 tag (the idempotency key) arrives with the version in one call
@@ -286,27 +292,48 @@ def _describe(mlc, name: str, version, created: bool, uri: str) -> dict:
 
 def registered_version(ckpt_dir: str | Path, model_name: str | None = None,
                        tracking_uri: str | None = None) -> dict | None:
-    """The version already holding this checkpoint (as register_checkpoint describes it, with
-    created=False), or None. Read-only, for a flow deciding whether to register: against a tracking server
-    it reads over REST without importing mlflow, and it trusts the sha256 that meta.json records (the
-    register task itself hashes the file)."""
+    """The version already holding this checkpoint with every measurement the checkpoint has (as
+    register_checkpoint describes it, with created=False), or None: not registered, or its logged model
+    lacks a metric of eval.json, which the register task then logs (the register stage is not done while
+    one is missing: a re-run that added an evaluation must bring its scores to the model). Read-only, for
+    a flow deciding whether to register: against a tracking server it reads over REST without importing
+    mlflow, and it trusts the sha256 that meta.json records (the register task itself hashes the file)."""
     ckpt_dir = Path(ckpt_dir)
     meta = read_meta(ckpt_dir)
     sha = meta.get("model_sha256") or _read_checkpoint(ckpt_dir)[1]
     name = model_name or meta["config"]["preset"]
     uri = tracking_uri or store.tracking_uri()
     try:
-        return _registered_over_rest(uri, name, sha, meta.get("identity_hash"))
+        if store.signed_in() and store.model_owned_over_rest(uri, name) is False:
+            return None  # someone else's model: the register task refuses it, with the reason
+        found = _registered_over_rest(uri, name, sha, meta.get("identity_hash"))
+        if found is not None and found["model_id"]:
+            reply = store.rest_read(uri, f"logged-models/{found['model_id']}") or {}
+            have = {m["key"] for m in (((reply.get("model") or {}).get("data") or {}).get("metrics") or [])}
+            if lacks_metrics(ckpt_dir, meta, have):
+                return None  # the register task logs what is missing
+        return found
     except store.RestUnavailable:
-        pass  # the embedded store, or a server the plain REST read cannot use: ask the client
+        if store.signed_in():  # whose model it is went unchecked: the register task checks, and is idempotent
+            return None
+        # the embedded store, or a server the plain REST read cannot use: ask the client
     from mlflow.exceptions import MlflowException
 
     mlc = store.client(uri)
     try:
         mv = _existing_version(mlc, name, sha, meta.get("identity_hash"))
+        model_id = mv and (mv.model_id or mv.source.removeprefix("models:/"))
+        if model_id and lacks_metrics(ckpt_dir, meta, {m.key for m in mlc.get_logged_model(model_id).metrics or []}):
+            return None  # the register task logs what is missing
     except MlflowException:
         return None
     return None if mv is None else _describe(mlc, name, mv.version, False, uri)
+
+
+def lacks_metrics(ckpt_dir: Path, meta: dict, have: set[str]) -> bool:
+    """Whether the checkpoint has measurements (eval.json: e.g. a harness task added on a re-run) that its
+    logged model does not: then the version holds the checkpoint but the register stage is not done."""
+    return not set(checkpoint_metrics(Path(ckpt_dir), meta)) <= have
 
 
 def _registered_over_rest(uri: str, name: str, sha: str, ident: str | None) -> dict | None:
@@ -320,7 +347,7 @@ def _registered_over_rest(uri: str, name: str, sha: str, ident: str | None) -> d
         return None
     full = (store.rest_read(uri, "model-versions/get", {"name": name, "version": mv["version"]}) or {})
     full = full.get("model_version") or mv
-    newest = first(f"name = '{name}'", "version_number DESC")
+    newest = first(f"name = {store.quoted(name)}", "version_number DESC")
     aliases = sorted(full.get("aliases", [])) + (["latest"] if newest and newest["version"] == mv["version"] else [])
     return {"name": name, "version": str(mv["version"]), "aliases": aliases, "created": False,
             "model_uri": f"models:/{name}/{mv['version']}", "run_id": full.get("run_id"),
@@ -352,6 +379,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face export artifact")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:  # an MLflow name and a filter value: the one name rule (gptcore.config), checked before anything
+        if args.name is not None:
+            check_name("--name", args.name)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     from mlflow.exceptions import MlflowException
 
     try:

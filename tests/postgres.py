@@ -1,9 +1,11 @@
 """A real PostgreSQL cluster in a temporary directory, laid out as docker/docker-compose.yml's `postgres`
 service lays it out: the superuser POSTGRES_USER (gpt2) with a password, the database `prefect`
-(POSTGRES_DB) and `mlflow` (docker/postgres-init.sql, run as the image runs it), password authentication
-on TCP. It listens on 127.0.0.1 only, on a free port; its unix socket sits inside the temporary directory.
+(POSTGRES_DB), then docker/postgres-init.sql run as the image runs it (`psql -v ON_ERROR_STOP=1 -f`, with
+PREFECT_DB_PASSWORD and MLFLOW_DB_PASSWORD in its environment): the non-superuser roles `prefect` and
+`mlflow`, each owning its database; password authentication on TCP. It listens on 127.0.0.1 only, on a
+free port; its unix socket sits inside the temporary directory. One cluster per test module.
 
-    def test_x(postgres): postgres.url("postgresql+asyncpg", "prefect") ...
+    def test_x(postgres): postgres.url("postgresql+asyncpg", "prefect", role="prefect") ...
 
 Needs Debian's `postgresql` package (initdb, pg_ctl, psql under /usr/lib/postgresql/<v>/bin); without it
 the test fails, naming the package. initdb refuses to run as root: as root, the cluster runs as the
@@ -27,6 +29,7 @@ REPO = Path(__file__).resolve().parent.parent
 INIT_SQL = REPO / "docker" / "postgres-init.sql"
 USER = "gpt2"  # compose: POSTGRES_USER's default
 DATABASES = ("prefect", "mlflow")  # compose: POSTGRES_DB, then postgres-init.sql's
+ROLES = {"prefect": "PREFECT_DB_PASSWORD", "mlflow": "MLFLOW_DB_PASSWORD"}  # role -> its password's variable
 
 
 def pg_bin() -> Path:
@@ -55,29 +58,38 @@ class Postgres:
     password: str
     databases: tuple[str, ...]
     socket_dir: Path
+    role_passwords: dict[str, str]  # the servers' roles (postgres-init.sql) -> password
 
-    def url(self, driver: str, database: str) -> str:
-        """e.g. url("postgresql+psycopg2", "mlflow")"""
-        return f"{driver}://{self.user}:{self.password}@{self.host}:{self.port}/{database}"
+    def credentials(self, role: str | None) -> tuple[str, str]:
+        """(user, password) of `role`, or of the superuser for None."""
+        return (role, self.role_passwords[role]) if role else (self.user, self.password)
 
-    def connect(self, database: str):
-        """A psycopg2 connection over TCP with the password (as the servers connect)."""
+    def url(self, driver: str, database: str, role: str | None = None) -> str:
+        """e.g. url("postgresql+psycopg2", "mlflow", role="mlflow")"""
+        user, password = self.credentials(role)
+        return f"{driver}://{user}:{password}@{self.host}:{self.port}/{database}"
+
+    def connect(self, database: str, role: str | None = None):
+        """A psycopg2 connection over TCP with the password (as the servers connect), as `role` (default:
+        the superuser)."""
         import psycopg2
 
-        return psycopg2.connect(host=self.host, port=self.port, user=self.user, password=self.password,
-                                dbname=database)
+        user, password = self.credentials(role)
+        return psycopg2.connect(host=self.host, port=self.port, user=user, password=password, dbname=database)
 
-    def query(self, database: str, sql: str, args: tuple = ()) -> list[tuple]:
-        conn = self.connect(database)
+    def query(self, database: str, sql: str, args: tuple = (), role: str | None = None) -> list[tuple]:
+        conn = self.connect(database, role)
         try:
             with conn.cursor() as cur:
                 cur.execute(sql, args)
-                return cur.fetchall()
+                rows = cur.fetchall()
+            conn.commit()
+            return rows
         finally:
             conn.close()
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def postgres():
     bindir = pg_bin()
     as_root = os.geteuid() == 0
@@ -94,8 +106,9 @@ def postgres():
             shutil.chown(p, "postgres", "postgres")
     os.chmod(pwfile, 0o600)
 
-    def run(*cmd: str) -> subprocess.CompletedProcess:
-        r = subprocess.run([*prefix, *cmd], capture_output=True, text=True, timeout=120, cwd=root)
+    def run(*cmd: str, env: dict | None = None) -> subprocess.CompletedProcess:
+        r = subprocess.run([*prefix, *cmd], capture_output=True, text=True, timeout=120, cwd=root,
+                           env={**os.environ, **(env or {})})
         if r.returncode != 0:
             tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
             pytest.fail(f"`{' '.join(cmd)}` failed ({r.returncode}):\n{r.stdout}{r.stderr}\n{tail}", pytrace=False)
@@ -113,9 +126,12 @@ def postgres():
         started = True
         psql = [str(bindir / "psql"), "-h", str(sock), "-p", str(port), "-U", USER, "-v", "ON_ERROR_STOP=1", "-q"]
         run(*psql, "-d", "postgres", "-c", "CREATE DATABASE prefect")  # POSTGRES_DB
-        # docker-entrypoint-initdb.d: the script, connected to POSTGRES_DB as POSTGRES_USER
-        run(*psql, "-d", "prefect", "-c", INIT_SQL.read_text())
-        yield Postgres("127.0.0.1", port, USER, password, DATABASES, sock)
+        # docker-entrypoint-initdb.d: the file itself (`psql -f`), connected to POSTGRES_DB as POSTGRES_USER,
+        # the roles' passwords in its environment as compose gives them to the postgres container
+        role_passwords = {role: secrets.token_hex(16) for role in ROLES}
+        run(*psql, "-d", "prefect", "-f", str(INIT_SQL),
+            env={var: role_passwords[role] for role, var in ROLES.items()})
+        yield Postgres("127.0.0.1", port, USER, password, DATABASES, sock, role_passwords)
     finally:
         if started:
             subprocess.run([*prefix, str(bindir / "pg_ctl"), "-D", str(data), "-m", "fast", "-w", "stop"],

@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from devstack.services import Auth, Stack
-from integrations.mlflow_store import basic_auth, ensure_user
+from integrations.mlflow_store import basic_auth, ensure_user, signed_in_as
 from tests.mlflow_server import MlflowServer
 
 pytestmark = pytest.mark.slow
@@ -234,3 +234,146 @@ def test_the_worker_gets_only_what_the_pipeline_needs(secured):
     # anonymous: 401 everywhere
     assert status(f"{api}/experiments/get?experiment_id={exp}") == 401
     assert status(f"{api}/users/create", {"username": "mallory", "password": "x" * 16}) == 401
+
+
+# --- the pipeline owns its registered models (issue #45, item 1) ----------------------------------------
+
+EVE = "eve:eve-password-5678"  # a second signed-in user, as a new user of a shared server is: no grants
+
+
+@pytest.fixture(scope="module")
+def eve(secured):
+    """Eve, made by the admin through MLflow's auth API and granted nothing."""
+    from mlflow.server import get_app_client
+
+    with signed_in_as(AUTH.mlflow_admin, AUTH.mlflow_admin_password):
+        get_app_client("basic-auth", tracking_uri=secured.mlflow_uri).create_user(*EVE.split(":"))
+    return EVE
+
+
+@pytest.fixture
+def as_worker(secured, monkeypatch):
+    """This process talks to the stack's MLflow as its worker does (the credentials of Stack.env())."""
+    for k, v in secured.env().items():
+        if k.startswith("MLFLOW_TRACKING_"):
+            monkeypatch.setenv(k, v)
+
+
+def micro_checkpoint(run_dir: Path, seed: int) -> Path:
+    import torch
+
+    from gptcore.checkpoints import checkpoint
+    from gptcore.config import load_config
+    from gptcore.model import GPT
+
+    cfg = load_config("micro", [f"train.run_name={run_dir.name}"])
+    torch.manual_seed(seed)
+    meta = {"tokens_seen": 0, "val_loss": 9.0, "config": cfg.to_dict(), "manifest_id": "m", "run_name": cfg.run_name,
+            "identity_hash": cfg.identity_hash()}
+    return checkpoint.save_checkpoint(run_dir, 1, GPT(cfg.model), {"optimizer": {}}, meta, keep_last=1)
+
+
+def test_a_squatted_model_name_is_refused_and_the_pipeline_models_are_out_of_her_reach(
+        secured, eve, as_worker, tmp_path, capsys):
+    from tasks import register
+
+    api, api3 = f"{secured.mlflow_uri}/api/2.0/mlflow", f"{secured.mlflow_uri}/api/3.0/mlflow"
+    # Eve takes a name before the pipeline's first registration under it, and hands the worker MANAGE on it
+    assert status(f"{api}/registered-models/create", {"name": "squatted"}, eve) == 200
+    grant = {"username": "worker", "resource_type": "registered_model", "resource_id": "squatted",
+             "permission": "MANAGE"}
+    assert status(f"{api3}/users/permissions/grant", grant, eve) == 200
+    # ... and fakes what she can: a tag on her model; the pipeline's record of its models she cannot write
+    assert status(f"{api}/registered-models/set-tag", {"name": "squatted", "key": "owner", "value": "pipeline"},
+                  eve) == 200
+    code, body = call(f"{api}/experiments/get-by-name?experiment_name=gpt2-pretrain", user=WORKER)
+    exp = json.loads(body)["experiment"]["experiment_id"]
+    claim = {"experiment_id": exp, "key": "gptpipe.registered_model.squatted", "value": "0"}
+    assert status(f"{api}/experiments/set-experiment-tag", claim, eve) == 403
+
+    # the worker refuses her model: exit 2 and why, and nothing of the pipeline's lands in it
+    ckpt = micro_checkpoint(tmp_path / "squat", seed=1)
+    rc = register.main([str(ckpt), "--name", "squatted", "--tracking-uri", secured.mlflow_uri, "--no-hf"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "'squatted' is not the pipeline's" in err and "another name" in err, err
+    assert register.registered_version(ckpt, "squatted", secured.mlflow_uri) is None  # the flow does not skip
+    code, body = call(f"{api}/model-versions/search?filter=name%3D%27squatted%27", user=ADMIN)
+    assert code == 200 and json.loads(body).get("model_versions", []) == [], body
+
+    # A preset's model: the admin made it at the stack's start (ensure_user), so Eve cannot take the name,
+    # and the worker registers into it (the admin granted it MANAGE)
+    assert status(f"{api}/registered-models/create", {"name": "micro"}, eve) != 200
+    out = register.register_checkpoint(micro_checkpoint(tmp_path / "owned", seed=2), tracking_uri=secured.mlflow_uri,
+                                       hf=False)
+    assert out["name"] == "micro" and "best" in out["aliases"], out
+    # Eve cannot move `best`, delete the version or write its tags
+    alias = {"name": "micro", "alias": "best", "version": out["version"]}
+    assert status(f"{api}/registered-models/alias", alias, eve) == 403
+    assert status(f"{api}/registered-models/alias", alias, eve, "DELETE") == 403
+    assert status(f"{api}/model-versions/delete", {"name": "micro", "version": out["version"]}, eve, "DELETE") == 403
+    assert status(f"{api}/model-versions/set-tag", {"name": "micro", "version": out["version"],
+                                                    "key": "checkpoint_sha256", "value": "x"}, eve) == 403
+    assert status(f"{api3}/users/permissions/grant", dict(grant, resource_id="micro", username="eve"), eve) == 403
+
+
+def test_the_admin_side_gives_the_worker_no_squatted_model_and_names_her(secured, eve):
+    from mlflow.server import get_app_client
+
+    api = f"{secured.mlflow_uri}/api/2.0/mlflow"
+    assert status(f"{api}/registered-models/create", {"name": "squatted-preset"}, eve) == 200
+    problems = ensure_user(secured.mlflow_uri, (AUTH.mlflow_admin, AUTH.mlflow_admin_password), "worker",
+                           AUTH.mlflow_worker_password, models=["squatted-preset", "micro"])
+    assert len(problems) == 1 and "'squatted-preset' is not the pipeline's" in problems[0], problems
+    assert "eve" in problems[0]  # her name, for the admin
+    with signed_in_as(AUTH.mlflow_admin, AUTH.mlflow_admin_password):
+        auth = get_app_client("basic-auth", tracking_uri=secured.mlflow_uri)
+        assert auth.get_user_permission("worker", "registered_model", "squatted-preset").permission != "MANAGE"
+        assert auth.get_user_permission("worker", "registered_model", "micro").permission == "MANAGE"
+
+
+# --- experiments only on the server's own artifact store (issue #45, item 2) --------------------------
+
+def test_only_the_admin_chooses_where_an_experiment_keeps_its_artifacts(secured, eve, as_worker):
+    from mlflow import MlflowClient
+
+    from integrations.mlflow_store import experiment_id
+
+    uri = secured.mlflow_uri
+    auth_dir, artifacts = secured.home / "mlflow" / "auth", secured.home / "mlflow" / "artifacts"
+    code, body = call(f"{uri}/api/2.0/mlflow/experiments/get-by-name?experiment_name=gpt2-pretrain", user=WORKER)
+    pipeline_exp = json.loads(body)["experiment"]["experiment_id"]
+    for i, (api, body) in enumerate([
+            ("api", {"artifact_location": auth_dir.as_uri()}),  # the user database's folder
+            ("api", {"artifact_location": (artifacts / pipeline_exp).as_uri()}),  # the pipeline's tree
+            ("api", {"artifact_location": f"mlflow-artifacts:/{pipeline_exp}"}),  # the same, through the store
+            ("api", {"artifactLocation": auth_dir.as_uri()}),  # protobuf's other spelling
+            ("ajax-api", {"artifact_location": auth_dir.as_uri()})]):  # the UI's endpoint
+        code, reply = call(f"{uri}/{api}/2.0/mlflow/experiments/create", {"name": f"evil-{i}", **body}, eve)
+        assert code == 403 and b"only an MLflow admin may choose" in reply, (body, code, reply)
+    # an old client's double-encoded JSON body is read the same way
+    double = json.dumps(json.dumps({"name": "evil-9", "artifact_location": auth_dir.as_uri()})).encode()
+    assert status(f"{uri}/api/2.0/mlflow/experiments/create", double, eve) == 403
+    code, _ = call(f"{uri}/api/2.0/mlflow/experiments/get-by-name?experiment_name=evil-0", user=ADMIN)
+    assert code == 404
+
+    # left unset, the server puts it in its own store, and an upload lands there, in her experiment's folder
+    code, body = call(f"{uri}/api/2.0/mlflow/experiments/create", {"name": "eve-exp"}, eve)
+    assert code == 200, body
+    eve_exp = json.loads(body)["experiment_id"]
+    code, body = call(f"{uri}/api/2.0/mlflow/runs/create", {"experiment_id": eve_exp}, eve)
+    run = json.loads(body)["run"]["info"]
+    assert run["artifact_uri"].startswith(f"mlflow-artifacts:/{eve_exp}/"), run
+    up = f"{uri}/ajax-api/2.0/mlflow/upload-artifact?run_uuid={run['run_id']}&path=evil.txt"
+    assert status(up, b"planted", eve) == 200
+    assert [p.relative_to(artifacts).parts[0] for p in artifacts.rglob("evil.txt")] == [eve_exp]
+    assert not list(auth_dir.rglob("evil.txt"))
+    # the pipeline's tree through the artifact proxy: hers to write only where she may
+    put = f"{uri}/api/2.0/mlflow-artifacts/artifacts/{pipeline_exp}/evil.txt"
+    assert status(put, b"planted", eve, "PUT") == 403
+
+    # the admin still chooses locations; the worker's own experiments (no location) still work
+    code, body = call(f"{uri}/api/2.0/mlflow/experiments/create",
+                      {"name": "admin-placed", "artifact_location": "mlflow-artifacts:/admin-placed"}, ADMIN)
+    assert code == 200, body
+    mlc = MlflowClient(uri)
+    assert mlc.get_experiment(experiment_id(mlc, "worker-made")).artifact_location.startswith("mlflow-artifacts:")

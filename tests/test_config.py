@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 from dataclasses import asdict
 
 import pytest
@@ -239,3 +240,32 @@ def test_an_evaluations_validation_part_depends_on_the_tokens_it_covers():
     fewer = load_config("gpt2-124m", ["eval.val_tokens=1000000"])
     assert eval_settings(fewer, True)["val"]["tokens"] == 15 * 64 * 1024  # whole batches only
     assert eval_settings(fewer, False)["val"] is None
+
+
+def test_a_recorded_model_config_is_checked_before_anything_is_built():
+    """meta.json's model_config (a checkpoint's, a registered version's) passes the model section's checks
+    plus caps that allow gpt2-xl but refuse shapes that would exhaust a worker's memory; all from the numbers,
+    nothing allocated (the caps' parameter count is GPT's own)."""
+    from gptcore.config import MAX_PARAMS, MODEL_PRESETS, model_config_from
+
+    for name, shape in MODEL_PRESETS.items():
+        assert model_config_from(asdict(shape)) == shape, name
+    micro = MODEL_PRESETS["micro"]
+    assert micro.approx_params() == GPT(micro).num_params()
+    bad = {"n_layer": (0, "model.n_layer must be positive, got 0"),
+           "n_head": (True, "model.n_head must be an integer, got True"),
+           "n_embd": ("768", "model.n_embd must be an integer, got '768'"),
+           "block_size": (10 ** 9, "model.block_size=1,000,000,000 is over this pipeline's limit of 32,768"),
+           "vocab_size": (2 ** 40, "model.vocab_size=1,099,511,627,776 is over")}
+    for key, (value, message) in bad.items():
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            model_config_from({**asdict(micro), key: value})
+    # every field within its cap, the whole far over: 128 layers 8192 wide is ~103B parameters
+    big = {**asdict(micro), "n_layer": 128, "n_head": 64, "n_embd": 8192}
+    with pytest.raises(ConfigError, match=rf"about 103\.\dB parameters, over this pipeline's limit of "
+                                          rf"{MAX_PARAMS / 1e9:.1f}B"):
+        model_config_from(big)
+    with pytest.raises(ConfigError, match=r"unknown fields \['evil'\]"):
+        model_config_from({**asdict(micro), "evil": 1})
+    with pytest.raises(ConfigError, match="must be an object"):
+        model_config_from(None)

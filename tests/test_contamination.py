@@ -106,10 +106,12 @@ def test_the_scan_finds_n_grams_across_its_chunk_boundaries(tmp_path, monkeypatc
     assert not C.scan(d, m, np.unique(C.ngram_hashes(np.arange(13) + 60000, 13)), 13).any()
 
 
-def test_harness_task_documents_are_scanned_in_the_same_pass(tmp_path):
+def test_harness_task_documents_are_scanned_in_the_same_pass(tmp_path, monkeypatch):
     """A harness task's documents (prompt and choices, tokenized as the model reads them) are checked too:
     the one planted in a train shard is found, the others are not, and a task that cannot load is a skip."""
     import torch
+
+    monkeypatch.setenv("GPTPIPE_CODE_ROOTS", str(tmp_path))  # the operator's root for task folders
 
     from gptcore.config import load_config
     from gptcore.evaluate import evaluate_model

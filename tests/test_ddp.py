@@ -160,7 +160,8 @@ def test_the_compiled_job_with_evaluation_trains_and_evaluates_like_eager(ds, re
     run = tmp_path / "compiled"
     tasks = toy_task(tmp_path / "tasks", n=8)
     harness = ["eval.harness_tasks=toy_choice", f"eval.harness_include_path={tasks}", "eval.harness_interval=8"]
-    proc = start(torchrun_cmd(args(ds, run, *EVALS, *harness, "train.compile=true")), tmp_path, tmp_path / "log")
+    proc = start(torchrun_cmd(args(ds, run, *EVALS, *harness, "train.compile=true")), tmp_path, tmp_path / "log",
+                 GPTPIPE_CODE_ROOTS=str(tasks))  # the operator's root for task folders
     assert proc.wait(timeout=900) == 0, (tmp_path / "log").read_text()[-3000:]
     log = (tmp_path / "log").read_text()
     assert "world=2 accum=2" in log and "compile=True" in log

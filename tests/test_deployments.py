@@ -4,11 +4,15 @@ deployment), so the documented CLI continues the demo's run; and the flow's code
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -20,6 +24,8 @@ from tests.prefect_stack import flow_logs, run_deployment_and_wait
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deployments"
 PER_DEPLOYMENT = {"train.max_minutes"}  # the only overrides a deployment may carry: its time budget
+sys.path.insert(0, str(DEPLOY))
+import job_templates  # noqa: E402  (deployments/job_templates.py: what `prefect work-pool create` is given)
 
 
 @pytest.mark.parametrize("file", ["prefect.yaml", "prefect-docker.yaml", "prefect-k8s.yaml"])
@@ -108,3 +114,93 @@ def test_the_nightly_schedules_as_the_server_holds_them(prefect_stack):
         assert d.global_concurrency_limit is not None and d.global_concurrency_limit.limit == 1, name
         assert d.concurrency_options is not None and d.concurrency_options.collision_strategy == "ENQUEUE", name
         assert d.work_pool_name == "gpu-pool", name
+
+
+# --- TLS on every path a flow run takes --------------------------------------------------------------
+
+CA_VARS = ("PREFECT_API_SSL_CERT_FILE", "MLFLOW_TRACKING_SERVER_CERT_PATH")  # what compose's worker trusts by
+
+
+def urls(obj) -> list[str]:
+    """Every string in `obj` (nested dicts and lists) that is a URL (not prose that mentions one)."""
+    if isinstance(obj, dict):
+        return [u for v in obj.values() for u in urls(v)]
+    if isinstance(obj, list):
+        return [u for v in obj for u in urls(v)]
+    return [obj] if isinstance(obj, str) and re.match(r"[a-z][a-z0-9+.-]*://", obj) else []
+
+
+def assert_https_and_trusted(env: dict, ca_in_container: set[str], where: str) -> None:
+    """Both servers' URLs set and https, and each library's CA setting names the mounted CA."""
+    assert env["PREFECT_API_URL"].startswith("https://") and env["MLFLOW_TRACKING_URI"].startswith("https://"), \
+        (where, env)
+    assert {env[v] for v in CA_VARS} <= ca_in_container and len({env[v] for v in CA_VARS}) == 1, (where, env)
+    assert not {"PREFECT_API_TLS_INSECURE_SKIP_VERIFY", "MLFLOW_TRACKING_INSECURE_TLS"} & set(env), where
+
+
+def test_every_path_a_flow_run_takes_is_https_verified_by_the_stacks_ca(tmp_path, monkeypatch):
+    """The docker pool (its base job template as the docker worker turns it into a container:
+    prefect-docker's own job configuration, prepared for a flow run by a worker whose own PREFECT_API_URL is
+    plain http), the Kubernetes pool (its template rendered with prefect-k8s.yaml's job variables by
+    Prefect's templating) and the multi-node Job: every Prefect and MLflow URL is https, the CA is mounted
+    read-only where PREFECT_API_SSL_CERT_FILE and MLFLOW_TRACKING_SERVER_CERT_PATH point (the variables
+    compose's worker gets from TLS_CA_FILE), and nothing turns verification off. The docker pool mounts the
+    CA from docker/.env's TLS_CA_FILE; a relative or missing one is refused with exit 2."""
+    from prefect.client.schemas.objects import FlowRun
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.utilities.templating import apply_values
+    from prefect_docker.worker import DockerWorkerJobConfiguration
+
+    # docker: the CA from the host path docker/.env names
+    ca = tmp_path / "ca.pem"
+    ca.write_text("-----BEGIN CERTIFICATE-----\n")
+    monkeypatch.setenv("TLS_CA_FILE", str(ca))
+    t = job_templates.template("docker")
+    assert [u for u in urls(t["variables"]) if not u.startswith("https://")] == []
+    values = {k: v["default"] for k, v in t["variables"]["properties"].items() if "default" in v}
+    with temporary_settings({PREFECT_API_URL: "http://127.0.0.1:4200/api"}):  # the worker's own, on the host
+        cfg = asyncio.run(DockerWorkerJobConfiguration.from_template_and_values(t, values))
+        cfg.prepare_for_flow_run(FlowRun(flow_id=uuid.uuid4(), name="fr-1"))
+    assert f"{ca}:{job_templates.CA_IN_CONTAINER}:ro" in cfg.volumes
+    assert_https_and_trusted(cfg.env, {job_templates.CA_IN_CONTAINER}, "docker pool")
+    # a public CA (docker/.env: a certificate, no TLS_CA_FILE): the names it signs, the system CAs
+    monkeypatch.delenv("TLS_CA_FILE")
+    public = {"TLS_CERT_FILE": "/etc/gpt2/tls/server.pem", "STACK_PREFECT_API_URL": "https://gpu1.example.org:4200/api",
+              "STACK_MLFLOW_TRACKING_URI": "https://gpu1.example.org:5000"}
+    for k, v in public.items():
+        monkeypatch.setenv(k, v)
+    props = job_templates.template("docker")["variables"]["properties"]
+    env = props["env"]["default"]
+    assert (env["PREFECT_API_URL"], env["MLFLOW_TRACKING_URI"]) == (public["STACK_PREFECT_API_URL"],
+                                                                    public["STACK_MLFLOW_TRACKING_URI"])
+    assert not set(CA_VARS) & set(env) and not [v for v in props["volumes"]["default"] if "/tls/" in v]
+    for bad, message in ((("TLS_CA_FILE", "docker/ca.pem"), "TLS_CA_FILE=docker/ca.pem is not an existing file"),
+                         (("TLS_CA_FILE", str(tmp_path / "no.pem")), f"TLS_CA_FILE={tmp_path / 'no.pem'} is not an"),
+                         (("STACK_MLFLOW_TRACKING_URI", "http://gpu1.example.org:5000"), "is not https")):
+        r = subprocess.run([sys.executable, str(DEPLOY / "job_templates.py"), "docker"], capture_output=True,
+                           text=True, env={**os.environ, bad[0]: bad[1]}, timeout=120)
+        assert r.returncode == 2 and message in r.stderr, r.stderr
+
+    # kubernetes: the pool's template with the deployment's job variables
+    t = job_templates.template("kubernetes")
+    jv = next(d for d in yaml.safe_load((DEPLOY / "prefect-k8s.yaml").read_text())["deployments"]
+              if d["name"] == "gpt2-124m")["work_pool"]["job_variables"]
+    defaults = {k: v["default"] for k, v in t["variables"]["properties"].items() if "default" in v}
+    for env in (defaults["env"], jv["env"]):  # a deployment without `env` gets the template's
+        job = apply_values(t["job_configuration"], {**defaults, **jv, "env": env, "name": "fr-1", "command": "x"})
+        pod = job["job_manifest"]["spec"]["template"]["spec"]
+        [c] = pod["containers"]
+        mounts = {m["name"]: m for m in c["volumeMounts"]}
+        volume = next(v for v in pod["volumes"] if v["name"] == "ca")
+        assert mounts["ca"]["readOnly"] is True and volume["configMap"]["name"] == "gpt2-ca"
+        in_container = {f"{mounts['ca']['mountPath']}/{item['path']}" for item in volume["configMap"]["items"]}
+        assert_https_and_trusted(c["env"], in_container, "kubernetes pool")
+        assert [u for u in urls(job) if not u.startswith("https://")] == []
+
+    # the multi-node Job: talks to neither server, so it holds no URL and no credential
+    docs = list(yaml.safe_load_all((DEPLOY / "k8s-multinode.yaml").read_text()))
+    assert urls(docs) == []
+    [c] = docs[1]["spec"]["template"]["spec"]["containers"]
+    assert "envFrom" not in c and not {e["name"] for e in c["env"]} & {
+        "PREFECT_API_AUTH_STRING", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"}
+    assert "http://" not in json.dumps(docs)

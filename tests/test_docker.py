@@ -89,16 +89,91 @@ def test_dockerfile_runs_as_non_root_and_bakes_in_no_secrets():
         users = re.findall(r"^USER (\S+)", st, flags=re.M)
         assert users and users[-1] == "1000:1000", "each image must end as the numeric non-root user"
     assert not re.search(r"^(ENV|ARG)\b.*(PASSWORD|TOKEN|SECRET)", text, flags=re.M | re.I)
-    # what the images COPY exists, and .dockerignore lets it through (but never docker/.env)
-    ignore = (ROOT / ".dockerignore").read_text().split()
-    allowed = {p.lstrip("!").rstrip("/") for p in ignore if p.startswith("!")}
-    assert "*" in ignore and "docker/.env" in ignore and ".venv" not in allowed
-    for line in re.findall(r"^COPY (.+)$", text, flags=re.M):
-        for src in line.split()[:-1]:
-            name = Path(src).parts[0]
-            assert (ROOT / src).exists() and name in allowed, (
-                f"COPY {src}: missing or excluded by .dockerignore"
-            )
+    # what goes into the build context: test_the_build_context_holds_only_what_the_images_copy
+
+
+# --- .dockerignore, read as Docker reads it ------------------------------------------------------------
+
+
+def dockerignore_rule(pattern: str) -> tuple[re.Pattern, bool]:
+    """One .dockerignore line as Docker compiles it (moby/patternmatcher, the rules on docs.docker.com
+    "dockerignore-files"): `!` makes an exception, the path is cleaned and relative to the context, `*` and
+    `?` stay within one path segment, `**` spans any number of segments. Returns (regex, exception)."""
+    exception = pattern.startswith("!")
+    pattern = os.path.normpath(pattern.removeprefix("!").strip()).lstrip("/")
+    out, i = "^", 0
+    while i < len(pattern):
+        ch = pattern[i]
+        if pattern.startswith("**", i):
+            i += 2
+            if pattern.startswith("/", i):
+                i += 1
+            out += ".*" if i >= len(pattern) else "(.*/)?"
+            continue
+        out += {"*": "[^/]*", "?": "[^/]"}.get(ch, re.escape(ch))
+        i += 1
+    return re.compile(out + "$"), exception
+
+
+def build_context_sends(path: str, rules: list[tuple[re.Pattern, bool]]) -> bool:
+    """Whether `docker build` sends the file `path`: the last rule that matches the path or one of its parent
+    folders decides (moby's MatchesOrParentMatches); none: sent."""
+    parts = path.split("/")
+    candidates = [path, *("/".join(parts[:n]) for n in range(1, len(parts)))]
+    excluded = False
+    for regex, exception in rules:
+        if any(regex.match(c) for c in candidates):
+            excluded = not exception
+    return not excluded
+
+
+def dockerignore_rules() -> list[tuple[re.Pattern, bool]]:
+    lines = (ROOT / ".dockerignore").read_text().splitlines()
+    return [dockerignore_rule(ln) for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
+
+
+def test_the_dockerignore_reader_follows_dockers_documented_examples():
+    """The examples of Docker's .dockerignore reference, so the test below reads the file as Docker does."""
+    def sends(patterns: list[str], path: str) -> bool:
+        return build_context_sends(path, [dockerignore_rule(p) for p in patterns])
+
+    assert not sends(["*/temp*"], "somedir/temporary.txt") and sends(["*/temp*"], "temp/x")
+    assert not sends(["*/*/temp*"], "somedir/subdir/temporary.txt")
+    assert not sends(["temp?"], "tempa") and sends(["temp?"], "tempab")
+    assert not sends(["**/*.go"], "a/b/c.go") and not sends(["**/*.go"], "c.go")
+    assert sends(["*.md", "!README.md"], "README.md") and not sends(["*.md", "!README.md"], "CHANGES.md")
+    assert not sends(["*.md", "!README*.md", "README-secret.md"], "README-secret.md")
+    assert sends(["*.md", "README-secret.md", "!README*.md"], "README-secret.md")
+    assert not sends(["build/"], "build/out/app.bin")  # a folder excludes everything under it
+
+
+def test_the_build_context_holds_only_what_the_images_copy():
+    """.dockerignore admits the files docker/Dockerfile's COPY lines name, and nothing else of the
+    repository: a key or certificate left in docker/ (or in any folder the images copy) stays out of the
+    images. Before, `!docker/` let all of docker/ in except `.env`, so `docker/server.key` went into the
+    trainer image with `COPY docker ./docker`."""
+    rules = dockerignore_rules()
+    r = run(["git", "-C", str(ROOT), "ls-files", "--cached", "--others", "--exclude-standard"])
+    assert r.returncode == 0, r.stderr
+    files = [f for f in r.stdout.splitlines() if (ROOT / f).is_file()]
+    sources = [src for line in re.findall(r"^COPY (.+)$", (DOCKER / "Dockerfile").read_text(), flags=re.M)
+               for src in line.split()[:-1] if not src.startswith("--")]
+    assert sources and "docker" not in sources  # docker/ is copied file by file
+
+    def copied(f: str) -> bool:
+        return any(f == src or f.startswith(src.rstrip("/") + "/") for src in sources)
+
+    for src in sources:  # everything a COPY names exists and is sent
+        under = [f for f in files if copied(f) and (f == src or f.startswith(src + "/"))]
+        assert under, f"COPY {src}: no such file in the repository"
+        blocked = [f for f in under if not build_context_sends(f, rules) and "__pycache__" not in f]
+        assert not blocked, f"COPY {src}: .dockerignore keeps out {blocked}"
+    extra = [f for f in files if build_context_sends(f, rules) and not copied(f)]
+    assert extra == [], f"sent to the build but copied by no COPY line: {extra}"
+    # a stray secret is never sent, wherever it is dropped
+    for stray in ("docker/server.key", "docker/anything.pem", "docker/.env", "docker/tls/server-key.pem",
+                  "docker/prod.env", "deployments/ca.pem", "gptcore/id.key", "integrations/cert.crt", ".env"):
+        assert not build_context_sends(stray, rules), f"{stray} would be sent to the build (and end up in an image)"
 
 
 # --- compose ----------------------------------------------------------------------------------------
@@ -132,7 +207,8 @@ def test_compose_stack(tmp_path):
     assert "ports" not in svc["postgres"]
     assert {p["published"] for s in svc.values() for p in s.get("ports", [])} == {"4200", "5000"}
 
-    # secrets: from the env file, wired into both servers, never in build args
+    # secrets: from the env file, wired into both servers (each its own role:
+    # test_each_server_connects_with_its_own_database_role), never in build args
     pw = "change-me-openssl-rand-hex-24"
     assert svc["postgres"]["environment"]["POSTGRES_PASSWORD"] == pw
     assert svc["prefect-server"]["environment"]["PREFECT_SERVER_DATABASE_PASSWORD"] == pw
@@ -168,7 +244,7 @@ def test_compose_stack(tmp_path):
     env = svc["prefect-server"]["environment"]
     assert env["PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE"] == LEASE_STORAGE
     assert mounts["prefect-server"][env["PREFECT_HOME"]] == ("volume", "prefect-home")
-    assert (DOCKER / "postgres-init.sql").read_text().count("CREATE DATABASE mlflow") == 1
+    assert (DOCKER / "postgres-init.sql").read_text().count("CREATE DATABASE mlflow OWNER mlflow") == 1
 
     # the worker: GPUs, the pool the gpt2-124m deployment uses, services by name, the entrypoint
     w = svc["worker"]
@@ -213,7 +289,8 @@ def test_compose_ports_and_gpus_are_configurable(tmp_path):
 
 
 CREDS = {"PREFECT_AUTH_STRING": "admin:0123456789abcdef", "MLFLOW_ADMIN_PASSWORD": "0123456789abcdef",
-         "MLFLOW_WORKER_PASSWORD": "fedcba9876543210"}
+         "MLFLOW_WORKER_PASSWORD": "fedcba9876543210",
+         "PREFECT_SERVER_ENCRYPTION_KEY": "cHJlZmVjdC1zZWNyZXQtYmxvY2tzLWtleS0zMmJ5dGU="}
 TLS = {"TLS_CERT_FILE": "/etc/gpt2/tls/server.pem", "TLS_KEY_FILE": "/etc/gpt2/tls/server-key.pem",
        "TLS_CA_FILE": "/etc/gpt2/tls/ca.pem"}
 
@@ -274,10 +351,60 @@ def test_an_exposed_stack_needs_credentials_and_tls(tmp_path, bind, creds, ok):
     assert missing.returncode == 2 and "TLS_KEY_FILE" in missing.stderr and "nope.pem" in missing.stderr
 
 
+def test_with_a_public_ca_the_stacks_clients_use_the_names_it_signs(tmp_path):
+    """A public CA signs only public names, never `prefect-server` or `mlflow`: docker/.env's
+    STACK_PREFECT_API_URL / STACK_MLFLOW_TRACKING_URI point the worker and mlflow-users at the public name
+    (verified by the system CAs: no TLS_CA_FILE); without them the service names stay (a private CA)."""
+    public = {"STACK_PREFECT_API_URL": "https://gpu1.example.org:4200/api",
+              "STACK_MLFLOW_TRACKING_URI": "https://gpu1.example.org:5000"}
+    base = [(DOCKER / ".env.example").read_text(), f"TLS_CERT_FILE={TLS['TLS_CERT_FILE']}",
+            f"TLS_KEY_FILE={TLS['TLS_KEY_FILE']}"]
+    for extra, urls in (([f"{k}={v}" for k, v in public.items()], tuple(public.values())),
+                        ([], ("https://prefect-server:4200/api", "https://mlflow:5000"))):
+        svc = json.loads(compose_config(tmp_path, [*base, *extra]).stdout)["services"]
+        for name in ("worker", "mlflow-users"):
+            env = svc[name]["environment"]
+            assert (env["PREFECT_API_URL"], env["MLFLOW_TRACKING_URI"], env["TLS_CA_FILE"]) == (*urls, ""), name
+
+
 def test_compose_refuses_to_start_without_a_password(tmp_path):
     r = compose_config(tmp_path, ["BIND_ADDRESS=127.0.0.1"])
     assert r.returncode != 0
     assert "POSTGRES_PASSWORD" in r.stderr and "docker/.env" in r.stderr
+
+
+def test_each_server_connects_with_its_own_database_role(tmp_path):
+    """Prefect and MLflow no longer share the image's superuser: the postgres service runs
+    docker/postgres-init.sql on its first start (which makes the roles `prefect` and `mlflow`;
+    tests/test_postgres_stack.py shows what they cannot do), and each server connects as its own role with
+    its own password from docker/.env. The superuser's password reaches the postgres service alone, and
+    Prefect's Secret-block key comes from docker/.env, not from Prefect's database."""
+    secrets = {"POSTGRES_PASSWORD": "superuser-password-0123", "PREFECT_DB_PASSWORD": "prefect-role-password-4567",
+               "MLFLOW_DB_PASSWORD": "mlflow-role-password-89ab",
+               "PREFECT_SERVER_ENCRYPTION_KEY": CREDS["PREFECT_SERVER_ENCRYPTION_KEY"]}
+    lines = [*(DOCKER / ".env.example").read_text().splitlines(), *[f"{k}={v}" for k, v in secrets.items()]]
+    r = compose_config(tmp_path, lines)
+    assert r.returncode == 0, r.stderr
+    svc = json.loads(r.stdout)["services"]
+    init = {m["target"]: m["source"] for m in svc["postgres"]["volumes"] if m["type"] == "bind"}
+    assert init == {"/docker-entrypoint-initdb.d/10-roles.sql": str(DOCKER / "postgres-init.sql")}
+    env = svc["prefect-server"]["environment"]
+    assert (env["PREFECT_SERVER_DATABASE_USER"], env["PREFECT_SERVER_DATABASE_PASSWORD"],
+            env["PREFECT_SERVER_DATABASE_NAME"]) == ("prefect", secrets["PREFECT_DB_PASSWORD"], "prefect")
+    assert env["PREFECT_SERVER_ENCRYPTION_KEY"] == secrets["PREFECT_SERVER_ENCRYPTION_KEY"]
+    _, uri = start_script(tmp_path, svc, "mlflow", MLFLOW_AUTH_DIR=str(tmp_path / "auth"),
+                          MLFLOW_AUTH_CONFIG=str(tmp_path / "auth.ini"))
+    assert uri == f"postgresql+psycopg2://mlflow:{secrets['MLFLOW_DB_PASSWORD']}@postgres:5432/mlflow"
+    # who holds which secret (exposure-check only reads them, to refuse weak ones)
+    holders = {"POSTGRES_PASSWORD": {"postgres"}, "PREFECT_DB_PASSWORD": {"postgres", "prefect-server"},
+               "MLFLOW_DB_PASSWORD": {"postgres", "mlflow"}, "PREFECT_SERVER_ENCRYPTION_KEY": {"prefect-server"}}
+    for var, names in holders.items():
+        assert {n for n, s in svc.items() if secrets[var] in json.dumps(s.get("environment", {}))} == \
+            names | {"exposure-check"}, var
+    # compose refuses to start without a role's password, naming it
+    for var in ("PREFECT_DB_PASSWORD", "MLFLOW_DB_PASSWORD"):
+        r = compose_config(tmp_path, [ln for ln in lines if not ln.startswith(f"{var}=")])
+        assert r.returncode != 0 and f"set {var} in docker/.env" in r.stderr, r.stderr
 
 
 def test_compose_multinode_trainer(tmp_path):
@@ -645,7 +772,9 @@ def test_docker_job_variables_are_accepted_by_docker_py(tmp_path):
     compose = yaml.safe_load((DOCKER / "docker-compose.yml").read_text())
     assert props["networks"]["default"] == [compose["networks"]["default"]["name"]]
     names = {k: v["name"] for k, v in compose["volumes"].items()}
-    assert props["volumes"]["default"] == [f"{names['data']}:/data", f"{names['runs']}:/data/runs"]
+    # ... and the CA that signed the servers' certificate (tests/test_deployments.py: https on every path)
+    assert props["volumes"]["default"] == [f"{names['data']}:/data", f"{names['runs']}:/data/runs",
+                                           "/etc/gpt2/tls/ca.pem:/tls/ca.pem:ro"]
 
 
 def test_k8s_template_renders_a_gpu_job(tmp_path):
@@ -671,7 +800,7 @@ def test_k8s_template_renders_a_gpu_job(tmp_path):
     pod = job["spec"]["template"]["spec"]
     c = pod["containers"][0]
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 8 and c["image"] == jv["image"]
-    assert {m["mountPath"] for m in c["volumeMounts"]} == {"/data", "/dev/shm"}
+    assert {m["mountPath"] for m in c["volumeMounts"]} == {"/data", "/dev/shm", "/tls"}  # /tls: the stack's CA
     # credentials for servers with authentication on, from the Secret gpt2-auth when it exists
     assert c["envFrom"] == [{"secretRef": {"name": "gpt2-auth", "optional": True}}]
     vols = {v["name"]: v for v in pod["volumes"]}
@@ -754,10 +883,11 @@ def test_compose_mlflow_start_script_turns_basic_auth_on_with_an_admin_password(
     args, uri = start_script(tmp_path, svc, "mlflow", MLFLOW_AUTH_CONFIG=str(ini),
                              MLFLOW_AUTH_DIR=str(tmp_path / "mlflow-auth"))
     assert args[:2] == ["mlflow", "server"] and ("--app-name" in args) == bool(admin_password)
-    assert uri == "postgresql+psycopg2://gpt2:change-me-openssl-rand-hex-24@postgres:5432/mlflow"
+    assert uri == "postgresql+psycopg2://mlflow:change-me-openssl-rand-hex-24@postgres:5432/mlflow"
     assert "change-me-openssl-rand-hex-24" not in " ".join(args)
     if admin_password:
-        assert args[args.index("--app-name") + 1] == "basic-auth"
+        # MLflow's basic-auth app, wrapped by integrations/mlflow_app.py (only admins choose artifact locations)
+        assert args[args.index("--app-name") + 1] == "gptpipe-auth"
         text = ini.read_text()
         assert f"admin_password = {admin_password}\n" in text and "default_permission = NO_PERMISSIONS\n" in text
         assert oct(ini.stat().st_mode & 0o777) == "0o600"  # it holds the admin password

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -96,7 +97,10 @@ def test_end_to_end_then_rerun_is_a_no_op(prefect_stack):
     shards = arts["e2e-shards"]
     assert {r["split"] for r in shards} == {"train", "val"} and sum(r["tokens"] for r in shards) > 100_000
     assert {r["metric"] for r in arts["e2e-eval"]} >= {"val_loss", "hellaswag_acc", "hellaswag_acc_norm"}
-    assert f"{prefect_stack.mlflow_uri}/#/models/micro-e2e/versions/1" in arts["e2e-mlflow"]
+    # MLflow's UI opens in GenAI mode without the workflowType
+    assert (f"{prefect_stack.mlflow_uri}/#/models/micro-e2e/versions/1?workflowType=machine_learning"
+            in arts["e2e-mlflow"])
+    assert re.search(r"/#/experiments/\d+/runs/\w+\?workflowType=machine_learning\)", arts["e2e-mlflow"])
     assert summary["sample"] in arts["e2e-sample"]
     assert arts["e2e-training"] == 100  # the train task's progress artifact reached the end
     board = arts["leaderboard-micro-e2e"]  # the registered versions, side by side (tasks/leaderboard.py)
@@ -160,6 +164,32 @@ def test_end_to_end_then_rerun_is_a_no_op(prefect_stack):
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert set(out["stages"].values()) == {"skipped"} and out["heavy"] == [], out
+
+
+def test_a_rerun_that_adds_an_evaluation_brings_its_scores_to_the_model(prefect_stack):
+    """A finished run, run again with eval.harness_tasks added: the evaluate stage scores the harness task,
+    and the register stage runs (the version holds the checkpoint but its logged model lacks those metrics),
+    so the scores reach the logged model and the leaderboard. It used to skip register ("holds this
+    checkpoint") and the scores never left eval.json."""
+    from mlflow import MlflowClient
+
+    params = micro("addeval", 4)
+    fr = run_deployment_and_wait(params)
+    assert fr.state.is_completed(), fr.state.message
+    params["overrides"].update({"eval.harness_tasks": "arc_easy", "eval.harness_limit": 8})
+    fr2 = run_deployment_and_wait(params)
+    assert fr2.state.is_completed(), fr2.state.message
+    arts = artifacts(fr2.id)
+    s2 = {r["key"]: json.loads(r["value"]) for r in arts["pretrain-summary"]}
+    assert (s2["stages"]["train"], s2["stages"]["evaluate"], s2["stages"]["register"]) == ("skipped", "ran", "ran")
+    assert s2["model_version"] == "models:/micro-addeval/1"  # the same version, not a new one
+    arc = json.loads((Path(s2["checkpoint"]) / "eval.json").read_text())["harness"]["arc_easy"]
+    mlc = MlflowClient(prefect_stack.mlflow_uri, registry_uri=prefect_stack.mlflow_uri)
+    mv = mlc.get_model_version("micro-addeval", "1")
+    logged = {m.key: m.value for m in mlc.get_logged_model(mv.source.removeprefix("models:/")).metrics}
+    assert logged["harness/arc_easy/acc"] == pytest.approx(arc["acc"])
+    board = arts["leaderboard-micro-addeval"]
+    assert [r["version"] for r in board] == [1] and board[0]["harness_arc_easy_acc"] == pytest.approx(arc["acc"])
 
 
 def automations_script(stack, *args) -> subprocess.CompletedProcess:
@@ -311,7 +341,7 @@ def test_bad_parameters_fail_the_flow_run_early(prefect_stack):
            "unknown config key 'train.max_stepz'": {"preset": "micro", "overrides": {"train.max_stepz": 3}},
            "nproc must be an integer >= 0": {"preset": "micro", "nproc": -1},
            "wait_seconds must be >= 0": {"preset": "micro", "wait_seconds": -5},
-           "is not a usable registered-model name": {"preset": "micro", "model_name": "bad name/x"},
+           "model_name 'bad name/x' is not a usable name": {"preset": "micro", "model_name": "bad name/x"},
            "is not a Dask scheduler address": {"preset": "micro", "dask_address": "scheduler:8786"},
            "train.run_name '../x' is not a usable name": {"preset": "micro",
                                                           "overrides": {"train.run_name": "../x"}},

@@ -159,6 +159,49 @@ def test_tampered_weights_are_refused_by_the_command_and_the_sample_stage(mlflow
     assert generate.main(["models:/tampered@best", "--prompt", "x", "--tracking-uri", uri]) == 2
 
 
+def test_a_meta_json_without_its_hash_or_with_an_absurd_shape_is_refused_before_the_weights(
+        mlflow_server, tmp_path, capsys):
+    """Someone with EDIT on a model rewrites a version's meta.json: without model_sha256 (so nothing ties it to
+    the weights) or with a model shape that would exhaust the worker's memory. Both are refused from meta.json
+    alone, naming the fix (re-register), before the weights are downloaded or any tensor is built; a local
+    checkpoint with such a shape too."""
+    import json
+
+    from gptcore.checkpoints.run_files import CheckpointError
+    from integrations.registry_weights import fetch_verified
+    from tasks import evaluate as evaluate_cli
+
+    uri = mlflow_server.uri
+    mlc = MlflowClient(uri, registry_uri=uri)
+    ck = save_ckpt(tmp_path / "unsound", 4, 8.8, seed=43)
+    reg = register.register_checkpoint(ck, model_name="unsound", tracking_uri=uri, hf=False)
+    stored_meta = stored_weights(mlflow_server, mlc, "unsound", reg["version"]).parent / "meta.json"
+    good = json.loads(stored_meta.read_text())
+    no_hash = {k: v for k, v in good.items() if k != "model_sha256"}
+    huge = {**good, "model_config": {**good["model_config"], "vocab_size": 2 ** 40}}  # 4 TB of embedding
+    deep = {**good, "model_config": {**good["model_config"], "n_layer": 100_000}}
+    for meta, why in ((no_hash, "records no model_sha256"), (huge, "model.vocab_size=1,099,511,627,776 is over"),
+                      (deep, "model.n_layer=100,000 is over")):
+        stored_meta.write_text(json.dumps(meta))
+        dst = tmp_path / "fetched"
+        with pytest.raises(generate.UntrustedWeights, match=f"model 'unsound' version {reg['version']} .*{why}"):
+            fetch_verified("models:/unsound@best", dst, uri)
+        assert not (dst / "model.safetensors").exists()  # refused from meta.json alone
+        with pytest.raises(generate.UntrustedWeights, match="re-register the checkpoint"):
+            generate.load("models:/unsound@best", uri)
+        assert generate.main(["models:/unsound@best", "--prompt", "x", "--tracking-uri", uri]) == 2
+        assert evaluate_cli.main(["models:/unsound@best", "--no-hellaswag", "--tracking-uri", uri]) == 2
+        assert why in capsys.readouterr().err
+    stored_meta.write_text(json.dumps(good))
+    assert generate.load("models:/unsound@best", uri).sha256 == reg["tags"]["checkpoint_sha256"]
+
+    local = tmp_path / "local"  # a checkpoint directory whose meta.json keeps its hash but not a sane shape
+    shutil.copytree(ck, local)
+    (local / "meta.json").write_text(json.dumps(huge))
+    with pytest.raises(CheckpointError, match="no usable model_config .*vocab_size"):
+        generate.load(str(local))
+
+
 def test_unsupported_uris_are_one_error_line(tmp_path, capsys):
     assert generate.main([str(tmp_path), "--prompt", "x"]) == 2
     assert "neither a registered model nor a checkpoint directory" in capsys.readouterr().err

@@ -12,7 +12,7 @@ import torch
 from lm_eval.api.instance import Instance
 from lm_eval.models.huggingface import HFLM
 
-from gptcore.config import ModelConfig
+from gptcore.config import CODE_ROOTS, ModelConfig
 from gptcore.harness import GPTHarness, run_tasks
 from gptcore.hf import export_hf
 from gptcore.model import GPT
@@ -32,6 +32,13 @@ def model() -> GPT:
         for p in gpt.parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.2)
     return gpt
+
+
+@pytest.fixture(autouse=True)
+def code_root(tmp_path, monkeypatch):
+    """The tests' task folders live under tmp_path: the operator's allowed code root (GPTPIPE_CODE_ROOTS)."""
+    monkeypatch.setenv(CODE_ROOTS, str(tmp_path))
+    return tmp_path
 
 
 def requests(kind: str, args: list[tuple]) -> list[Instance]:
@@ -150,6 +157,74 @@ def test_the_evaluate_command_scores_a_checkpoint_on_harness_tasks(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout)
     assert out["harness"]["toy_choice"]["n"] == 12 and "acc_norm_stderr" in out["harness"]["toy_choice"]
+
+
+# --- task code only from the operator's roots -----------------------------------------------------------
+
+def evil_task(folder, marker):
+    """A task folder whose YAML runs Python when the task loads (`process_docs: !function evil.f`): evil.py
+    writes `marker` on import."""
+    toy_task(folder, n=4, name="evil")
+    with open(folder / "evil.yaml", "a") as f:
+        f.write("process_docs: !function evil.f\n")
+    (folder / "evil.py").write_text(f"from pathlib import Path\nPath({str(marker)!r}).write_text('ran')\n"
+                                    "def f(dataset):\n    return dataset\n")
+    return folder
+
+
+def test_task_code_loads_only_from_an_allowed_root(tmp_path, monkeypatch):
+    """eval.harness_include_path names a folder whose task YAMLs can run Python, so it must resolve (symlinks
+    followed) under a root the operator lists in GPTPIPE_CODE_ROOTS: outside it the evaluate command exits
+    2 naming the setting, the path and the fix, and the task's code never runs: given on the command line
+    or recorded in a checkpoint's (a registered version's) meta.json. Inside it, the same folder runs."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from gptcore.checkpoints import checkpoint
+    from gptcore.config import ConfigError, check_code_path, load_config
+
+    repo, marker = Path(__file__).resolve().parents[1], tmp_path / "marker"
+    folder = evil_task(tmp_path / "outside" / "tasks", marker)
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    (allowed / "link").symlink_to(folder)  # inside the root by name, outside once resolved
+    cfg = load_config("micro", ["train.run_name=evil", f"eval.harness_include_path={folder}"])  # allowed now
+    ckpt = checkpoint.save_checkpoint(tmp_path / "run", 5, model(), {"optimizer": {}},
+                                      {"config": cfg.to_dict(), "run_name": "evil"}, keep_last=3)
+
+    def evaluate(root: Path, *extra: str) -> subprocess.CompletedProcess:
+        env = dict(os.environ, **{CODE_ROOTS: str(root)})
+        return subprocess.run([sys.executable, "-m", "gptcore.evaluate", str(ckpt), "--no-hellaswag", "--tasks",
+                               "evil", "--device", "cpu", *extra], env=env, capture_output=True, text=True,
+                              timeout=600, cwd=repo)
+
+    for extra in (["--include-path", str(folder)], []):  # given, or taken from the checkpoint's meta.json
+        r = evaluate(allowed, *extra)
+        assert r.returncode == 2, r.stderr[-3000:]
+        assert f"eval.harness_include_path={str(folder)!r} (resolved: {folder}) is outside the folders allowed " \
+               f"to hold task code ({CODE_ROOTS}: {allowed})" in r.stderr, r.stderr[-3000:]
+        assert "Fix: put the task folder under an allowed root" in r.stderr
+        assert not marker.exists()
+    monkeypatch.setenv(CODE_ROOTS, str(allowed))
+    for where in (folder, allowed / "link", allowed / ".." / "outside" / "tasks"):
+        with pytest.raises(ConfigError, match=r"is outside the folders allowed to hold task code"):
+            check_code_path("eval.harness_include_path", str(where))
+        with pytest.raises(ConfigError, match=r"is outside the folders allowed"):  # the harness checks too
+            run_tasks(model(), ["evil"], "cpu", include_path=str(where))
+    monkeypatch.delenv(CODE_ROOTS)  # unset: no folder at all
+    with pytest.raises(ConfigError, match=rf"\({CODE_ROOTS}: unset\)"):
+        load_config("micro", [f"eval.harness_include_path={allowed}"])
+    monkeypatch.setenv(CODE_ROOTS, "relative/tasks")
+    with pytest.raises(ConfigError, match=rf"{CODE_ROOTS} entry 'relative/tasks' is not an absolute path"):
+        load_config("micro", [f"eval.harness_include_path={allowed}"])
+    assert not marker.exists()
+
+    # the operator's root: the very same folder loads, and its code runs (so the refusals above mattered)
+    r = evaluate(folder.parent, "--include-path", str(folder))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert marker.read_text() == "ran" and json.loads(r.stdout)["harness"]["evil"]["n"] == 4
 
 
 # --- eval.harness_dtype: the precision harness log-likelihoods are scored in ---------------------------

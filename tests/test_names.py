@@ -92,3 +92,77 @@ def test_flow_overrides_must_write_inside_home(tmp_path, monkeypatch):
     cfg = check_config("micro", {"train.run_dir": str(outside / "run"), "data.dataset_dir": str(outside / "ds")}, 1)
     assert cfg.train.run_dir == str(outside / "run")
     assert sorted(p.name for p in outside.iterdir()) == ["corpus"]  # checking wrote nothing
+
+
+def test_one_name_rule_for_models_and_experiments(tmp_path, monkeypatch, capsys):
+    """The flow's model_name, `tasks.register --name` and an experiment name (`integrations.tracking
+    --experiment`) follow check_name, as run and dataset names do: no '..', no path, at most NAME_MAX."""
+    from flows.pretrain import check_params
+    from integrations import tracking
+    from tasks import register
+
+    check_params(1, 0, "gpt2-124m")
+    for bad in ("a..b", "x" * (NAME_MAX + 1), "../x", "a/b", "a'b"):
+        with pytest.raises(ConfigError, match=rf"^model_name {bad!r} {RULE}"):
+            check_params(1, 0, bad)
+    monkeypatch.setenv("GPTPIPE_HOME", str(tmp_path / "home"))
+    (tmp_path / "run").mkdir()
+    for bad in ("a..b", "x" * (NAME_MAX + 1)):
+        assert register.main([str(tmp_path / "ckpt"), "--name", bad]) == 2
+        assert f"error: --name {bad!r} {RULE}" in capsys.readouterr().err
+        assert tracking.main([str(tmp_path / "run"), "--experiment", bad]) == 2
+        assert f"error: --experiment {bad!r} {RULE}" in capsys.readouterr().err
+    assert not (tmp_path / "home").exists()  # refused before any store was opened
+
+
+def test_every_mlflow_filter_value_goes_through_quoted():
+    """MLflow's filter grammar has no escape, so a value is put in a filter only by mlflow_store.quoted
+    (which refuses quotes); a hand-written '{value}' literal in an f-string is how one slipped through."""
+    import re
+
+    hand_quoted = re.compile(r"""\s(=|!=|LIKE|ILIKE)\s*'\{[A-Za-z_]""", re.IGNORECASE)  # e.g. name = '{name}'
+    found = [f"{p.relative_to(REPO)}:{n}: {line.strip()}"
+             for top in ("tasks", "integrations", "flows", "gptcore", "devstack") for p in (REPO / top).rglob("*.py")
+             for n, line in enumerate(p.read_text().splitlines(), 1) if hand_quoted.search(line)]
+    assert not found, found
+
+
+def test_flow_write_dirs_are_never_the_servers_state_nor_another_runs(tmp_path, monkeypatch):
+    """<home>/services (the TLS key, the MLflow auth config), the MLflow store and its auth folder, Prefect's
+    home and another run's directory are refused as train.run_dir / data.dataset_dir, even on a worker that
+    allows directories outside GPTPIPE_HOME; the run's own directory stays allowed."""
+    from flows.pretrain import ALLOW_OUTSIDE_HOME, check_config
+
+    home, auth = tmp_path / "home", tmp_path / "mlflow-auth"
+    runs = home / "runs"
+    for d in (home / "services" / "tls", home / "mlflow" / "auth", home / "prefect", runs / "victim", runs / "micro",
+              auth):
+        d.mkdir(parents=True)
+    (runs / "victim" / "run.json").write_text(json.dumps({"run_name": "victim"}))
+    (runs / "micro" / "run.json").write_text(json.dumps({"run_name": "micro"}))
+    (home / "services" / "link").symlink_to(runs / "victim")  # resolved: still the victim's directory
+    monkeypatch.setenv("GPTPIPE_HOME", str(home))
+    monkeypatch.setenv("MLFLOW_AUTH_DIR", str(auth))
+    before = listing(tmp_path)
+    for allow in ("", "1"):
+        monkeypatch.setenv(ALLOW_OUTSIDE_HOME, allow)
+        for key in ("train.run_dir", "data.dataset_dir"):
+            for where, why in ((home / "services", "the servers' own state"),
+                               (home / "services" / "tls", "the servers' own state"),
+                               (home / "mlflow" / "auth", "the servers' own state"),
+                               (home / "mlflow", "the servers' own state"),
+                               (home / "prefect" / "x", "the servers' own state"),
+                               (runs, "holds every run's directory"),
+                               (runs / "victim", "the directory of run 'victim'"),
+                               (home / "services" / "link", "the directory of run 'victim'"),
+                               (runs / "micro" / "checkpoints", "the directory of run 'micro'")):
+                with pytest.raises(ConfigError, match=rf"^{key}=.* resolves to .*{why}.*must not write there"):
+                    check_config("micro", {key: str(where)}, 1)
+        for key in ("train.run_dir", "data.dataset_dir"):  # MLflow's auth folder, outside the home
+            with pytest.raises(ConfigError, match="the servers' own state" if allow else "not a directory inside"):
+                check_config("micro", {key: str(auth / "x")}, 1)
+        with pytest.raises(ConfigError, match="the directory of run 'micro'"):  # a run dir is no dataset dir
+            check_config("micro", {"data.dataset_dir": str(runs / "micro")}, 1)
+        check_config("micro", {"train.run_dir": str(runs / "micro")}, 1)  # its own directory
+        check_config("micro", {"train.run_dir": str(runs / "new"), "data.dataset_dir": str(home / "shards" / "x")}, 1)
+    assert listing(tmp_path) == before  # checking wrote nothing

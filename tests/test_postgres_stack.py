@@ -5,7 +5,8 @@ the prefect-server service's PREFECT_SERVER_DATABASE_* settings and the mlflow s
 in the exposed configuration: Prefect basic auth, MLflow's basic-auth app with the worker account, and
 https with a certificate signed by a CA made for the test. One flow run of pretrain/tiny end to end (train,
 register, sample) through the servers; its records read back from PostgreSQL itself; a client without the
-CA refused by both servers."""
+CA refused by both servers. Each server connects as its own role (docker/postgres-init.sql), which is no
+superuser and cannot open the other's database; Prefect's Secret-block key is not in its database."""
 
 from __future__ import annotations
 
@@ -16,12 +17,15 @@ import urllib.request
 from pathlib import Path
 
 import psutil
+import psycopg2
 import pytest
 import yaml
+from cryptography.fernet import Fernet
 
 from devstack.demo import deploy
 from devstack.services import Auth, Stack, mlflow_trusting
 from integrations.mlflow_store import signed_in_as
+from integrations.secrets import PASSWORD_BLOCK, save_mlflow_credentials
 from tests.postgres import postgres  # noqa: F401  (the fixture)
 from tests.prefect_stack import artifacts, run_deployment_and_wait
 
@@ -29,25 +33,30 @@ pytestmark = pytest.mark.slow
 COMPOSE = Path(__file__).resolve().parent.parent / "docker" / "docker-compose.yml"
 AUTH = Auth(prefect="admin:prefect-pg-password-1", mlflow_admin_password="admin-pg-password-2",
             mlflow_worker_password="worker-pg-password-3")
+ENCRYPTION_KEY = Fernet.generate_key().decode()  # docker/.env's PREFECT_SERVER_ENCRYPTION_KEY
 
 
 def compose_database_settings(pg) -> tuple[dict[str, str], dict[str, str]]:
-    """The prefect-server service's PREFECT_SERVER_DATABASE_* and the mlflow service's POSTGRES_* settings,
-    as compose gives them, pointed at this cluster (host, port, user, password; driver and names unchanged:
-    start-mlflow.sh builds the URI from them as it does in the container)."""
+    """The prefect-server service's PREFECT_SERVER_DATABASE_* (and its Secret-block key) and the mlflow
+    service's POSTGRES_* settings, as compose gives them, pointed at this cluster (host, port, the
+    password of the role compose names; driver, role and database names unchanged: start-mlflow.sh builds
+    the URI from them as it does in the container)."""
     services = yaml.safe_load(COMPOSE.read_text())["services"]
     env = {k: str(v) for k, v in services["prefect-server"]["environment"].items()
            if k.startswith("PREFECT_SERVER_DATABASE_")}
     assert env["PREFECT_SERVER_DATABASE_DRIVER"] == "postgresql+asyncpg"
     assert env["PREFECT_SERVER_DATABASE_NAME"] == "prefect"
+    assert env["PREFECT_SERVER_DATABASE_USER"] == "prefect"  # its own role, not the superuser
     env.update(PREFECT_SERVER_DATABASE_HOST=pg.host, PREFECT_SERVER_DATABASE_PORT=str(pg.port),
-               PREFECT_SERVER_DATABASE_USER=pg.user, PREFECT_SERVER_DATABASE_PASSWORD=pg.password)
+               PREFECT_SERVER_DATABASE_PASSWORD=pg.role_passwords["prefect"],
+               PREFECT_SERVER_ENCRYPTION_KEY=ENCRYPTION_KEY)
+    assert "PREFECT_SERVER_ENCRYPTION_KEY" in services["prefect-server"]["environment"]
     mlflow = services["mlflow"]
     assert mlflow["entrypoint"] == ["sh", "/start-mlflow.sh"]
-    assert {"POSTGRES_USER", "POSTGRES_PASSWORD"} <= set(mlflow["environment"])
+    assert mlflow["environment"]["POSTGRES_USER"] == "mlflow" and "POSTGRES_PASSWORD" in mlflow["environment"]
     assert "MLFLOW_BACKEND_STORE_URI" not in mlflow["environment"]  # the script builds it
-    return env, {"POSTGRES_USER": pg.user, "POSTGRES_PASSWORD": pg.password, "POSTGRES_HOST": pg.host,
-                 "POSTGRES_PORT": str(pg.port)}
+    return env, {"POSTGRES_USER": "mlflow", "POSTGRES_PASSWORD": pg.role_passwords["mlflow"],
+                 "POSTGRES_HOST": pg.host, "POSTGRES_PORT": str(pg.port)}
 
 
 def refused_without_the_ca(url: str) -> str:
@@ -84,10 +93,10 @@ def test_flow_run_end_to_end_on_postgres(postgres, tmp_path):  # noqa: F811
                 urllib.request.urlopen(urllib.request.Request(url, data=b"{}", headers={
                     "Content-Type": "application/json"}), timeout=10, context=tls)
             assert e.value.code == 401, url
-        # the password reaches the servers through their environment only
-        for svc in (stack.prefect, stack.mlflow):
+        # the passwords reach the servers through their environment only
+        for svc, role in ((stack.prefect, "prefect"), (stack.mlflow, "mlflow")):
             pid = svc.state()["pid"]
-            assert pg.password not in " ".join(psutil.Process(pid).cmdline()), svc.name
+            assert pg.role_passwords[role] not in " ".join(psutil.Process(pid).cmdline()), svc.name
         deploy(stack, force=True)
         params = {"preset": "micro", "model_name": "micro-pg",
                   "overrides": {"train.max_steps": 4, "train.run_name": "pg", "train.checkpoint_interval": 4,
@@ -101,6 +110,16 @@ def test_flow_run_end_to_end_on_postgres(postgres, tmp_path):  # noqa: F811
             with get_client(sync_client=True) as c, pytest.raises(Exception, match="CERTIFICATE_VERIFY_FAILED"):
                 c.read_work_pools()
         with temporary_settings(stack.prefect_settings()):
+            save_mlflow_credentials(AUTH.mlflow_worker, AUTH.mlflow_worker_password)  # the docker pool's blocks
+            # every table belongs to the server's own role (it ran its migrations as that role)
+            for db in ("prefect", "mlflow"):
+                assert pg.query(db, "SELECT DISTINCT tableowner FROM pg_tables WHERE schemaname = 'public'") == [(db,)]
+            # Prefect's Secret blocks: encrypted with docker/.env's key, which is nowhere in its database (without
+            # the key, Prefect stores its own in the `configuration` table, beside the blocks)
+            assert pg.query("prefect", "SELECT key FROM configuration WHERE key = 'ENCRYPTION_KEY'") == []
+            [(stored,)] = pg.query("prefect", "SELECT data FROM block_document WHERE name = %s", (PASSWORD_BLOCK,))
+            assert isinstance(stored, str) and AUTH.mlflow_worker_password not in stored  # a Fernet token (JSON string)
+            assert AUTH.mlflow_worker_password in Fernet(ENCRYPTION_KEY.encode()).decrypt(stored.encode()).decode()
             fr = run_deployment_and_wait(params, timeout=240)
             assert fr.state.is_completed(), fr.state.message
             summary = {r["key"]: json.loads(r["value"]) for r in artifacts(fr.id)["pretrain-summary"]}
@@ -126,3 +145,36 @@ def test_flow_run_end_to_end_on_postgres(postgres, tmp_path):  # noqa: F811
             [("COMPLETED",)]
     finally:
         stack.down()
+
+
+ROLES = {"prefect": "mlflow", "mlflow": "prefect"}  # each server's role -> the other server's database
+
+
+@pytest.mark.parametrize("role, other", ROLES.items())
+def test_each_server_role_is_confined_to_its_own_database(postgres, role, other):  # noqa: F811
+    """The roles docker/postgres-init.sql makes (run by tests/postgres.py as the postgres image runs it):
+    each works in its own database, cannot even connect to the other's (Prefect's holds the Secret blocks,
+    MLflow's the registry), and is no superuser, so a leaked server password cannot run commands on the
+    database host (`COPY ... TO PROGRAM`), read its files or make roles."""
+    pg = postgres
+    assert pg.query("postgres", "SELECT rolsuper, rolcreaterole, rolcreatedb, rolreplication, rolbypassrls "
+                    "FROM pg_roles WHERE rolname = %s", (role,)) == [(False, False, False, False, False)]
+    table = f"probe_{role}"
+    pg.query(role, f"CREATE TABLE {table} (v text); INSERT INTO {table} VALUES ('mine'); "
+                   f"SELECT v FROM {table}", role=role)  # its own database: owner, reads and writes
+    try:
+        with pytest.raises(psycopg2.OperationalError, match=f'permission denied for database "{other}"'):
+            pg.connect(other, role=role)
+        conn = pg.connect(role, role=role)
+        try:
+            for sql, why in ((f"COPY (SELECT 1) TO PROGRAM 'id > /tmp/{role}-was-here'", "pg_execute_server_program"),
+                             ("SELECT pg_read_file('/etc/passwd')", "permission denied for function pg_read_file"),
+                             ("CREATE ROLE intruder", "permission denied to create role"),
+                             (f"SET ROLE {other}", f'permission denied to set role "{other}"')):
+                with conn.cursor() as cur, pytest.raises(psycopg2.errors.InsufficientPrivilege, match=why):
+                    cur.execute(sql)
+                conn.rollback()
+        finally:
+            conn.close()
+    finally:
+        pg.query(role, f"DROP TABLE {table}; SELECT 1", role=role)

@@ -31,6 +31,10 @@ GOOD = {  # what an exposed stack needs: passwords of 16+ characters, no placeho
     "MLFLOW_WORKER_PASSWORD": "fedcba9876543210",
     "TLS_CERT_FILE": "/etc/gpt2/tls/server.pem",
     "TLS_KEY_FILE": "/etc/gpt2/tls/server-key.pem",
+    "PREFECT_SERVER_ENCRYPTION_KEY": "cHJlZmVjdC1zZWNyZXQtYmxvY2tzLWtleS0zMmJ5dGU=",  # a Fernet key
+    # the servers' database roles (.env.example has placeholders for them)
+    "PREFECT_DB_PASSWORD": "0123456789abcdef-prefect",
+    "MLFLOW_DB_PASSWORD": "0123456789abcdef-mlflow",
 }
 
 
@@ -89,23 +93,26 @@ def test_exposure_check_refuses_the_env_example_placeholders(tmp_path):
     example = (DOCKER / ".env.example").read_text()
     uncommented = [ln[2:] for ln in example.splitlines()
                    if ln.startswith(("# PREFECT_AUTH_STRING=", "# MLFLOW_ADMIN_PASSWORD=", "# MLFLOW_WORKER_PASSWORD=",
-                                     "# MLFLOW_SECRET_KEY="))]
-    assert len(uncommented) == 4, uncommented
+                                     "# MLFLOW_SECRET_KEY=", "# PREFECT_SERVER_ENCRYPTION_KEY="))]
+    assert len(uncommented) == 5, uncommented
     r = exposure_check(tmp_path, "\n".join([example, "BIND_ADDRESS=0.0.0.0", *uncommented]))
     assert r.returncode == 1
     assert r.stderr.startswith("error: BIND_ADDRESS=0.0.0.0 ") and "docker/.env" in r.stderr
     problems = [ln for ln in r.stderr.splitlines() if ln.startswith("  - ")]
     names = ["PREFECT_AUTH_STRING", "MLFLOW_ADMIN_PASSWORD", "MLFLOW_WORKER_PASSWORD", "POSTGRES_PASSWORD",
-             "MLFLOW_SECRET_KEY", "TLS_CERT_FILE"]
+             "PREFECT_DB_PASSWORD", "MLFLOW_DB_PASSWORD", "MLFLOW_SECRET_KEY", "PREFECT_SERVER_ENCRYPTION_KEY",
+             "TLS_CERT_FILE"]
     assert [p.split()[1] for p in problems] == names, r.stderr
-    for line in problems[:-1]:  # each names its variable, says why and how to fix it
+    for line in problems[:-2]:  # each names its variable, says why and how to fix it
         assert "placeholder" in line and "openssl rand -hex 16" in line, line
+    assert "not a Fernet key" in problems[-2] and "openssl rand -base64 32" in problems[-2]
     assert "clear text" in problems[-1] and "ALLOW_PLAIN_HTTP=1" in problems[-1]
     assert "change-me-openssl-rand-hex-24" not in r.stderr  # values are not echoed
 
 
 @pytest.mark.parametrize("var", ["PREFECT_AUTH_STRING", "MLFLOW_ADMIN_PASSWORD", "MLFLOW_WORKER_PASSWORD",
-                                 "POSTGRES_PASSWORD", "MLFLOW_SECRET_KEY"])
+                                 "POSTGRES_PASSWORD", "PREFECT_DB_PASSWORD", "MLFLOW_DB_PASSWORD",
+                                 "MLFLOW_SECRET_KEY"])
 def test_exposure_check_refuses_passwords_shorter_than_16(tmp_path, var):
     def value(n: int) -> str:
         return ("admin:" if var == "PREFECT_AUTH_STRING" else "") + "a1b2c3d4e5f6a7b8c9"[:n]
@@ -118,6 +125,23 @@ def test_exposure_check_refuses_passwords_shorter_than_16(tmp_path, var):
     assert "15 characters long, fewer than 16" in problems[0] and "openssl rand -hex 16" in problems[0]
     assert value(15).split(":")[-1] not in short.stderr
     assert exposure_check(tmp_path, env_text(**{**base, var: value(16)})).returncode == 0
+
+
+@pytest.mark.parametrize("key, problem", [
+    ("", "PREFECT_SERVER_ENCRYPTION_KEY is not set, so Prefect would keep the key to its Secret blocks in its "
+         "own database"),
+    ("0123456789abcdef0123456789abcdef", "PREFECT_SERVER_ENCRYPTION_KEY is not a Fernet key"),  # hex, not base64
+])
+def test_exposure_check_refuses_a_stack_without_prefect_encryption_key(tmp_path, key, problem):
+    """Unset, the Prefect server makes its own key for Secret blocks and stores it in its database, beside
+    the blocks (the MLflow worker password among them): whoever reads that database decrypts them."""
+    base = {**GOOD, "POSTGRES_PASSWORD": "0123456789abcdef0123"}
+    r = exposure_check(tmp_path, env_text(**{**base, "PREFECT_SERVER_ENCRYPTION_KEY": key}))
+    assert r.returncode == 1
+    problems = [ln for ln in r.stderr.splitlines() if ln.startswith("  - ")]
+    assert len(problems) == 1 and problems[0].startswith(f"  - {problem}"), r.stderr
+    assert "openssl rand -base64 32 | tr '+/' '-_'" in problems[0]
+    assert exposure_check(tmp_path, env_text(**base)).returncode == 0
 
 
 def test_exposure_check_names_each_missing_credential(tmp_path):
@@ -143,8 +167,8 @@ def test_mlflow_server_gets_the_postgres_uri_from_its_environment(tmp_path):
     environment, and an interpreter (PYTHON) that reports its argv (what `ps` shows) and the
     MLFLOW_BACKEND_STORE_URI it inherited instead of starting MLflow; and MLflow's own CLI reads
     --backend-store-uri from that variable."""
-    pw = "s3cretPostgresPassw0rd"
-    svc = compose_services(tmp_path, env_text("127.0.0.1", POSTGRES_PASSWORD=pw))["mlflow"]
+    pw = "s3cretPostgresPassw0rd"  # the mlflow role's (docker/postgres-init.sql)
+    svc = compose_services(tmp_path, env_text("127.0.0.1", MLFLOW_DB_PASSWORD=pw))["mlflow"]
     assert pw not in json.dumps(svc["entrypoint"]) and not svc.get("command")
     report = "import json, os, sys; print(json.dumps([sys.argv[1:], os.environ.get('MLFLOW_BACKEND_STORE_URI')]))"
     stand_in = tmp_path / "python"
@@ -155,7 +179,7 @@ def test_mlflow_server_gets_the_postgres_uri_from_its_environment(tmp_path):
     r = run(["sh", str(DOCKER / "start-mlflow.sh")], env=env)
     assert r.returncode == 0, r.stderr
     argv, uri = json.loads(r.stdout)
-    assert uri == f"postgresql+psycopg2://gpt2:{pw}@postgres:5432/mlflow"
+    assert uri == f"postgresql+psycopg2://mlflow:{pw}@postgres:5432/mlflow"
     assert argv[:3] == ["-m", "mlflow", "server"]
     assert pw not in " ".join(argv) and "--backend-store-uri" not in argv
     assert "--artifacts-destination" in argv
@@ -258,7 +282,7 @@ CREDENTIAL_NAMES = {"PREFECT_API_AUTH_STRING", "PREFECT_AUTH_STRING", "PREFECT_A
 
 def test_work_pools_and_deployments_hold_no_credentials():
     """Job variables (the pools' defaults and the deployments' job_variables) are stored by Prefect in plain
-    text: none names a credential. Kubernetes runs read them from the Secret gpt2-auth instead."""
+    text: none names a credential. Kubernetes flow runs read them from the Secret gpt2-auth instead."""
     texts = {p.name: p.read_text() for p in [*DEPLOY.glob("*.json"), *DEPLOY.glob("prefect*.yaml")]}
     assert {"docker-gpu-overlay.json", "k8s-gpu-overlay.json", "prefect-docker.yaml", "prefect-k8s.yaml"} <= set(texts)
     for name, text in texts.items():
@@ -268,7 +292,9 @@ def test_work_pools_and_deployments_hold_no_credentials():
     k8s = json.loads(texts["k8s-gpu-overlay.json"])
     container = k8s["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]["containers"][0]
     assert {"secretRef": {"name": "gpt2-auth", "optional": True}} in container["envFrom"]
-    assert "secretRef: {name: gpt2-auth" in (DEPLOY / "k8s-multinode.yaml").read_text()
+    # the multi-node Job talks to neither server: no credentials at all (tests/test_deployments.py)
+    _, job = yaml.safe_load_all((DEPLOY / "k8s-multinode.yaml").read_text())
+    assert "envFrom" not in job["spec"]["template"]["spec"]["containers"][0]
 
 
 def _keys(data):

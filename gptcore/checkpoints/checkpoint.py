@@ -43,7 +43,7 @@ from gptcore.checkpoints.run_files import (
     read_meta,
     step_dir,
 )
-from gptcore.config import ModelConfig
+from gptcore.config import ConfigError, model_config_from
 from gptcore.files import atomic_dir, file_sha256, hashed_write, temp_name
 from gptcore.model import GPT, clean_state_dict, unwrap
 
@@ -219,15 +219,16 @@ def load_model(ckpt_dir: Path, device="cpu", verify: bool = True) -> tuple[GPT, 
     """The GPT stored in a checkpoint (weights only; trainer.pt not needed), in eval mode, and its meta."""
     ckpt_dir = Path(ckpt_dir)
     meta = read_meta(ckpt_dir)
+    try:  # the shape is checked before anything is allocated: meta.json may come from a registry version
+        model_cfg = model_config_from(meta.get("model_config"))
+    except (ConfigError, TypeError) as e:
+        raise CheckpointError(f"{ckpt_dir}/{META_FILE} has no usable model_config ({e}); the checkpoint is "
+                              "corrupt or was not written by this pipeline") from e
     weights = ckpt_dir / MODEL_FILE
     if not weights.is_file():
         raise CheckpointError(f"{ckpt_dir} has no {MODEL_FILE}; the checkpoint is incomplete")
     if verify and meta.get("model_sha256") and file_sha256(weights) != meta["model_sha256"]:
         raise CheckpointError(f"{weights} does not match the sha256 in {META_FILE}: the file is corrupt")
-    try:
-        model = GPT(ModelConfig(**meta["model_config"]))
-    except (KeyError, TypeError) as e:
-        raise CheckpointError(f"{ckpt_dir}/{META_FILE} has no usable model_config ({type(e).__name__}: {e}); the "
-                              "checkpoint is corrupt") from e
+    model = GPT(model_cfg)
     load_weights(model, weights)
     return model.to(device).eval(), meta
