@@ -26,8 +26,8 @@ from gptcore.checkpoints import checkpoint as C
 from gptcore.checkpoints import run_files as R
 from gptcore.checkpoints.background import WRITTEN, Checkpointer
 from gptcore.config import OptimConfig, model_preset
-from gptcore.model import GPT
-from gptcore.optim import adamw
+from gptcore.model.gpt import GPT
+from gptcore.model.optim import adamw
 
 SMOKE = {"preset": "tiny-cpu", "rounds": 1}
 

@@ -1,4 +1,4 @@
-"""Contamination scan speed: gptcore/contamination.py (64-bit rolling n-gram hashes, binary search against
+"""Contamination scan speed: gptcore/evals/scorers/contamination.py (64-bit rolling n-gram hashes, binary search against
 the examples' sorted hashes) against a plain numpy baseline (every 13-token window as a row of bytes,
 np.isin against the examples' windows), on the same shard in the same run, and the time it projects for
 FineWeb-Edu's 10B training tokens on one core.
@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks import parse_args
-from gptcore import contamination as C
 from gptcore.data.shard_format import Manifest, ShardInfo, write_shard
+from gptcore.evals.scorers import contamination as C
 
 SMOKE = {"tokens": 200_000, "examples": 100, "rounds": 1}
 FULL_DATASET = 10_000_000_000  # FineWeb-Edu sample-10BT

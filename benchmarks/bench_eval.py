@@ -22,10 +22,10 @@ import torch
 
 from benchmarks import parse_args
 from benchmarks.bench_hellaswag import FIXTURE
-from gptcore import hellaswag
 from gptcore.config import load_config
 from gptcore.data.loader import val_batches
-from gptcore.model import GPT
+from gptcore.evals.scorers import hellaswag
+from gptcore.model.gpt import GPT
 from tests.test_train_utils import make_dataset
 
 SMOKE = {"evals": 2, "examples": 4, "val_tokens": 1024}  # 2: the first evaluation and one later one
@@ -35,7 +35,7 @@ SMOKE = {"evals": 2, "examples": 4, "val_tokens": 1024}  # 2: the first evaluati
 def evaluation(forward, cfg, data_dir: Path, examples) -> float:
     """The forwards of one trainer evaluation through `forward` (the plain model, or a compiled one):
     validation batches through the loss path, then HellaSwag's padded batches, one shape per length
-    bucket (gptcore.hellaswag.score's batching); seconds."""
+    bucket (gptcore.evals.scorers.hellaswag.score's batching); seconds."""
     t = time.perf_counter()
     for x, y in val_batches(data_dir, cfg.train.micro_batch, cfg.train.seq_len, cfg.eval.val_tokens):
         forward(x, y, return_logits=False)

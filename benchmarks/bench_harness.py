@@ -1,4 +1,4 @@
-"""lm-evaluation-harness requests per second: our adapter (gptcore/harness.py) against the harness's own
+"""lm-evaluation-harness requests per second: our adapter (gptcore/evals/scorers/harness.py) against the harness's own
 Hugging Face model class on the HF export of the same weights, on the same requests in the same run.
 
     python -m benchmarks.bench_harness [--preset tiny-cpu] [--requests 256] [--rounds 3] [--smoke]
@@ -22,11 +22,11 @@ from lm_eval.api.instance import Instance
 from lm_eval.models.huggingface import HFLM
 
 from benchmarks import parse_args
-from gptcore import hellaswag
 from gptcore.config import model_preset
-from gptcore.harness import GPTHarness
-from gptcore.hf import export_hf
-from gptcore.model import GPT
+from gptcore.evals.scorers import hellaswag
+from gptcore.evals.scorers.harness import GPTHarness
+from gptcore.model.gpt import GPT
+from gptcore.model.hf import export_hf
 
 FIXTURE = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "hellaswag_mini.jsonl"
 SMOKE = {"requests": 16, "rounds": 1, "preset": "micro"}

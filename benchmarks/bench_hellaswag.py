@@ -18,10 +18,11 @@ import torch
 from torch.nn import functional as F
 
 from benchmarks import parse_args
-from gptcore import distributed, hellaswag
+from gptcore import distributed
 from gptcore.config import TrainConfig, model_preset
-from gptcore.model import GPT
-from gptcore.tokenizer import encode
+from gptcore.evals.scorers import hellaswag
+from gptcore.model.gpt import GPT
+from gptcore.model.tokenizer import encode
 
 FIXTURE = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "hellaswag_mini.jsonl"
 SMOKE = {"examples": 8, "repeats": 1, "threads": 1}  # the fixture's 7 examples and one repeated

@@ -3,7 +3,7 @@
     python -m benchmarks.bench_recipe [--steps 240] [--seeds 1337 42] [--preset tiny-cpu] [--set KEY=VALUE ...]
     python -m benchmarks.bench_recipe --smoke    # the micro model, 8 steps, small batches: runs, not results
 
-In one run, on the built-in corpus's shards, real trainer processes (`python -m gptcore.train`):
+In one run, on the built-in corpus's shards, real trainer processes (`python -m gptcore.training.train`):
 - the default recipe (AdamW, cosine) for N = --steps steps at three peak learning rates, one above 3e-3;
   its best is the baseline;
 - the new recipe (optim.name=muon, optim.schedule=wsd) as a separate run whose whole schedule is
@@ -42,7 +42,7 @@ SMOKE = {"preset": "micro", "steps": 8, "seeds": [1337],
 def run(preset: str, name: str, steps: int, seed: int, extra: list[str], home: Path) -> dict:
     """Train one run to the end; its final val loss and median step time."""
     warmup = max(1, steps // 12)
-    cmd = [sys.executable, "-m", "gptcore.train", preset, f"train.run_name={name}", f"train.max_steps={steps}",
+    cmd = [sys.executable, "-m", "gptcore.training.train", preset, f"train.run_name={name}", f"train.max_steps={steps}",
            f"train.seed={seed}", f"optim.warmup_steps={warmup}", *COMMON, *extra]
     r = subprocess.run(cmd, env={**os.environ, "GPTPIPE_HOME": str(home)}, capture_output=True, text=True)
     if r.returncode != 0:

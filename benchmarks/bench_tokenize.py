@@ -54,7 +54,7 @@ def build_corpus(path: Path, min_tokens: float) -> tuple[int, int]:
     import pyarrow.parquet as pq
 
     from gptcore.data.source_builtin import BUILTIN
-    from gptcore.tokenizer import get_encoding
+    from gptcore.model.tokenizer import get_encoding
 
     texts = pq.read_table(BUILTIN, columns=["text"]).column("text").to_pylist()
     per = sum(len(t) for t in get_encoding().encode_ordinary_batch(texts)) + len(texts)
@@ -100,7 +100,7 @@ class TreeRSS:
 def m_ideal(corpus: Path, out: Path, workers: int) -> int:
     import pyarrow.parquet as pq
 
-    from gptcore.tokenizer import get_encoding
+    from gptcore.model.tokenizer import get_encoding
     texts = pq.read_table(corpus, columns=["text"]).column("text").to_pylist()
     enc = get_encoding()
     enc.encode_to_numpy("warm up")
@@ -113,7 +113,7 @@ def m_ideal(corpus: Path, out: Path, workers: int) -> int:
 def m_batch(corpus: Path, out: Path, workers: int) -> int:
     import pyarrow.parquet as pq
 
-    from gptcore.tokenizer import get_encoding
+    from gptcore.model.tokenizer import get_encoding
     texts = pq.read_table(corpus, columns=["text"]).column("text").to_pylist()
     enc = get_encoding()
     enc.encode_ordinary("warm up")
@@ -124,7 +124,7 @@ def m_batch(corpus: Path, out: Path, workers: int) -> int:
 
 
 def _naive_tokenize(text):
-    from gptcore.tokenizer import EOT, get_encoding
+    from gptcore.model.tokenizer import EOT, get_encoding
     return np.array([EOT, *get_encoding().encode_ordinary(text)], dtype=np.uint16)
 
 

@@ -1,4 +1,4 @@
-"""Training speed: the trainer's own step (gptcore.train.train_step over the shard loader) against a plain
+"""Training speed: the trainer's own step (gptcore.training.train.train_step over the shard loader) against a plain
 single-file nanoGPT-style eager loop, same model shape, same batch, measured in the same run.
 
     python -m benchmarks.bench_train                       # tiny-cpu + gpt2-mini, eager and compiled, fp32 and bf16
@@ -37,10 +37,10 @@ from gptcore.config import ModelConfig, OptimConfig, load_config, model_preset
 from gptcore.data.loader import ShardLoader
 from gptcore.data.shard_format import Manifest, ShardInfo, write_shard
 from gptcore.distributed import Env, select_loss
-from gptcore.loss import make_loss
-from gptcore.model import GPT
-from gptcore.optim import adamw
-from gptcore.trainer import train_step
+from gptcore.model.gpt import GPT
+from gptcore.model.loss import make_loss
+from gptcore.model.optim import adamw
+from gptcore.training.trainer import train_step
 
 H100_BF16_PEAK = 989e12  # dense bf16 FLOP/s per H100 SXM
 PRECISIONS = {torch.float32: "fp32", torch.bfloat16: "bf16"}

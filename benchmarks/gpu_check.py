@@ -34,7 +34,7 @@ the speed target, so a lease's budget cuts the least telling rows):
           shape must project <= 5% of wall time, and a checkpoint must block <= 150 ms
   harness parity  lm-eval adapter scores (eval.harness_dtype=float32) against a plain transformers
           forward of the HF export on this device: <= 1e-4 nats (benchmarks/harness_parity.py)
-  guards  the replica consistency check (a bitwise checksum of the weights, gptcore/replicas.py) timed on
+  guards  the replica consistency check (a bitwise checksum of the weights, gptcore/training/replicas.py) timed on
           gpt2-124m's model, projected to its cadence at the reference row's tokens/s (else the train row's):
           on CUDA it must cost <= 1% of wall time
   resume  a run SIGKILLed after its first checkpoint and started again ends with the losses of the
@@ -140,7 +140,7 @@ class Table:
 def release_device_memory() -> None:
     """After a row that ran on the GPU in this process (the probe alone caches tens of GB): hand the
     cached blocks back, so the trainers the next rows launch on the same GPU find the card free."""
-    from gptcore.microbatch import free_memory
+    from gptcore.training.microbatch import free_memory
 
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         free_memory(torch.device("cuda"))
@@ -171,7 +171,7 @@ def worker_env() -> dict:
 
 
 class Trainer:
-    """Runs `torchrun -m gptcore.train` (the launcher's own command) on a shape, in its own session."""
+    """Runs `torchrun -m gptcore.training.train` (the launcher's own command) on a shape, in its own session."""
 
     def __init__(self, work: Path, dataset: Path, device: str, shape: dict, ndev: int):
         self.work, self.dataset, self.device, self.shape, self.ndev = work, dataset, device, shape, ndev
@@ -424,7 +424,7 @@ def check_reference(work: Path, dataset: Path, device: str, file: Path | None, r
                     ctx: dict) -> tuple[bool | None, str]:
     """Ours against the reference, alternated `rounds` times in this run; the median ratio counts."""
     from gptcore.config import ModelConfig, load_config
-    from gptcore.model import GPT
+    from gptcore.model.gpt import GPT
 
     real = file is not None
     file = file or STANDIN
@@ -465,11 +465,11 @@ def check_speed(device: torch.device, shape: dict, dataset: Path, steps: int, ro
     from gptcore.config import ModelConfig, OptimConfig, TrainConfig
     from gptcore.data.loader import ShardLoader
     from gptcore.distributed import select
-    from gptcore.loss import make_loss
-    from gptcore.model import GPT, peak_flops_guess
-    from gptcore.optim import adamw
-    from gptcore.tokenizer import N_VOCAB
-    from gptcore.trainer import train_step
+    from gptcore.model.gpt import GPT, peak_flops_guess
+    from gptcore.model.loss import make_loss
+    from gptcore.model.optim import adamw
+    from gptcore.model.tokenizer import N_VOCAB
+    from gptcore.training.trainer import train_step
 
     env = select(TrainConfig(device=device.type, compile="true"))
     c, B, T = ModelConfig(**shape["model"]), shape["B"], shape["T"]
@@ -533,8 +533,8 @@ def check_guards(device: torch.device, model_shape: dict, tokens_per_s: float | 
     """The consistency check's cost per call on this model, and its share of wall time at gpt2-124m's
     cadence (the step time of a 524,288-token batch at the measured tokens/s)."""
     from gptcore.config import GuardConfig, ModelConfig, load_config
-    from gptcore.model import GPT
-    from gptcore.replicas import weights_checksum
+    from gptcore.model.gpt import GPT
+    from gptcore.training.replicas import weights_checksum
 
     if not tokens_per_s:
         raise RuntimeError("no tokens/s measured: no train, reference or speed row completed")
@@ -560,9 +560,9 @@ def check_auto_micro_batch(device: torch.device) -> tuple[None, str]:
     the host's swap)."""
     from gptcore.config import load_config
     from gptcore.distributed import select
-    from gptcore.loss import make_loss
-    from gptcore.microbatch import probe
-    from gptcore.model import GPT
+    from gptcore.model.gpt import GPT
+    from gptcore.model.loss import make_loss
+    from gptcore.training.microbatch import probe
 
     if device.type == "cuda":
         cfg = load_config("gpt2-124m", ["train.device=cuda"])

@@ -4,9 +4,9 @@ eval.harness_dtype=float32 (the default).
     python -m benchmarks.harness_parity [--device cuda]
 
 A GPT-2-shaped model (gpt2-124m's shape on CUDA, a small one on CPU; random weights from a fixed seed) is
-exported with gptcore.hf.export_hf and loaded back with transformers' GPT2LMHeadModel in fp32. Per-continuation
+exported with gptcore.model.hf.export_hf and loaded back with transformers' GPT2LMHeadModel in fp32. Per-continuation
 log-likelihoods of 16 (context, continuation) token sequences are computed as the lm-evaluation-harness
-adapter computes them (gptcore.harness_scoring: the same function GPTHarness calls, in the precision
+adapter computes them (gptcore.evals.scorers.harness_scoring: the same function GPTHarness calls, in the precision
 eval.harness_dtype=float32 picks, with the trainer's bf16 autocast passed in as during training) and by a
 plain transformers forward of each sequence alone. The row passes when they agree to 1e-4 nats.
 
@@ -31,7 +31,7 @@ def parity_model(device: torch.device):
     (LayerNorms and biases too, which a fresh init leaves at 1 and 0) perturbed so that an export mistake
     in any of them shows."""
     from gptcore.config import ModelConfig, model_preset
-    from gptcore.model import GPT
+    from gptcore.model.gpt import GPT
 
     cfg = model_preset("gpt2") if device.type == "cuda" else ModelConfig(block_size=128, n_layer=2, n_head=4, n_embd=64)
     torch.manual_seed(0)
@@ -46,7 +46,7 @@ def parity_model(device: torch.device):
 def sequences(block_size: int, n: int = SEQUENCES) -> list[tuple[list[int], list[int]]]:
     """n (context, continuation) token pairs of spread lengths, up to a whole block (the longest input the
     model takes), so that the adapter pads several lengths into shared batches."""
-    from gptcore.tokenizer import N_VOCAB
+    from gptcore.model.tokenizer import N_VOCAB
 
     g = torch.Generator().manual_seed(2)
     out = []
@@ -79,8 +79,8 @@ def check_harness_parity(device: torch.device) -> tuple[bool | None, str]:
         from transformers import GPT2LMHeadModel
     except ImportError as e:
         return None, f"transformers is not installed ({e}); pip install transformers to compare with its forward"
-    from gptcore.harness_scoring import continuation_scores, full_fp32, scoring_context
-    from gptcore.hf import export_hf
+    from gptcore.evals.scorers.harness_scoring import continuation_scores, full_fp32, scoring_context
+    from gptcore.model.hf import export_hf
 
     model = parity_model(device)
     pairs = sequences(model.config.block_size)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from gptcore.tokenizer import get_encoding
+from gptcore.model.tokenizer import get_encoding
 
 OFFLINE_ENCODING = "__offline_gpt2_encoding__"
 STEP_LINE = re.compile(r"^step\s+(\d+) \| loss: ([-\d.naif]+) \|.*\| dt: ([\d.]+)ms \| tok/sec: ([\d.]+)")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Launch torchrun on this node from environment variables, so one image/command serves every node.
 #
-#   NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 torchrun-multinode.sh -m gptcore.train gpt2-124m [k=v ...]
+#   NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 torchrun-multinode.sh -m gptcore.training.train gpt2-124m [k=v ...]
 #
 # Env:
 #   NNODES           number of nodes (default 1: a single-node --standalone run)
@@ -25,7 +25,7 @@ set -euo pipefail
 die() { echo "torchrun-multinode: $*" >&2; exit 2; }
 is_int() { [[ "$1" =~ ^[0-9]+$ ]]; }
 
-[ $# -gt 0 ] || die "usage: torchrun-multinode.sh -m gptcore.train PRESET [section.key=value ...]"
+[ $# -gt 0 ] || die "usage: torchrun-multinode.sh -m gptcore.training.train PRESET [section.key=value ...]"
 nnodes=${NNODES:-1}
 node_rank=${NODE_RANK:-${JOB_COMPLETION_INDEX:-0}}
 nproc=${NPROC_PER_NODE:-gpu}

@@ -38,8 +38,9 @@ from prefect.cache_policies import NO_CACHE
 from prefect.states import Completed
 
 from gptcore import evals
-from gptcore.checkpoints.run_files import EVAL_FILE, RUN_FILE, read_meta, result_metrics, run_dir_for, run_state
+from gptcore.checkpoints.run_files import EVAL_FILE, RUN_FILE, read_meta, run_dir_for, run_state
 from gptcore.config import ConfigError, RunConfig, check_name, load_config, pipeline_home
+from gptcore.evals.record import result_metrics
 from gptcore.files import read_json
 from integrations.progress import artifact_key, step_label
 from integrations.secrets import mlflow_credentials_from_prefect

@@ -120,7 +120,7 @@ class ModelConfig:
                               "smaller shape")
 
     def approx_params(self) -> int:
-        """gptcore.model.GPT's parameter count from the shape alone (tied embedding once), nothing allocated."""
+        """gptcore.model.gpt.GPT's parameter count from the shape alone (tied embedding once), nothing allocated."""
         n = self.n_embd
         return (self.vocab_size + self.block_size) * n + self.n_layer * (12 * n * n + 13 * n) + 2 * n
 
@@ -199,7 +199,7 @@ class OptimConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0  # 0 disables clipping
-    name: str = "adamw"  # adamw | muon (Muon for the blocks' 2-D weights, AdamW for the rest: gptcore/optim.py)
+    name: str = "adamw"  # adamw | muon (Muon for the blocks' 2-D weights, AdamW for the rest: gptcore/model/optim.py)
     schedule: str = "cosine"  # cosine (build-nanogpt) | wsd (warmup, constant, linear decay to min_lr)
     decay_frac: float = 0.2  # wsd: the last fraction of max_steps decays linearly
     muon_lr: float = 0.02  # peak lr of the Muon part; follows the same schedule (scaled by muon_lr/max_lr)
@@ -245,7 +245,7 @@ class TrainConfig:
     run_name: str = ""  # the run's stable identity; "" = the preset name
     total_batch_tokens: int = 524_288  # tokens per optimizer step, across all ranks and micro-steps
     # B: sequences per rank per micro-step, or "auto": the largest that fits the device, at most
-    # micro_batch_max (gptcore/microbatch.py; the GPU presets' default)
+    # micro_batch_max (gptcore/training/microbatch.py; the GPU presets' default)
     micro_batch: int | str = 64
     micro_batch_max: int = 64
     seq_len: int = 1024  # T: tokens per sequence (<= model.block_size)
@@ -259,12 +259,12 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (bf16 on capable GPUs, fp16 on older, fp32 on CPU) | float32 | bfloat16 | float16
     compile: str = "auto"  # auto (on for CUDA) | true | false
-    loss: str = "auto"  # auto (fused on CPU, plain on CUDA) | fused | plain: gptcore/loss.py
+    loss: str = "auto"  # auto (fused on CPU, plain on CUDA) | fused | plain: gptcore/model/loss.py
     ddp_bf16_grads: bool = False  # DDP all-reduces gradients in bf16 (halves traffic across nodes)
     run_dir: str = ""  # where the run lives; "" = <home>/runs/<run_name>
     system_metrics_interval: float = 10.0  # s between MLflow system-metric samples (CPU, memory, GPU); 0 = off
     # a rank with no step, evaluation or checkpoint progress this long writes its stacks and exits (5), for
-    # torchrun to restart the job from its newest checkpoint (gptcore/watchdog.py); 0 = derived from the
+    # torchrun to restart the job from its newest checkpoint (gptcore/training/watchdog.py); 0 = derived from the
     # run's median step time (5-20 min). Set it above your longest evaluation.
     hang_timeout_s: float = 0.0
     max_restarts: int = 1  # torchrun restarts of every rank after one fails (a hang, a crash), per launch
@@ -312,8 +312,9 @@ class EvalConfig:
     sample_prompt: str = "Hello, I'm a language model,"
     sample_tokens: int = 32
     max_failures: int = 3  # evaluations failing in a row before evaluation is off for this invocation; 0 = never
-    # lm-evaluation-harness tasks (comma-separated) scored on each evaluated checkpoint (gptcore/harness.py);
-    # "" = none. harness_include_path: a folder of your own task YAMLs; harness_limit: examples per task (0 = all)
+    # lm-evaluation-harness tasks (comma-separated) scored on each evaluated checkpoint
+    # (gptcore/evals/scorers/harness.py); "" = none. harness_include_path: a folder of your own task YAMLs;
+    # harness_limit: examples per task (0 = all)
     harness_tasks: str = ""
     harness_include_path: str = ""
     harness_limit: int = 0
@@ -323,7 +324,7 @@ class EvalConfig:
     # greedy flips, and fp32 is cheap at 124M) or "autocast" (the trainer's autocast dtype: faster on big models)
     harness_dtype: str = "float32"
     # evaluated checkpoints report the share of HellaSwag examples that share an n-gram of this many tokens
-    # with the training shards (gptcore/contamination.py; GPT-3 used 13); 0 = off
+    # with the training shards (gptcore/evals/scorers/contamination.py; GPT-3 used 13); 0 = off
     contamination_ngram: int = 0
     exclude_contaminated: bool = False  # HellaSwag also scored on its clean examples only (needs contamination_ngram)
 

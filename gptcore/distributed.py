@@ -30,7 +30,7 @@ class Env:
     device: torch.device
     dtype: torch.dtype  # autocast dtype (float32 = no autocast)
     compile: bool
-    loss: str = "plain"  # the training loss head, gptcore/loss.py: fused | plain
+    loss: str = "plain"  # the training loss head, gptcore/model/loss.py: fused | plain
 
     @property
     def master(self) -> bool:

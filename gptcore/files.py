@@ -10,11 +10,19 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import re
 import shutil
 import socket
+import zipfile
 from contextlib import contextmanager
 from pathlib import Path
+
+from safetensors import SafetensorError
+
+# what reading a damaged file can raise (truncated zip or safetensors header, bad pickle, bad JSON, I/O)
+READ_ERRORS = (OSError, ValueError, RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile,
+               SafetensorError)
 
 _HOST = re.sub(r"[^A-Za-z0-9.]+", "_", socket.gethostname())  # in temp names: whose they are
 

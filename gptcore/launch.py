@@ -65,17 +65,17 @@ def override_args(overrides: dict | None) -> list[str]:
 
 def torchrun_cmd(preset: str, overrides: dict | None, nproc: int, max_restarts: int = 0,
                  shutdown_seconds: float = SHUTDOWN_SECONDS) -> list[str]:
-    """`python -m torch.distributed.run --standalone ... -m gptcore.train <preset> <overrides>`. With
+    """`python -m torch.distributed.run --standalone ... -m gptcore.training.train <preset> <overrides>`. With
     max_restarts > 0 torchrun restarts every rank when one exits non-zero (the hang watchdog's exit, a
     crash), and the trainer continues from its newest checkpoint; after a verdict (bad input 2, diverged 3,
-    replicas disagreeing 4) the restarted workers exit at once with it (gptcore/verdict.py). The Prefect
+    replicas disagreeing 4) the restarted workers exit at once with it (gptcore/training/verdict.py). The Prefect
     train task passes 0 and restarts by itself, never after a verdict (tasks/train.py run_trainer).
     `shutdown_seconds`: how long torchrun waits after SIGTERM before SIGKILL (a stopped or hung rank never
     exits on SIGTERM: a restart after a hang waits this long for it), where the installed torchrun lets it
     be set (shutdown_args)."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
             f"--max-restarts={max_restarts}", *shutdown_args(shutdown_seconds),
-            "-m", "gptcore.train", preset, *override_args(overrides)]
+            "-m", "gptcore.training.train", preset, *override_args(overrides)]
 
 
 def main(argv: list[str]) -> int:

@@ -88,7 +88,7 @@ class GPTTextGenerator(mlflow.pyfunc.PythonModel):
     def generate(self, prompt: str, max_new_tokens: int, temperature: float, top_k: int, seed: int) -> str:
         import torch
 
-        from gptcore.tokenizer import decode, encode
+        from gptcore.model.tokenizer import decode, encode
 
         ids = encode(prompt)
         if not ids:

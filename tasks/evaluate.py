@@ -4,12 +4,12 @@ command that evaluates a registered model:
 
     python -m tasks.evaluate models:/gpt2-124m@best --val --limit 1000
     python -m tasks.evaluate models:/gpt2-124m@best --tasks arc_easy,piqa
-    python -m tasks.evaluate var/runs/tiny-cpu          # anything else: same as python -m gptcore.evaluate
+    python -m tasks.evaluate var/runs/tiny-cpu          # anything else: same as python -m gptcore.evals.evaluate
 
 A model URI (`models:/<name>@<alias>`, `models:/<name>/<version>`, `@latest` = newest version) is resolved
 against $MLFLOW_TRACKING_URI (or --tracking-uri); only the version's inference weights (its `checkpoint`
 artifact: model.safetensors + meta.json) are downloaded, into a temporary directory, and evaluated like a
-checkpoint with every option of `python -m gptcore.evaluate`.
+checkpoint with every option of `python -m gptcore.evals.evaluate`.
 
 Idempotent, part by part: eval.json records each part's settings ("val" and each evaluation), so a re-run
 flow (or a retry) computes only the parts it lacks: the trainer's own evaluation at the last step usually
@@ -27,15 +27,9 @@ from pathlib import Path
 
 from prefect import get_run_logger, task
 
-from gptcore.checkpoints.run_files import (
-    EVAL_FILE,
-    META_FILE,
-    checkpoint_of,
-    merge_evaluations,
-    missing_evaluations,
-    read_meta,
-)
+from gptcore.checkpoints.run_files import EVAL_FILE, META_FILE, checkpoint_of, read_meta
 from gptcore.config import RunConfig, TrainConfig, from_dict
+from gptcore.evals.record import merge_evaluations, missing_evaluations
 from gptcore.files import read_json, write_json
 from gptcore.runlock import RunLock
 from integrations.progress import step_label
@@ -97,7 +91,7 @@ def evaluate_dir(target: str | Path, cfg_dict: dict | None = None, val: bool = T
         new, t0 = {}, time.time()
         if parts:
             from gptcore import distributed  # torch: only when there is work to do
-            from gptcore.evaluate import evaluate_model, load_target
+            from gptcore.evals.evaluate import evaluate_model, load_target
 
             env = distributed.select(TrainConfig(device=device))  # the trainer's hardware rules (dtype, TF32)
             model, info = load_target(ckpt, env.device)
@@ -141,7 +135,7 @@ def fetch_registered(model_uri: str, dst: Path, tracking_uri: str | None = None)
 
 
 def main(argv: list[str] | None = None) -> int:
-    from gptcore import evaluate as ev
+    from gptcore.evals import evaluate as ev
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or not argv[0].startswith("models:/"):

@@ -53,7 +53,7 @@ class VerifiedModel:
     (integrations/mlflow_model.py: prompts -> prompt + continuation, same params, same outputs), run by
     this repository's code on the worker."""
 
-    model: object  # gptcore.model.GPT, in eval mode on the CPU
+    model: object  # gptcore.model.gpt.GPT, in eval mode on the CPU
     meta: dict
     model_uri: str
     sha256: str

@@ -41,8 +41,9 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from gptcore.checkpoints.run_files import EVAL_FILE, RUN_FILE, CheckpointError, read_meta, result_metrics, val_loss_of
+from gptcore.checkpoints.run_files import EVAL_FILE, RUN_FILE, CheckpointError, read_meta, val_loss_of
 from gptcore.config import ConfigError, check_name
+from gptcore.evals.record import result_metrics
 from gptcore.files import file_sha256, read_json
 from integrations import mlflow_store as store
 from integrations.mlflow_store import resolve_model_uri  # noqa: F401 -- re-exported: tasks.register.resolve_model_uri
@@ -186,7 +187,7 @@ def _log_model(mlc, uri: str, ckpt_dir: Path, meta: dict, name: str, tags: dict,
             mlc.log_outputs(run.run_id, [LoggedModelOutput(lm.model_id, step=int(meta["step"]))])
             _log_metrics(mlc, run.run_id, lm.model_id, ckpt_dir, meta)
             if hf:
-                from gptcore.hf import export_hf
+                from gptcore.model.hf import export_hf
 
                 model, _ = load_model(ckpt_dir, device="cpu", verify=False)  # sha256 checked above
                 export_hf(model, Path(tmp) / "hf")

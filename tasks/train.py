@@ -1,4 +1,4 @@
-"""The train stage: run `torchrun -m gptcore.train` as a child process of the flow run.
+"""The train stage: run `torchrun -m gptcore.training.train` as a child process of the flow run.
 
     train_task(preset="tiny-cpu", overrides={"train.max_steps": 50}, run_name="tiny-cpu", nproc=1)
     -> {"run_dir", "checkpoint", "step", "done", "returncode", "seconds", "resumed_from"}
@@ -22,7 +22,7 @@ What the launcher guarantees:
   up to train.max_restarts times. A rank that ran out of memory under DDP (train.micro_batch=auto) keeps a
   smaller micro-batch in micro_batch.json and exits: that restart is free (a step down in size, at most
   MAX_SMALLER_RESTARTS), so the restarts kept for hangs are still there for the night. A verdict (the
-  trainer's <run_dir>/verdict.json, gptcore/verdict.py: bad input 2, diverged 3, replicas disagree 4) is
+  trainer's <run_dir>/verdict.json, gptcore/training/verdict.py: bad input 2, diverged 3, replicas disagree 4) is
   never restarted: it fails the task with a TrainError that starts with its name and code, e.g.
   "diverged (exit 3): ...". A hang (the watchdog's exit 5, stacks in <run_dir>/hangs/<folder>) is restarted;
   once the restarts are spent the TrainError starts "hang (exit 5): ..." and names the rank and the folder.
@@ -43,11 +43,11 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from gptcore import verdict
 from gptcore.checkpoints.run_files import out_of_memory_choice, run_dir_for, run_state
 from gptcore.config import RunConfig, load_config
 from gptcore.launch import SHUTDOWN_SECONDS, torchrun_cmd
-from gptcore.watchdog import HANG_EXIT
+from gptcore.training import verdict
+from gptcore.training.watchdog import HANG_EXIT
 from integrations import processes
 
 TRAIN_LOG = "train.log"  # the trainer's stdout/stderr, appended per invocation

@@ -264,7 +264,7 @@ def micro_checkpoint(run_dir: Path, seed: int) -> Path:
 
     from gptcore.checkpoints import checkpoint
     from gptcore.config import load_config
-    from gptcore.model import GPT
+    from gptcore.model.gpt import GPT
 
     cfg = load_config("micro", [f"train.run_name={run_dir.name}"])
     torch.manual_seed(seed)

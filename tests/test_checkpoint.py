@@ -10,7 +10,7 @@ from gptcore.checkpoints import checkpoint as C
 from gptcore.checkpoints import run_files as R
 from gptcore.config import model_preset
 from gptcore.metrics import JsonlLogger, read_metrics
-from gptcore.model import GPT
+from gptcore.model.gpt import GPT
 from tests.test_train_utils import free_port
 
 
@@ -216,8 +216,8 @@ def test_background_saves_stage_into_one_buffer_allocated_once(tmp_path):
     assert (R.step_dir(tmp_path, 2) / C.TRAINER_FILE).stat().st_size < 2.2 * weight_bytes  # AdamW's 2 moments
     # rank 1's RNG state is a view in the middle of the buffer: restoring it must not crash the process
     # (torch.set_rng_state segfaults on such a view; resume.restore clones it)
-    from gptcore.checkpoints.resume import restore
     from gptcore.distributed import Env
+    from gptcore.training.resume import restore
 
     ts = C.load_trainer_state(R.step_dir(tmp_path, 2))
     assert ts["rng"][1]["torch"].storage_offset() > 0

@@ -18,8 +18,8 @@ from gptcore.config import (
     model_preset,
     preset,
 )
-from gptcore.model import GPT
-from gptcore.optim import build_optimizer, lr_at, set_lr
+from gptcore.model.gpt import GPT
+from gptcore.model.optim import build_optimizer, lr_at, set_lr
 
 
 def test_presets_validate_and_have_the_documented_shapes():
@@ -48,14 +48,14 @@ def test_gpt2_124m_recipe_is_pinned():
         "eps": 1e-8, "grad_clip": 1.0, "name": "adamw", "schedule": "cosine", "decay_frac": 0.2,
         "muon_lr": 0.02, "muon_momentum": 0.95, "muon_weight_decay": 0.0, "muon_ns_dtype": "auto"}
     t = cfg.train
-    # the micro-batch is chosen per device (gptcore/microbatch.py), up to build-nanogpt's 64 on an 80 GB card
+    # the micro-batch is chosen per device (gptcore/training/microbatch.py), up to build-nanogpt's 64 on an 80 GB card
     assert (t.total_batch_tokens, t.micro_batch, t.micro_batch_max, t.seq_len, t.max_steps, t.seed) == \
         (524_288, "auto", 64, 1024, 19_073, 1337)
     assert t.total_batch_tokens * t.max_steps == 9_999_745_024  # 524,288 * 19,073: ~10B tokens
     assert (cfg.data.source, cfg.data.hub.repo, cfg.data.hub.config) == ("hf", "HuggingFaceFW/fineweb-edu",
                                                                        "sample-10BT")
 
-    # the schedule (gptcore.optim.lr_at, steps 0-based), by hand:
+    # the schedule (gptcore.model.optim.lr_at, steps 0-based), by hand:
     #   warmup it < 715: 6e-4 * (it + 1) / 715  -> step 0: 6e-4/715 = 8.391608391608e-07; step 714: 6e-4
     #   cosine: 6e-5 + 0.5 * (1 + cos(pi * (it - 715) / (19073 - 715))) * (6e-4 - 6e-5), 19073-715 = 18358
     #     step 715: cos 0 = 1 -> 6e-4;  step 715 + 9179 = 9894: cos(pi/2) = 0 -> 6e-5 + 2.7e-4 = 3.3e-4
@@ -231,7 +231,7 @@ def test_an_evaluations_validation_part_depends_on_the_tokens_it_covers():
     """eval.json's "val" settings: the tokens the validation loss covers, so the trainer's own evaluation
     (micro_batch=auto replaced by its choice, e.g. 16) and the flow's (auto read as micro_batch_max, 64)
     agree, and the flow does not evaluate the validation loss of a nightly checkpoint a second time."""
-    from gptcore.checkpoints.run_files import eval_settings
+    from gptcore.evals.record import eval_settings
 
     auto, chosen = load_config("gpt2-124m"), load_config("gpt2-124m", ["train.micro_batch=16"])
     assert auto.train.micro_batch == "auto" and auto.train.resolved_micro_batch() == 64

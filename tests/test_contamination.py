@@ -1,4 +1,4 @@
-"""Contamination (gptcore/contamination.py): evaluation examples that share a 13-token n-gram with the
+"""Contamination (gptcore/evals/scorers/contamination.py): evaluation examples that share a 13-token n-gram with the
 training shards are found, the others are not, and the answer is cached beside the manifest."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gptcore import contamination as C
-from gptcore import hellaswag
 from gptcore.data.shard_format import Manifest, ShardInfo, write_shard
+from gptcore.evals.scorers import contamination as C
+from gptcore.evals.scorers import hellaswag
 from tests.test_hellaswag import FIXTURE
 
 
@@ -70,7 +70,7 @@ def test_the_evaluate_command_reports_it_for_the_checkpoints_dataset(tmp_path):
 
     from gptcore.checkpoints import checkpoint
     from gptcore.config import load_config
-    from gptcore.model import GPT
+    from gptcore.model.gpt import GPT
 
     examples = [hellaswag.make_example(*r) for r in hellaswag.read_records(FIXTURE)]
     d = dataset(tmp_path / "ds", [np.array(examples[6].tokens[:40])], val_plant=np.arange(5))
@@ -78,7 +78,7 @@ def test_the_evaluate_command_reports_it_for_the_checkpoints_dataset(tmp_path):
     torch.manual_seed(0)
     ckpt = checkpoint.save_checkpoint(tmp_path / "run", 3, GPT(cfg.model), {"optimizer": {}},
                                       {"config": cfg.to_dict(), "run_name": "cont"}, keep_last=2)
-    r = subprocess.run([sys.executable, "-m", "gptcore.evaluate", str(ckpt), "--hellaswag", str(FIXTURE),
+    r = subprocess.run([sys.executable, "-m", "gptcore.evals.evaluate", str(ckpt), "--hellaswag", str(FIXTURE),
                         "--contamination", "13", "--set", "eval.exclude_contaminated=true", "--device", "cpu"],
                        capture_output=True, text=True, timeout=300,
                        cwd=Path(__file__).resolve().parents[1])
@@ -114,9 +114,9 @@ def test_harness_task_documents_are_scanned_in_the_same_pass(tmp_path, monkeypat
     monkeypatch.setenv("GPTPIPE_CODE_ROOTS", str(tmp_path))  # the operator's root for task folders
 
     from gptcore.config import load_config
-    from gptcore.evaluate import evaluate_model
-    from gptcore.harness import task_documents
-    from gptcore.model import GPT
+    from gptcore.evals.evaluate import evaluate_model
+    from gptcore.evals.scorers.harness import task_documents
+    from gptcore.model.gpt import GPT
     from tests.test_harness import toy_task
 
     words = np.random.default_rng(3).permutation(["river", "candle", "orbit", "velvet", "harbor", "meadow",

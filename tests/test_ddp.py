@@ -19,7 +19,7 @@ import torch
 from gptcore.checkpoints import checkpoint as C
 from gptcore.checkpoints import run_files as R
 from gptcore.metrics import read_metrics
-from gptcore.train import STOP_FILE
+from gptcore.training.train import STOP_FILE
 from tests.test_train_utils import (
     final_weights,
     free_port,
@@ -74,7 +74,7 @@ def reference(ds, tmp_path_factory):
     port = free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=test-ddp",
-           "--max-restarts=0", "-m", "gptcore.train", *args(ds, run)]
+           "--max-restarts=0", "-m", "gptcore.training.train", *args(ds, run)]
     agents = [start(cmd, tmp, tmp / f"agent{i}.log") for i in range(2)]
     try:
         codes = [a.wait(timeout=300) for a in agents]
@@ -198,7 +198,7 @@ def test_failing_evaluations_are_events_and_training_goes_on(ds, reference, tmp_
     assert [e["step"] for e in events] == [4, 8], events
     assert "rank 0: RuntimeError: injected" in events[0]["event"] and "tried again" in events[0]["event"]
     assert "rank 0: OutOfMemoryError" in events[1]["event"] and "evaluation is off" in events[1]["event"]
-    assert "python -m gptcore.evaluate" in events[1]["event"]
+    assert "python -m gptcore.evals.evaluate" in events[1]["event"]
     assert not evals_of(run)  # off for the rest of the invocation
     assert [c.name for c in R.list_checkpoints(run)] == [R.step_dir(run, s).name for s in (4, 8, 12, 14)]
     assert_same_run(run, reference, 1e-6)
@@ -250,7 +250,7 @@ def test_an_unwritable_checkpoint_stops_both_ranks_without_a_hang(ds, tmp_path):
     proc = subprocess.run(torchrun_cmd(args(ds, run)), cwd=tmp_path, env=env(), capture_output=True, text=True,
                           timeout=300, preexec_fn=limit)
     out = proc.stdout + proc.stderr
-    # each rank exits with gptcore.train's EXIT_BAD_INPUT (2); the torchrun agent itself always exits 1 when
+    # each rank exits with gptcore.training.train's EXIT_BAD_INPUT (2); the torchrun agent itself always exits 1 when
     # a worker fails, and lists every failed rank's own exit code in its ChildFailedError report
     assert proc.returncode == 1, (proc.returncode, out[-3000:])
     codes = rank_exit_codes(out)

@@ -36,17 +36,17 @@ def test_deployments_carry_only_what_varies(file):
         assert set(p.get("overrides") or {}) <= PER_DEPLOYMENT, (d["name"], p.get("overrides"))
         cfg = load_config(p["preset"], p.get("overrides"))
         preset = load_config(p["preset"])
-        # the deployment trains the preset's run: `python -m gptcore.train <preset>` continues it
+        # the deployment trains the preset's run: `python -m gptcore.training.train <preset>` continues it
         assert (cfg.run_name, cfg.identity_hash()) == (preset.run_name, preset.identity_hash()), d["name"]
 
 
 def test_the_demo_deployment_is_the_preset_as_is():
-    """After `make demo`, docs/training.md's `python -m gptcore.train tiny-cpu` finds the demo's run (same
+    """After `make demo`, docs/training.md's `python -m gptcore.training.train tiny-cpu` finds the demo's run (same
     name, same identity), instead of refusing it as another configuration."""
     tiny = next(d for d in yaml.safe_load((DEPLOY / "prefect.yaml").read_text())["deployments"]
                 if d["name"] == "tiny")
     assert tiny["parameters"]["preset"] == "tiny-cpu" and not tiny["parameters"].get("overrides")
-    assert "python -m gptcore.train tiny-cpu" in (ROOT / "docs" / "training.md").read_text()
+    assert "python -m gptcore.training.train tiny-cpu" in (ROOT / "docs" / "training.md").read_text()
 
 
 def test_a_worker_elsewhere_runs_the_code_named_by_the_pull_step(prefect_stack, tmp_path):

@@ -604,7 +604,7 @@ def test_worker_entrypoint_missing_template(fake_api):
 
 def torchrun_dry(env: dict, *args: str) -> subprocess.CompletedProcess:
     return run(
-        [str(DOCKER / "torchrun-multinode.sh"), *(args or ("-m", "gptcore.train", "micro"))],
+        [str(DOCKER / "torchrun-multinode.sh"), *(args or ("-m", "gptcore.training.train", "micro"))],
         env=clean_env(DRY_RUN="1", PYTHON="python", **env),
     )
 
@@ -621,7 +621,7 @@ def test_multinode_single_node_is_standalone():
         "--shutdown-timeout=300",
         "--standalone",
         "-m",
-        "gptcore.train",
+        "gptcore.training.train",
         "micro",
     ]
 
@@ -649,7 +649,7 @@ def test_multinode_rendezvous_args():
         "--rdzv-id=run9",
         "--rdzv-conf=timeout=900",
         "-m",
-        "gptcore.train",
+        "gptcore.training.train",
         "micro",
     ]
     # static backend: the node rank comes from a Kubernetes Indexed Job when NODE_RANK is not set

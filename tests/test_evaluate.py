@@ -1,4 +1,4 @@
-"""Validation loss, the standalone `python -m gptcore.evaluate` command (plain and under torchrun), and
+"""Validation loss, the standalone `python -m gptcore.evals.evaluate` command (plain and under torchrun), and
 the evaluate stage's idempotent eval.json."""
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 import torch
 
-from gptcore import hellaswag
 from gptcore.checkpoints import checkpoint
 from gptcore.config import load_config
 from gptcore.data.shard_format import Manifest, ShardError, ShardInfo, write_shard
-from gptcore.evaluate import main as evaluate_main
-from gptcore.evaluate import validation_loss
-from gptcore.model import GPT
+from gptcore.evals.evaluate import main as evaluate_main
+from gptcore.evals.evaluate import validation_loss
+from gptcore.evals.scorers import hellaswag
+from gptcore.model.gpt import GPT
 from tasks.evaluate import evaluate_dir, missing_parts
 
 FIXTURE = Path(__file__).parent / "fixtures" / "hellaswag_mini.jsonl"
@@ -94,7 +94,7 @@ def test_validation_loss_split_across_ranks_sums_to_the_whole(tmp_path):
 def test_validation_loss_short_split(tmp_path, caplog):
     make_dataset(tmp_path, val_sizes=(300,))  # 2 full batches of 128 (+1 target token)
     cfg = load_config("micro", OVERRIDES)
-    with caplog.at_level(logging.WARNING, logger="gptcore.evaluate"):
+    with caplog.at_level(logging.WARNING, logger="gptcore.evals.evaluate"):
         validation_loss(micro_model(), cfg, tmp_path, "cpu")
     assert "only 2 full batches" in caplog.text
     tiny = tmp_path / "tiny"
@@ -124,7 +124,7 @@ def make_run(home: Path, steps=(5, 10)) -> tuple[Path, GPT]:
 
 
 def run_cli(args, capsys) -> tuple[int, str, str]:
-    """`python -m gptcore.evaluate ARGS` in this process: (exit code, stdout, stderr)."""
+    """`python -m gptcore.evals.evaluate ARGS` in this process: (exit code, stdout, stderr)."""
     capsys.readouterr()
     code = evaluate_main(args)
     out = capsys.readouterr()
@@ -137,7 +137,7 @@ def run_torchrun(args, timeout=180) -> subprocess.CompletedProcess:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={port}", "-m", "gptcore.evaluate", *args]
+           f"--master_port={port}", "-m", "gptcore.evals.evaluate", *args]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -168,7 +168,7 @@ def test_cli_on_run_dir_plain_and_torchrun(tmp_path, capsys):
 
 
 def test_hf_export_dir_cli_and_stage(tmp_path, capsys):
-    from gptcore.hf import export_hf
+    from gptcore.model.hf import export_hf
 
     model = micro_model(3)
     hf_dir = export_hf(model, tmp_path / "hf")

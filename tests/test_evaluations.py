@@ -13,7 +13,7 @@ from mlflow import MlflowClient
 from gptcore import evals
 from gptcore.checkpoints import checkpoint
 from gptcore.config import load_config
-from gptcore.model import GPT
+from gptcore.model.gpt import GPT
 from tasks import leaderboard, register
 from tasks.evaluate import evaluate_dir, stored_evaluation
 

@@ -27,7 +27,7 @@ import torch
 
 from gptcore.launch import torchrun_cmd
 from gptcore.metrics import read_metrics
-from gptcore.watchdog import HANG_EXIT
+from gptcore.training.watchdog import HANG_EXIT
 from tests.test_train_utils import (
     descendants,
     final_weights,
@@ -111,7 +111,7 @@ def test_a_stopped_rank_is_caught_by_the_watchdog_and_the_job_restarts(ds, refer
     stacks = list(run_dir.glob("hangs/*/rank0.txt"))
     assert len(stacks) == 1, log[-3000:]
     text = stacks[0].read_text()
-    assert "made no progress" in text and "Thread" in text and "gptcore/trainer.py" in text, text[:2000]
+    assert "made no progress" in text and "Thread" in text and "gptcore/training/trainer.py" in text, text[:2000]
     hang_events = [e for e in events(run_dir) if "made no progress" in e]
     assert len(hang_events) == 1 and f"exiting with {HANG_EXIT}" in hang_events[0]
     assert time.monotonic() - stopped_at < 120
@@ -213,7 +213,7 @@ def test_a_shard_that_rots_in_place_is_caught_within_the_epoch_and_rebuilt(tmp_p
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "shard_hashes.json").write_bytes((out / location.SHARD_HASHES).read_bytes())
-    p = start([sys.executable, "-m", "gptcore.train", *rot_run_args(run_dir, 8)], tmp_path, tmp_path / "log",
+    p = start([sys.executable, "-m", "gptcore.training.train", *rot_run_args(run_dir, 8)], tmp_path, tmp_path / "log",
               GPTPIPE_HOME=str(home))
     assert p.wait(timeout=300) == 0, (tmp_path / "log").read_text()[-3000:]
     found = [e for e in events(run_dir) if "no longer matches its sha256" in e]
@@ -239,7 +239,7 @@ def test_a_restart_after_a_damaged_shard_rebuilds_it_and_trains_on(tmp_path, mon
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "shard_hashes.json").write_bytes((out / location.SHARD_HASHES).read_bytes())
-    cmd = [sys.executable, "-m", "gptcore.train", *rot_run_args(run_dir, 200)]
+    cmd = [sys.executable, "-m", "gptcore.training.train", *rot_run_args(run_dir, 200)]
     p = start(cmd, tmp_path, tmp_path / "log1", GPTPIPE_HOME=str(home))
     deadline = time.time() + 120
     while not any("no longer matches its sha256" in e for e in events(run_dir)):
@@ -286,7 +286,7 @@ def test_a_stop_checkpoint_is_checked_before_rank_0_writes_it(ds, tmp_path):
 
 
 def single(ds: Path, run_dir: Path, **extra) -> list[str]:
-    """`python -m gptcore.train micro ...` in one process (the watchdog is the same without torchrun)."""
+    """`python -m gptcore.training.train micro ...` in one process (the watchdog is the same without torchrun)."""
     return python_cmd(["micro", *(f"{k}={v}" for k, v in overrides(ds, run_dir, 1, **extra).items())])
 
 
@@ -353,9 +353,9 @@ def test_a_run_whose_final_weights_are_not_finite_is_not_done(ds, tmp_path):
 def test_a_damaged_shard_of_another_source_is_not_rebuilt_but_named(tmp_path, monkeypatch):
     """A rebuild from other data settings would make another dataset: the start refuses (ShardError, exit 2)
     and says why it did not rebuild, with nothing written to the shards."""
-    from gptcore.checkpoints.resume import verify_or_rebuild
     from gptcore.config import load_config
     from gptcore.data.shard_format import Manifest, ShardError
+    from gptcore.training.resume import verify_or_rebuild
 
     monkeypatch.setenv("GPTPIPE_HOME", str(tmp_path / "home"))
     _, out, good, victim = rotted_dataset(tmp_path / "home")

@@ -34,8 +34,8 @@ def untrained_val_loss(params: dict, home: Path) -> float:
 
     from gptcore.config import load_config
     from gptcore.data import location
-    from gptcore.evaluate import validation_loss
-    from gptcore.model import GPT
+    from gptcore.evals.evaluate import validation_loss
+    from gptcore.model.gpt import GPT
 
     cfg = load_config(params["preset"], params["overrides"])
     torch.manual_seed(cfg.train.seed)
@@ -51,7 +51,7 @@ def trainer_pids(run_name: str) -> list[int]:
     out = []
     for p in psutil.process_iter(["cmdline"]):
         cmd = p.info["cmdline"] or []
-        if "gptcore.train" in cmd and f"train.run_name={run_name}" in cmd and \
+        if "gptcore.training.train" in cmd and f"train.run_name={run_name}" in cmd and \
                 "torch.distributed.run" not in cmd and "-c" not in cmd:
             out.append(p.pid)
     return out

@@ -16,7 +16,7 @@ from mlflow import MlflowClient
 
 from gptcore.checkpoints import checkpoint
 from gptcore.files import file_sha256
-from gptcore.tokenizer import decode, encode
+from gptcore.model.tokenizer import decode, encode
 from tasks import generate, register
 from tests.test_registry import PROMPT, REPO, save_ckpt
 

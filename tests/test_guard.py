@@ -19,7 +19,7 @@ from gptcore.checkpoints import checkpoint as C
 from gptcore.checkpoints import run_files as R
 from gptcore.files import file_sha256
 from gptcore.metrics import read_metrics
-from gptcore.train import main
+from gptcore.training.train import main
 from tests.test_train_utils import REPO, descendants, env, make_dataset, python_cmd, start, wait_for_step
 
 SEQS_PER_STEP = 4  # total_batch_tokens / seq_len below

@@ -1,4 +1,4 @@
-"""lm-evaluation-harness on the project's GPT (gptcore/harness.py): the adapter scores what the harness's
+"""lm-evaluation-harness on the project's GPT (gptcore/evals/scorers/harness.py): the adapter scores what the harness's
 own Hugging Face model class scores on the HF export of the same weights (log-likelihoods to 1e-4, the same
 greedy flags and accuracies), a task defined in a user's folder runs through the harness end to end with
 standard errors, and a task that cannot run is skipped with the reason."""
@@ -13,9 +13,9 @@ from lm_eval.api.instance import Instance
 from lm_eval.models.huggingface import HFLM
 
 from gptcore.config import CODE_ROOTS, ModelConfig
-from gptcore.harness import GPTHarness, run_tasks
-from gptcore.hf import export_hf
-from gptcore.model import GPT
+from gptcore.evals.scorers.harness import GPTHarness, run_tasks
+from gptcore.model.gpt import GPT
+from gptcore.model.hf import export_hf
 
 pytestmark = pytest.mark.slow
 
@@ -138,7 +138,7 @@ metric_list:
 
 
 def test_the_evaluate_command_scores_a_checkpoint_on_harness_tasks(tmp_path):
-    """`python -m gptcore.evaluate <checkpoint> --tasks ... --include-path DIR` (what `python -m
+    """`python -m gptcore.evals.evaluate <checkpoint> --tasks ... --include-path DIR` (what `python -m
     tasks.evaluate models:/name@alias --tasks ...` runs after fetching the version's weights)."""
     import subprocess
     import sys
@@ -151,7 +151,7 @@ def test_the_evaluate_command_scores_a_checkpoint_on_harness_tasks(tmp_path):
     ckpt = checkpoint.save_checkpoint(tmp_path / "run", 5, model(), {"optimizer": {}},
                                       {"config": cfg.to_dict(), "run_name": "harness"}, keep_last=3)
     folder = toy_task(tmp_path / "tasks", n=12)
-    r = subprocess.run([sys.executable, "-m", "gptcore.evaluate", str(ckpt), "--no-hellaswag", "--tasks",
+    r = subprocess.run([sys.executable, "-m", "gptcore.evals.evaluate", str(ckpt), "--no-hellaswag", "--tasks",
                         "toy_choice", "--include-path", str(folder), "--device", "cpu"],
                        capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[1])
     assert r.returncode == 0, r.stderr[-3000:]
@@ -196,7 +196,7 @@ def test_task_code_loads_only_from_an_allowed_root(tmp_path, monkeypatch):
 
     def evaluate(root: Path, *extra: str) -> subprocess.CompletedProcess:
         env = dict(os.environ, **{CODE_ROOTS: str(root)})
-        return subprocess.run([sys.executable, "-m", "gptcore.evaluate", str(ckpt), "--no-hellaswag", "--tasks",
+        return subprocess.run([sys.executable, "-m", "gptcore.evals.evaluate", str(ckpt), "--no-hellaswag", "--tasks",
                                "evil", "--device", "cpu", *extra], env=env, capture_output=True, text=True,
                               timeout=600, cwd=repo)
 
@@ -250,7 +250,7 @@ def plain_fp32_scores(gpt: GPT, pairs: list[tuple[list[int], list[int]]]) -> lis
 
 
 def test_harness_scores_are_fp32_by_default_whatever_autocast_the_caller_passes():
-    from gptcore.tokenizer import get_encoding
+    from gptcore.model.tokenizer import get_encoding
 
     gpt, enc = model(), get_encoding()
     texts = [(c, e) for c in CONTEXTS[:3] for e in ENDINGS[:3]]
@@ -270,10 +270,10 @@ def test_harness_scores_are_fp32_by_default_whatever_autocast_the_caller_passes(
 
 
 def test_the_harness_evaluation_records_its_dtype_and_passes_it_on(monkeypatch):
-    from gptcore import harness
     from gptcore.config import load_config
     from gptcore.evals import Context
     from gptcore.evals.harness import Harness
+    from gptcore.evals.scorers import harness
 
     cfg = load_config("micro", ["eval.harness_tasks=toy_choice", "eval.harness_dtype=autocast"])
     assert Harness().settings(cfg)["dtype"] == "autocast"  # eval.json: fp32 and autocast results never mixed

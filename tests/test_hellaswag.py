@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from benchmarks.bench_hellaswag import reference_accuracy, reference_scores
-from gptcore import hellaswag
 from gptcore.config import load_config, model_preset
-from gptcore.model import GPT
+from gptcore.evals.scorers import hellaswag
+from gptcore.model.gpt import GPT
 
 FIXTURE = Path(__file__).parent / "fixtures" / "hellaswag_mini.jsonl"
 REPO = Path(__file__).resolve().parent.parent
@@ -46,7 +46,7 @@ def test_make_example_tokenizes_ctx_and_spaced_endings():
     assert len(ex) == 7 and [e.label for e in ex] == [0, 1, 2, 3, 0, 1, 2]
     first = ex[0]
     assert first.ctx == "A baker dusts a wooden table with flour. She"
-    from gptcore.tokenizer import decode, encode
+    from gptcore.model.tokenizer import decode, encode
     assert first.ctx_tokens == encode(first.ctx)
     assert decode(first.ending_tokens[0]) == " " + first.endings[0]  # the leading space is part of it
     assert len(load(FIXTURE, limit=3)) == 3
@@ -257,9 +257,9 @@ def test_model_taught_the_labelled_endings_scores_one():
 
 DDP_SCRIPT = """
 import json, os, sys, torch, torch.distributed as dist
-from gptcore import hellaswag
+from gptcore.evals.scorers import hellaswag
 from gptcore.config import load_config, model_preset
-from gptcore.model import GPT
+from gptcore.model.gpt import GPT
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 torch.manual_seed(0)

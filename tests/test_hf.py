@@ -14,7 +14,8 @@ from safetensors import safe_open
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from gptcore.config import ModelConfig
-from gptcore.hf import (
+from gptcore.model.gpt import GPT
+from gptcore.model.hf import (
     HFError,
     export_hf,
     from_pretrained,
@@ -22,8 +23,7 @@ from gptcore.hf import (
     load_hf_state_dict,
     model_config_from_hf,
 )
-from gptcore.model import GPT
-from gptcore.tokenizer import N_VOCAB
+from gptcore.model.tokenizer import N_VOCAB
 from tests.local_http import end_body, serve
 
 SMALL = dict(n_layer=2, n_embd=64, n_head=4, n_positions=64, vocab_size=50257,
@@ -275,7 +275,7 @@ def test_export_holds_a_tokenizer_that_transformers_loads_offline(tmp_path, monk
     give our token ids."""
     from transformers import AutoTokenizer, pipeline
 
-    from gptcore.tokenizer import encode
+    from gptcore.model.tokenizer import encode
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
@@ -293,7 +293,7 @@ def test_export_holds_a_tokenizer_that_transformers_loads_offline(tmp_path, monk
 
 
 def test_a_damaged_export_is_an_error_line_in_evaluate(tmp_path, capsys):
-    from gptcore.evaluate import main
+    from gptcore.evals.evaluate import main
 
     ours = GPT(ModelConfig(block_size=16, n_layer=1, n_head=2, n_embd=16))
     out = export_hf(ours, tmp_path / "hf")

@@ -12,7 +12,7 @@ import pytest
 from gptcore.config import load_config
 from gptcore.data import build, location, sources
 from gptcore.data.shard_format import read_shard
-from gptcore.tokenizer import EOT, get_encoding
+from gptcore.model.tokenizer import EOT, get_encoding
 from tests.hub_standin import parquet_bytes
 
 SPLITS = "someone/three-splits"

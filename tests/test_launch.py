@@ -42,14 +42,15 @@ def test_the_command_parses_with_the_installed_torchrun():
     cmd = launch.torchrun_cmd("micro", {"train.max_steps": 5}, nproc=2, max_restarts=1)
     args = torchrun.get_args_parser().parse_args(launcher_args(cmd))
     assert args.nproc_per_node == "2" and args.max_restarts == 1 and args.module
-    assert args.training_script == "gptcore.train" and args.training_script_args == ["micro", "train.max_steps=5"]
+    assert args.training_script == "gptcore.training.train"
+    assert args.training_script_args == ["micro", "train.max_steps=5"]
     assert args.shutdown_timeout == launch.SHUTDOWN_SECONDS  # the pinned torch has the flag: it is passed
 
 
 def test_the_command_parses_with_torch_211s_torchrun(torch_211, capsys):
     cmd = launch.torchrun_cmd("gpt2-124m", {"train.max_steps": 5}, nproc=8, max_restarts=1)
     args = torch_211_parser().parse_args(launcher_args(cmd))
-    assert args.training_script == "gptcore.train" and args.training_script_args[0] == "gpt2-124m"
+    assert args.training_script == "gptcore.training.train" and args.training_script_args[0] == "gpt2-124m"
     assert not any(a.startswith("--shutdown-timeout") for a in cmd)
     assert "fixed 30 s" in capsys.readouterr().err  # says what a stop then waits for
 
@@ -57,7 +58,7 @@ def test_the_command_parses_with_torch_211s_torchrun(torch_211, capsys):
 def test_torch_211s_torchrun_rejects_the_old_command():
     """The fixture is the real constraint: the command the launcher used to build fails to parse with it."""
     old = ["--standalone", "--nproc_per_node=8", "--max-restarts=1", "--shutdown-timeout=300", "-m",
-           "gptcore.train", "gpt2-124m"]
+           "gptcore.training.train", "gpt2-124m"]
     with pytest.raises(SystemExit):
         torch_211_parser().parse_args(old)
     torch_211_parser().parse_args([a for a in old if not a.startswith("--shutdown")])
@@ -83,7 +84,7 @@ def test_multinode_script_leaves_the_flag_out_where_torchrun_lacks_it(tmp_path):
     shim = tmp_path / "python"
     shim.write_text('#!/bin/sh\n[ "$1 $2 $3" = "-m gptcore.launch accepts" ] && exit 3\nexit 0\n')
     shim.chmod(shim.stat().st_mode | stat.S_IEXEC)
-    r = run([str(DOCKER / "torchrun-multinode.sh"), "-m", "gptcore.train", "micro"],
+    r = run([str(DOCKER / "torchrun-multinode.sh"), "-m", "gptcore.training.train", "micro"],
             env=clean_env(DRY_RUN="1", PYTHON=str(shim)))
     assert r.returncode == 0, r.stderr
     assert "--shutdown-timeout" not in r.stdout and "--max-restarts=0" in r.stdout

@@ -67,7 +67,8 @@ def test_no_private_name_of_a_library_is_used():
     from pathlib import Path
 
     allowed = {
-        "_exit": "os._exit, the documented way to end a process whose main thread is stuck (gptcore/watchdog.py)",
+        "_exit": "os._exit, the documented way to end a process whose main thread is stuck "
+                 "(gptcore/training/watchdog.py)",
         "_orig_mod": "the module inside torch.compile's wrapper; torch has no public accessor",
         "_dynamo": "torch._dynamo.utils.counters: the only count of compiled graphs (tests assert it stays put)",
         "_is_mkldnn_bf16_supported": "whether the CPU has bf16 matmuls (a benchmark's choice); no public check",
@@ -127,3 +128,46 @@ def test_imports_inside_functions_say_why():
                             where = f"{path.relative_to(root)}:{node.lineno}"
                             unexplained.append(f"{where} {lines[node.lineno - 1].strip()}")
     assert not unexplained, "imports inside functions with no reason given:\n" + "\n".join(unexplained)
+
+
+# --- gptcore's rooms ---------------------------------------------------------------------------------
+ROOMS = ["base", "model", "data", "checkpoints", "evals", "training"]  # imports point down this list only
+
+
+def room_of(module: str) -> str:
+    part = module.split(".")[1] if module.count(".") else ""
+    return part if part in ROOMS else "base"
+
+
+def test_gptcore_rooms_import_downwards_only_and_without_cycles(graph):
+    """A room imports only the rooms below it (base < model < data < checkpoints < evals < training), and no
+    two gptcore modules import each other, directly or through others (lazy imports inside functions
+    count: they are the same dependency, deferred)."""
+    mods = sorted(m for m in graph.modules if m.startswith("gptcore"))
+    upward = [(m, i) for m in mods for i in graph.find_modules_directly_imported_by(m)
+              if i.startswith("gptcore") and ROOMS.index(room_of(i)) > ROOMS.index(room_of(m))]
+    assert not upward, upward
+    cycles = [(a, b) for a in mods for b in mods
+              if a < b and graph.chain_exists(a, b) and graph.chain_exists(b, a)]
+    assert not cycles, cycles
+
+
+def test_gptcore_is_rooms_and_architecture_names_them():
+    """At most 12 modules at gptcore's top level; each room says what it may import; ARCHITECTURE.md's
+    table of rooms names exactly the modules in the tree."""
+    import re
+    from pathlib import Path
+
+    root = Path(importlib.import_module("gptcore").__path__[0])
+    top = sorted(p.stem for p in root.glob("*.py") if p.stem != "__init__")
+    assert len(top) <= 12, top
+    for room in ROOMS[1:]:
+        doc = importlib.import_module(f"gptcore.{room}").__doc__ or ""
+        assert "May import" in doc or "may import" in doc, f"gptcore/{room}/__init__.py does not say what it may import"
+    tree = {("base" if p.parent == root else p.relative_to(root).parts[0],
+             "/".join(p.relative_to(root).with_suffix("").parts[1:]) or p.stem)
+            for p in root.rglob("*.py") if p.stem != "__init__" and "assets" not in p.parts}
+    text = (root.parent / "ARCHITECTURE.md").read_text()
+    named = {(room, m.strip()) for room, mods in re.findall(r"^\| (\w+) \| ([\w/, ]+) \|", text, re.M)
+             if room in ROOMS for m in mods.split(",")}
+    assert named == tree, {"not in ARCHITECTURE.md": sorted(tree - named), "not in the tree": sorted(named - tree)}

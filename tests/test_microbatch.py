@@ -17,12 +17,12 @@ from gptcore.checkpoints import run_files as R
 from gptcore.config import load_config
 from gptcore.distributed import select
 from gptcore.launch import torchrun_cmd
-from gptcore.loss import make_loss
 from gptcore.metrics import read_metrics
-from gptcore.microbatch import CHOICE_FILE, candidates, probe, probe_tokens, smaller
-from gptcore.model import GPT
-from gptcore.optim import build_optimizer
-from gptcore.tokenizer import N_VOCAB
+from gptcore.model.gpt import GPT
+from gptcore.model.loss import make_loss
+from gptcore.model.optim import build_optimizer
+from gptcore.model.tokenizer import N_VOCAB
+from gptcore.training.microbatch import CHOICE_FILE, candidates, probe, probe_tokens, smaller
 from tests.test_train_utils import env, final_weights, losses, make_dataset, python_cmd, start
 
 STEPS = 10
@@ -162,7 +162,7 @@ def test_the_probe_steps_the_real_optimizer_and_leaves_everything_as_it_was():
     candidate's forward and backward run, as from the real run's second step on, and the optimizer steps.
     Afterwards no weight has moved, the optimizer is as new (no state, its learning rates back) and no
     gradient is left. On CUDA a size whose step peaks within 10% of the card is no fit."""
-    from gptcore.microbatch import too_close
+    from gptcore.training.microbatch import too_close
 
     cfg = load_config("micro", ["train.micro_batch=auto", "train.micro_batch_max=4", "train.seq_len=32",
                                 "train.total_batch_tokens=256", "train.device=cpu", "train.compile=false"])

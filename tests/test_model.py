@@ -1,4 +1,4 @@
-"""gptcore.model: GPT-2's exact size, causality, the loss at init, learning, sampling and its guards."""
+"""gptcore.model.gpt: GPT-2's exact size, causality, the loss at init, learning, sampling and its guards."""
 
 import math
 
@@ -7,10 +7,10 @@ import torch
 from torch.nn import functional as F
 
 from gptcore.config import ModelConfig, OptimConfig, model_preset
-from gptcore.loss import FusedLinearCrossEntropy, FusedLoss, PlainLoss
-from gptcore.model import GPT, clean_state_dict, unwrap
-from gptcore.optim import adamw
-from gptcore.tokenizer import N_VOCAB
+from gptcore.model.gpt import GPT, clean_state_dict, unwrap
+from gptcore.model.loss import FusedLinearCrossEntropy, FusedLoss, PlainLoss
+from gptcore.model.optim import adamw
+from gptcore.model.tokenizer import N_VOCAB
 
 
 def micro(**kw) -> GPT:
@@ -263,6 +263,6 @@ def test_fused_loss_is_exact_where_a_target_probability_underflows():
     ("Tesla V100-SXM2-16GB", 125e12), ("NVIDIA RTX PRO 6000 Blackwell", None), ("Some Future GPU", None),
 ])
 def test_peak_flops_table_matches_exact_device_names(name, peak):
-    from gptcore.model import peak_flops_for
+    from gptcore.model.gpt import peak_flops_for
 
     assert peak_flops_for(name) == peak

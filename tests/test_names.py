@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parent.parent
 RULE = "is not a usable name: use 1 to 100 letters, digits, '.', '_' and '-'"
 # Absolute paths are probed under the test's own tmp dir (tests may run as root: never aim at /etc for real).
 BAD = ["../x", "../../x", "{tmp}/etc", "a/b", "", "x" * 300, ".."]
-CLIS = {"train.run_name": "gptcore.train", "data.dataset_name": "gptcore.data.build"}
+CLIS = {"train.run_name": "gptcore.training.train", "data.dataset_name": "gptcore.data.build"}
 
 
 def listing(d: Path) -> set[str]:

@@ -13,8 +13,17 @@ import torch
 from gptcore.checkpoints import run_files as R
 from gptcore.config import ConfigError, OptimConfig, load_config, model_preset
 from gptcore.metrics import read_metrics
-from gptcore.model import GPT
-from gptcore.optim import Combined, Muon, adamw, build_optimizer, lr_at, newton_schulz_dtype, orthogonalize, set_lr
+from gptcore.model.gpt import GPT
+from gptcore.model.optim import (
+    Combined,
+    Muon,
+    adamw,
+    build_optimizer,
+    lr_at,
+    newton_schulz_dtype,
+    orthogonalize,
+    set_lr,
+)
 from tests.test_ddp import STEPS as DDP_STEPS
 from tests.test_ddp import args as ddp_args
 from tests.test_ddp import assert_same_run

@@ -18,9 +18,9 @@ from transformers import GPT2LMHeadModel
 
 from gptcore.checkpoints import checkpoint, run_files
 from gptcore.config import load_config
-from gptcore.hf import load_hf_dir
-from gptcore.model import GPT
-from gptcore.tokenizer import decode, encode
+from gptcore.model.gpt import GPT
+from gptcore.model.hf import load_hf_dir
+from gptcore.model.tokenizer import decode, encode
 from tasks import register
 from tasks.generate import load
 from tests.test_hf import assert_same, tokens

@@ -13,7 +13,7 @@ import pytest
 from gptcore.config import load_config
 from gptcore.data import build, location, source_builtin, source_hub, source_local, sources
 from gptcore.data.shard_format import read_shard
-from gptcore.tokenizer import EOT, get_encoding
+from gptcore.model.tokenizer import EOT, get_encoding
 from tests.hub_standin import parquet_bytes
 
 REPO = "HuggingFaceFW/fineweb-edu"
@@ -192,7 +192,7 @@ def test_a_local_source_in_every_readable_format(tmp_path):
 
     from gptcore.data import build, location
     from gptcore.data.shard_format import read_shard
-    from gptcore.tokenizer import EOT, get_encoding
+    from gptcore.model.tokenizer import EOT, get_encoding
 
     texts = [f"document {i}: " + "lorem ipsum dolor " * (50 + i) for i in range(16)]
     lines = lambda ts: "".join(json.dumps({"text": t, "id": 1}) + "\n" for t in ts).encode()  # noqa: E731

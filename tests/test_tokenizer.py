@@ -1,4 +1,4 @@
-"""gptcore.tokenizer: the GPT-2 BPE built offline from the shipped rank file must give exactly tiktoken's
+"""gptcore.model.tokenizer: the GPT-2 BPE built offline from the shipped rank file must give exactly tiktoken's
 own `r50k_base` ids (the encoding `gpt2` shares), work with the network off and an empty tiktoken cache,
 and refuse a damaged rank file."""
 
@@ -14,11 +14,11 @@ import pyarrow.parquet as pq
 import pytest
 import tiktoken
 
-from gptcore import tokenizer
-from gptcore.tokenizer import EOT, RANK_FILE, TokenizerError, decode, encode, get_encoding
+from gptcore.model import tokenizer
+from gptcore.model.tokenizer import EOT, RANK_FILE, TokenizerError, decode, encode, get_encoding
 
 R50K_URL = "https://openaipublic.blob.core.windows.net/encodings/r50k_base.tiktoken"
-CORPUS = Path(tokenizer.__file__).parent / "assets" / "corpus" / "shakespeare.parquet"
+CORPUS = Path(tokenizer.__file__).parents[1] / "assets" / "corpus" / "shakespeare.parquet"
 TRICKY = [
     "Hello world", "", " ", "\n\n\n", "  leading and trailing  ", "tabs\tand\r\nCRLF",
     "naïve café, Zürich — “quotes” …", "日本語のテキストと中文", "emoji 👩‍👩‍👧‍👦 🇺🇳 🙂!!",
@@ -89,7 +89,7 @@ socket.create_connection = deny
 socket.getaddrinfo = deny
 
 import tiktoken
-from gptcore import tokenizer
+from gptcore.model import tokenizer
 ids = tokenizer.encode("Hello world, naïve café 🙂")
 out = {"ids": ids, "round_trip": tokenizer.decode(ids), "eot": tokenizer.get_encoding().eot_token,
        "cache": sorted(os.listdir(os.environ["TIKTOKEN_CACHE_DIR"]))}

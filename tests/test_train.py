@@ -11,8 +11,8 @@ from gptcore.checkpoints import checkpoint as C
 from gptcore.checkpoints import run_files as R
 from gptcore.config import load_config
 from gptcore.metrics import read_metrics
-from gptcore.optim import lr_at
-from gptcore.train import main
+from gptcore.model.optim import lr_at
+from gptcore.training.train import main
 from tests.test_train_utils import kill_tree, losses, make_dataset, python_cmd, start, wait_for_step, wait_for_text
 
 
@@ -261,7 +261,7 @@ def test_no_host_sync_inside_a_step_except_at_log_eval_and_checkpoint_steps(ds, 
     is counted, per step."""
     import torch
 
-    import gptcore.trainer as T
+    import gptcore.training.trainer as T
 
     syncs, steps = [0], []
     real_step = T.train_step

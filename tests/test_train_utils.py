@@ -60,7 +60,7 @@ def free_port() -> int:
 
 
 def python_cmd(args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "gptcore.train", *args]
+    return [sys.executable, "-m", "gptcore.training.train", *args]
 
 
 def torchrun_cmd(args: list[str], nproc: int = 2) -> list[str]:

@@ -1,5 +1,5 @@
 """A verdict ends the job; a restart cannot change it (issue 44, item 2). Real torchrun jobs (gloo, CPU), the
-divergence injected with GPTPIPE_TEST_FAULT (gptcore/guard.py): every rollback meets new NaNs, so the
+divergence injected with GPTPIPE_TEST_FAULT (gptcore/training/guard.py): every rollback meets new NaNs, so the
 guard gives up with exit 3 (diverged), and a restarted process (its fault counter reset) would replay the
 same batches into the same end.
 
@@ -26,10 +26,11 @@ from pathlib import Path
 
 import pytest
 
-from gptcore import launch, verdict
+from gptcore import launch
 from gptcore.checkpoints import run_files as R
 from gptcore.files import read_json
 from gptcore.metrics import read_metrics
+from gptcore.training import verdict
 from tests.test_train_utils import REPO, descendants, env, free_port, make_dataset
 
 pytestmark = pytest.mark.slow
@@ -141,7 +142,7 @@ def test_the_prefect_launcher_fails_naming_the_verdict_and_does_not_restart(ds, 
 
 
 def test_a_ddp_out_of_memory_exit_is_no_verdict_and_the_launcher_restarts_it(ds, tmp_path, monkeypatch):
-    """Exit 2 from a rank that ran out of memory under DDP (gptcore/trainer.py smaller_micro_batch) is no
+    """Exit 2 from a rank that ran out of memory under DDP (gptcore/training/trainer.py smaller_micro_batch) is no
     verdict: the smaller size is kept for the restart, which the Prefect task's launcher makes and logs (the
     fault's call count starts again in the new process, past the step it hit: resumed from step 5, the run
     ends at step 10)."""
@@ -200,7 +201,7 @@ def test_the_prefect_launcher_names_a_hang_once_its_restarts_are_spent(ds, tmp_p
     its folder of stacks and, once train.max_restarts are spent (none here), fails the task with an error
     that starts with the hang's name and code, the rank, and where its stacks are (it said only "torchrun
     exited with code 1" before)."""
-    from gptcore.watchdog import HANG_EXIT
+    from gptcore.training.watchdog import HANG_EXIT
     from tasks.train import TrainError, run_trainer
 
     run_dir, rec = tmp_path / "run", Recorder(f"hang-{tmp_path.name}")

@@ -3,10 +3,11 @@
     checkpoint.py   the format and the one writer and reader: model.safetensors + trainer.pt + meta.json,
                     hashed while written, swapped in atomically, retention; load and verify
     background.py   the async writer (Checkpointer): the ranks wait for a copy of the state, not the disk
-    resume.py       where an invocation starts: every input check, the newest checkpoint that verifies
-                    whole (a bad one moved to checkpoints/rejected/), restore and roll back
     run_files.py    the run directory's names and files read without torch (run.json, DONE, eval.json,
                     the checkpoint list): what the flow's skip decisions read
 
-Nothing is imported here: `from gptcore.checkpoints import run_files` must not import torch.
+Where an invocation starts from its checkpoints (the pre-flight, restore, roll back) is the training room's
+(gptcore/training/resume.py). May import: the base modules (config, files, distributed, metrics, runlock)
+and gptcore.model. Nothing is imported here: `from gptcore.checkpoints import run_files` must not import
+torch.
 """

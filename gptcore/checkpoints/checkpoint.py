@@ -21,15 +21,12 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import shutil
 import time
-import zipfile
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
 from safetensors.torch import load_file, save
 
 from gptcore.checkpoints.run_files import (
@@ -44,15 +41,12 @@ from gptcore.checkpoints.run_files import (
     step_dir,
 )
 from gptcore.config import ConfigError, model_config_from
-from gptcore.files import atomic_dir, file_sha256, hashed_write, temp_name
-from gptcore.model import GPT, clean_state_dict, unwrap
+from gptcore.files import READ_ERRORS, atomic_dir, file_sha256, hashed_write, temp_name
+from gptcore.model.gpt import GPT, clean_state_dict, unwrap
 
 MODEL_FILE = "model.safetensors"
 TRAINER_FILE = "trainer.pt"
 TIED = ("lm_head.weight", "transformer.wte.weight")  # (dropped on save, kept) - the same tensor
-# what reading a damaged file can raise (truncated zip or safetensors header, bad pickle, bad JSON, I/O)
-READ_ERRORS = (OSError, ValueError, RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile,
-               SafetensorError)
 
 
 # --- weights ------------------------------------------------------------------------------------

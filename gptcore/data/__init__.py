@@ -15,5 +15,6 @@
     shard_format.py   the shard file format (llm.c's) and the manifest, the one reader and writer
     loader.py         what the trainer reads: hash-verified shards, the global shuffled batch stream
 
-Nothing here imports torch except loader.py, so the flow's skip checks stay cheap.
+Nothing here imports torch except loader.py, so the flow's skip checks stay cheap. May import: the base
+modules and model (the tokenizer).
 """

@@ -53,8 +53,8 @@ from gptcore.data.planning import Piece, plan_pieces
 from gptcore.data.shard_format import MANIFEST, Manifest, ShardError
 from gptcore.data.tokenizing import tokenize_piece, worker_threads
 from gptcore.files import read_json, remove_stale_temps
+from gptcore.model.tokenizer import get_encoding
 from gptcore.runlock import LockHeld, LocksUnsupported, RunLock
-from gptcore.tokenizer import get_encoding
 
 
 def discard_partial(cfg: RunConfig, listing_existed: bool) -> None:

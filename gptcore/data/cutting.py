@@ -17,7 +17,7 @@ from gptcore.data.location import PROGRESS, DataError, dataset_dir, dataset_name
 from gptcore.data.planning import Piece, piece_paths, piece_record
 from gptcore.data.shard_format import Manifest, ShardError, ShardInfo, read_shard, write_shard_chunks
 from gptcore.files import atomic_write_bytes, cached_sha256, file_sha256, read_json, remove_stale_temps
-from gptcore.tokenizer import EOT, RANK_FILE_SHA256
+from gptcore.model.tokenizer import EOT, RANK_FILE_SHA256
 
 
 def _check_total(total: int, S: int) -> None:

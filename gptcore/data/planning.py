@@ -16,7 +16,7 @@ from gptcore.data import formats, sources
 from gptcore.data.location import PIECES, DataError, dataset_dir
 from gptcore.data.shard_format import ShardError, read_shard
 from gptcore.files import free_disk, read_json
-from gptcore.tokenizer import RANK_FILE_SHA256
+from gptcore.model.tokenizer import RANK_FILE_SHA256
 
 BYTES_PER_TOKEN = 3.0  # conservative (English ~4.2 bytes/token): for the free-disk estimate only
 

@@ -18,7 +18,7 @@ from gptcore.data.location import DataError
 from gptcore.data.planning import Piece, piece_paths, piece_record
 from gptcore.data.shard_format import write_shard_chunks
 from gptcore.files import atomic_write_bytes
-from gptcore.tokenizer import EOT, get_encoding
+from gptcore.model.tokenizer import EOT, get_encoding
 
 
 def encode_documents(texts: list[str], threads: int) -> np.ndarray:
@@ -29,7 +29,7 @@ def encode_documents(texts: list[str], threads: int) -> np.ndarray:
     enc = get_encoding()
     if enc.max_token_value > np.iinfo(np.uint16).max:
         raise DataError(f"token id {enc.max_token_value} does not fit uint16 (max 65535): the tokenizer is not "
-                        "GPT-2's 50257-token BPE; shards store uint16 ids, so use gptcore.tokenizer")
+                        "GPT-2's 50257-token BPE; shards store uint16 ids, so use gptcore.model.tokenizer")
     one = functools.partial(enc.encode_to_numpy, disallowed_special=())
     if threads > 1 and len(texts) > 1:
         with ThreadPoolExecutor(threads) as ex:

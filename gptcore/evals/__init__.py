@@ -5,9 +5,9 @@ asks for it, the settings its numbers depend on (a change means evaluate again),
 training, how it runs on the plain model across ranks, and a one-line summary. Its result is a dict of
 numbers, each accuracy with its standard error beside it (`acc`, `acc_stderr`; nested dicts for several
 tasks), or {"skipped": why}. Everything after it loops over EVALUATIONS and names none: the trainer's
-periodic evaluation (gptcore/train_eval.py, each at its own interval), the standalone evaluate
-(gptcore/evaluate.py), eval.json's settings (gptcore/checkpoints/run_files.eval_settings), the flow's evaluate stage
-(one Prefect task run per evaluation) and its eval table, the logged model's metrics (tasks/register.py:
+periodic evaluation (gptcore/training/train_eval.py, each at its own interval), the standalone evaluate
+(gptcore/evals/evaluate.py), eval.json's settings (gptcore/evals/record.py), the flow's
+evaluate stage (one Prefect task run per evaluation) and its eval table, the logged model's metrics (tasks/register.py:
 `<name>/<metric>`), the leaderboard (a column per metric) and the demo's summary.
 
 Adding one: a module here with an Evaluation subclass, and one `register(...)` line at the bottom of this
@@ -19,85 +19,18 @@ broadcasts it), then `share` on every rank with no collective (the trainer agree
 so a rank that raises cannot leave the others waiting), then `combine` of every rank's share. The simple
 route is `run`: rank 0 computes the whole result alone, the others wait.
 
-    hellaswag       gptcore/hellaswag.py's 4-way completion scorer (examples split across ranks)
-    harness         lm-evaluation-harness tasks on our GPT (gptcore/harness.py; rank 0)
-    contamination   HellaSwag examples sharing an n-gram with the training shards (gptcore/contamination.py)
+    hellaswag       gptcore/evals/scorers/hellaswag.py's 4-way completion scorer (examples split across ranks)
+    harness         lm-evaluation-harness tasks on our GPT (gptcore/evals/scorers/harness.py; rank 0)
+    contamination   HellaSwag examples sharing an n-gram with the training shards
+                    (gptcore/evals/scorers/contamination.py)
+
+May import: the base modules, model, data, checkpoints.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING
-
-from gptcore.checkpoints.run_files import result_metrics  # noqa: F401 -- a result as flat metrics, `<name>/<metric>`
 from gptcore.config import RunConfig
-
-if TYPE_CHECKING:
-    import torch
-
-
-@dataclass
-class Context:
-    """What an evaluation runs with: the plain model and where it lives, the ranks, the run's dataset."""
-    model: torch.nn.Module
-    cfg: RunConfig
-    device: torch.device | str
-    autocast_ctx: object = None
-    rank: int = 0
-    world: int = 1
-    data_dir: Path | None = None  # the training dataset (manifest.json), when known
-    cache: dict = field(default_factory=dict)  # what `prepare` loaded; the trainer keeps it across steps
-
-
-class Evaluation:
-    name = ""
-
-    def enabled(self, cfg: RunConfig) -> bool:
-        return True
-
-    def settings(self, cfg: RunConfig) -> dict:
-        """What its numbers depend on besides the weights."""
-        return {}
-
-    def interval(self, cfg: RunConfig) -> int | None:
-        """During training: every N steps (at an eval step) and at the end; 0 = only at the end; None =
-        never (the flow's evaluate stage and `python -m gptcore.evaluate` run it)."""
-        return None
-
-    def prepare(self, ctx: Context) -> None:
-        """Every rank, before `share`: load what it needs into ctx.cache (collectives allowed)."""
-
-    def share(self, ctx: Context) -> dict:
-        """This rank's part of the result, with no collective. Default: rank 0 runs `run` alone."""
-        return self.run(ctx) if ctx.rank == 0 else {}
-
-    def combine(self, shares: list[dict]) -> dict:
-        """The result from every rank's share (rank order). Default: rank 0's."""
-        return shares[0]
-
-    def run(self, ctx: Context) -> dict:
-        """The whole result, computed by rank 0 alone; or {"skipped": why}."""
-        raise NotImplementedError
-
-    def summary(self, result: dict) -> str:
-        """One line: each number with its standard error where it has one."""
-        if "skipped" in result:
-            return f"{self.name}: skipped: {result['skipped']}"
-        return f"{self.name}: " + ", ".join(f"{k} {v}" for k, v in numbers(result).items())
-
-
-def score(evaluation: Evaluation, ctx: Context) -> dict:
-    """One evaluation's result on every rank (prepare, share, combine); the standalone route, where an
-    exception is the evaluation's end (the trainer runs the same steps with its failure agreement)."""
-    evaluation.prepare(ctx)
-    share = evaluation.share(ctx)
-    if ctx.world == 1:
-        return evaluation.combine([share])
-    from gptcore import distributed  # torch: only when an evaluation runs (a no-op re-run reads the registry)
-
-    return evaluation.combine(distributed.all_gather_object(share))
+from gptcore.evals.base import Context, Evaluation, numbers, score  # noqa: F401 -- the evaluation API
 
 
 def due(cfg: RunConfig, step: int, last: bool) -> list[Evaluation]:
@@ -107,20 +40,6 @@ def due(cfg: RunConfig, step: int, last: bool) -> list[Evaluation]:
         every = ev.interval(cfg)
         if every is not None and (last or (every and step % every == 0)):
             out.append(ev)
-    return out
-
-
-def numbers(result: dict, prefix: str = "") -> dict[str, str]:
-    """{metric: "0.3100 ± 0.0150"} for a result's finite numbers (nested results flattened with "/")."""
-    out: dict[str, str] = {}
-    for k, v in result.items():
-        if isinstance(v, dict):
-            out.update(numbers(v, f"{prefix}{k}/"))
-        elif isinstance(v, (int, float)) and not isinstance(v, bool) and not k.endswith("_stderr") \
-                and math.isfinite(v):
-            se = result.get(f"{k}_stderr")
-            out[f"{prefix}{k}"] = (f"{v:.4f} ± {se:.4f}" if isinstance(se, float) and math.isfinite(se)
-                                   else f"{v:.4g}" if isinstance(v, float) else str(v))
     return out
 
 

@@ -1,12 +1,13 @@
-"""Contamination as an evaluation (gptcore/contamination.py scans): the share of each evaluation's
+"""Contamination as an evaluation (gptcore/evals/scorers/contamination.py scans): the share of each evaluation's
 documents (HellaSwag's examples, each harness task's documents) that share an eval.contamination_ngram-token
 n-gram with the run's training shards; on rank 0, one scan of the shards for all of them."""
 
 from __future__ import annotations
 
 # lazy imports: the registry is read by the flow's no-op re-run, which must not import torch or numpy scans
-from gptcore.evals import Context, Evaluation
+from gptcore.evals.base import Context, Evaluation
 from gptcore.evals.hellaswag import examples
+from gptcore.evals.overlap import reports, training_data
 
 FIELDS = ("n", "examples", "contaminated", "share")
 
@@ -36,7 +37,7 @@ class Contamination(Evaluation):
             else:
                 documents["hellaswag"] = [ex.tokens for ex in found]
         if e.harness_task_list:
-            from gptcore.harness import task_documents  # lm-eval: only when harness tasks are asked for
+            from gptcore.evals.scorers.harness import task_documents  # lm-eval: only when harness tasks are asked for
 
             for task, docs in task_documents(e.harness_task_list, e.harness_include_path or None,
                                              e.harness_limit or None).items():
@@ -56,27 +57,3 @@ class Contamination(Evaluation):
             else:
                 out[group] = row
         return out
-
-
-def training_data(ctx: Context):
-    """The run's dataset directory: the one given, else the config's."""
-    from gptcore.data.location import dataset_dir
-
-    return ctx.data_dir or dataset_dir(ctx.cfg)
-
-
-def reports(ctx: Context, documents: dict[str, list[list[int]]]) -> dict | None:
-    """gptcore.contamination's report per evaluation's documents against the run's training shards (cached
-    beside the manifest); None when that dataset is not on this machine."""
-    from gptcore.contamination import contamination
-
-    data = training_data(ctx)
-    if not (data / "manifest.json").is_file():
-        return None
-    return contamination(data, documents, ctx.cfg.eval.contamination_ngram)
-
-
-def hellaswag_report(ctx: Context, found: list) -> dict | None:
-    """The report on HellaSwag's examples (shared with the Contamination evaluation's, through the cache)."""
-    found_reports = reports(ctx, {"hellaswag": [ex.tokens for ex in found]})
-    return None if found_reports is None else found_reports["hellaswag"]

@@ -1,10 +1,10 @@
-"""lm-evaluation-harness tasks as an evaluation (gptcore/harness.py runs them): eval.harness_tasks, each
+"""lm-evaluation-harness tasks as an evaluation (gptcore/evals/scorers/harness.py runs them): eval.harness_tasks, each
 task's metrics with the harness's standard errors; on rank 0 (the harness knows nothing of our ranks).
 During training: every eval.harness_interval steps when set (0 = not during training)."""
 
 from __future__ import annotations
 
-from gptcore.evals import Context, Evaluation
+from gptcore.evals.base import Context, Evaluation
 
 
 class Harness(Evaluation):
@@ -24,7 +24,7 @@ class Harness(Evaluation):
         return cfg.eval.harness_interval or None
 
     def run(self, ctx: Context) -> dict:
-        from gptcore.harness import run_tasks  # lm-eval: imported only when a task is asked for
+        from gptcore.evals.scorers.harness import run_tasks  # lm-eval: imported only when a task is asked for
 
         e = ctx.cfg.eval
         return run_tasks(ctx.model, e.harness_task_list, ctx.device, ctx.autocast_ctx,

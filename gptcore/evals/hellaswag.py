@@ -1,4 +1,4 @@
-"""HellaSwag as an evaluation (gptcore/hellaswag.py scores it): acc and acc_norm with their binomial
+"""HellaSwag as an evaluation (gptcore/evals/scorers/hellaswag.py scores it): acc and acc_norm with their binomial
 standard errors, the examples split across ranks. A dataset that cannot be had is a skip, with the fix.
 During training: every eval.hellaswag_interval steps (0 = at the end only)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 # lazy imports: the registry is read by the flow's no-op re-run, which must not import torch
 import logging
 
-from gptcore.evals import Context, Evaluation
+from gptcore.evals.base import Context, Evaluation
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ class HellaSwag(Evaluation):
     def share(self, ctx: Context) -> dict:
         # the scorer (torch) is imported when it runs: reading the registry (a no-op flow re-run compares
         # eval.json's settings) must not import torch
-        from gptcore import hellaswag as hs
+        from gptcore.evals.scorers import hellaswag as hs
 
         found, reason = examples(ctx)
         if found is None:
@@ -45,7 +45,7 @@ class HellaSwag(Evaluation):
         return out
 
     def combine(self, shares: list[dict]) -> dict:
-        from gptcore import hellaswag as hs
+        from gptcore.evals.scorers import hellaswag as hs
 
         if "skipped" in shares[0]:
             return shares[0]
@@ -57,10 +57,11 @@ class HellaSwag(Evaluation):
 
     @staticmethod
     def clean(ctx: Context, found: list) -> list | None:
-        """The examples without a contamination_ngram-gram in the training shards (gptcore/contamination.py,
-        cached per dataset); None when the dataset is not on this machine. Every rank computes it once per
-        invocation (ctx.cache; the scan's answer is cached beside the manifest after the first)."""
-        from gptcore.evals.contamination import hellaswag_report
+        """The examples without a contamination_ngram-gram in the training shards
+        (gptcore/evals/scorers/contamination.py, cached per dataset); None when the dataset is not on this
+        machine. Every rank computes it once per invocation (ctx.cache; the scan's answer is cached beside
+        the manifest after the first)."""
+        from gptcore.evals.overlap import hellaswag_report
 
         e = ctx.cfg.eval
         key = ("hellaswag-clean", e.hellaswag_path, e.hellaswag_limit, e.contamination_ngram)  # as `examples`
@@ -75,7 +76,7 @@ def examples(ctx: Context) -> tuple[list | None, str]:
     """HellaSwag's examples on every rank (rank 0 reads or downloads them and broadcasts: collective), kept
     in ctx.cache for the next step; (None, why) when they cannot be had. A bad explicit file raises
     HellaSwagError on every rank alike (the trainer turns it into a skip: a benchmark never stops a run)."""
-    from gptcore import hellaswag as hs
+    from gptcore.evals.scorers import hellaswag as hs
 
     cfg = ctx.cfg
     key = ("hellaswag", cfg.eval.hellaswag_path, cfg.eval.hellaswag_limit)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import tiktoken
 
-RANK_FILE = Path(__file__).parent / "assets" / "r50k_base.tiktoken"
+RANK_FILE = Path(__file__).parents[1] / "assets" / "r50k_base.tiktoken"
 RANK_FILE_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
 EOT = 50256  # <|endoftext|>: separates documents
 N_VOCAB = 50257  # real token ids are < N_VOCAB; the model pads its vocabulary beyond (ids never produced)

@@ -4,7 +4,7 @@ Under DDP every rank's weights must stay bitwise equal: the ranks start from the
 the same all-reduced gradients. A silent data corruption on one GPU (a flipped bit in memory or in an
 arithmetic unit) makes that replica drift for good, and checkpoints come from rank 0 only, so nothing else
 notices. `weights_checksum` is a sum of every parameter's bits as integers, on the device; the trainer
-compares the ranks' sums every guard.consistency_interval steps (gptcore/trainer.py).
+compares the ranks' sums every guard.consistency_interval steps (gptcore/training/trainer.py).
 
 A straggler (a throttled GPU, a noisy neighbour) slows every step of every rank, since each waits for it in
 the all-reduce; its own compute time is what shows it. `ComputeTimer` measures the part of a rank's step

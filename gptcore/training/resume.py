@@ -26,7 +26,7 @@ from gptcore.data.loader import ShardLoader, open_dataset, verify_hashes
 from gptcore.data.location import SHARD_HASHES, dataset_dir  # the hash cache's name; the run dir keeps a copy
 from gptcore.data.shard_format import Manifest
 from gptcore.files import read_json
-from gptcore.model import GPT
+from gptcore.model.gpt import GPT
 from gptcore.runlock import RunLock
 
 

@@ -30,8 +30,8 @@ from torch.nn import functional as F
 from gptcore import distributed
 from gptcore.config import RunConfig, pipeline_home
 from gptcore.files import atomic_write_bytes
-from gptcore.model import evaluating, unwrap
-from gptcore.tokenizer import encode
+from gptcore.model.gpt import evaluating, unwrap
+from gptcore.model.tokenizer import encode
 
 log = logging.getLogger(__name__)
 

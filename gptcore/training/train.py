@@ -1,8 +1,8 @@
 """GPT-2 pretraining: one process or many under torchrun (DDP), resumable exactly.
 
-    python -m gptcore.train tiny-cpu train.max_steps=100
-    torchrun --standalone --nproc_per_node=8 -m gptcore.train gpt2-124m
-    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29400 -m gptcore.train ...
+    python -m gptcore.training.train tiny-cpu train.max_steps=100
+    torchrun --standalone --nproc_per_node=8 -m gptcore.training.train gpt2-124m
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29400 -m gptcore.training.train ...
 
 A run lives in <home>/runs/<run_name>/ (or train.run_dir). Starting the same command again continues
 it from its latest checkpoint; a finished run (DONE) does nothing and prints RUN_DONE.
@@ -12,20 +12,21 @@ train.max_minutes, SIGTERM/SIGINT to the trainer processes, or a <run_dir>/STOP 
 (config, dataset, run identity, no intact checkpoint, another trainer holds the run directory, a run
 directory or dataset that cannot be read or written): nothing half-written is kept; 3 = diverged (the
 guard rolled back guard.max_rollbacks times in a row; the checkpoints are intact); 4 = the replicas disagreed
-twice on the same rank (drain that host); 5 = a rank made no progress (gptcore/watchdog.py: stacks in
+twice on the same rank (drain that host); 5 = a rank made no progress (gptcore/training/watchdog.py: stacks in
 <run_dir>/hangs/; torchrun restarts the job with train.max_restarts); anything else = a crash.
-Exits 2, 3 and 4 once training started are verdicts, recorded in <run_dir>/verdict.json (gptcore/verdict.py):
+Exits 2, 3 and 4 once training started are verdicts, recorded in <run_dir>/verdict.json (gptcore/training/verdict.py):
 a torchrun restart of the same launch exits at once with the recorded code instead of replaying the same
 end; the next launch moves the record aside (verdict.<time>.json) and runs. A start refused before training
 (bad input found by the checks) writes nothing into the run directory: a restart only repeats the checks.
 
 The trainer defends its run by itself, whoever launched it: it locks the run directory (train.lock),
 resumes from the newest checkpoint that verifies whole (others are moved to checkpoints/rejected/), skips
-non-finite steps and rolls back on repeated ones or a loss spike (gptcore/guard.py), writes checkpoints in
+non-finite steps and rolls back on repeated ones or a loss spike (gptcore/training/guard.py), writes checkpoints in
 the background (train.async_checkpoint) and evaluates after each checkpoint, where a failed evaluation is
 an event, never the end of the run.
 
-This module is the entry point only: where a run starts is gptcore/checkpoints/resume.py, the loop gptcore/trainer.py.
+This module is the entry point only: where a run starts is gptcore/training/resume.py, the loop
+gptcore/training/trainer.py.
 """
 
 from __future__ import annotations
@@ -37,17 +38,18 @@ import time
 
 import torch
 
-from gptcore import distributed, verdict, watchdog
+from gptcore import distributed
 from gptcore.checkpoints import run_files
-from gptcore.checkpoints.resume import RunError, prepare
 from gptcore.checkpoints.run_files import run_dir_for
 from gptcore.config import ConfigError, load_config
 from gptcore.data.shard_format import ShardError
-from gptcore.microbatch import NothingFits
 from gptcore.runlock import LockHeld
-from gptcore.trainer import STOP_FILE, STOP_SIGNAL, Diverged, ReplicasDisagree, Trainer
+from gptcore.training import verdict, watchdog
+from gptcore.training.microbatch import NothingFits
+from gptcore.training.resume import RunError, prepare
+from gptcore.training.trainer import STOP_FILE, STOP_SIGNAL, Diverged, ReplicasDisagree, Trainer
 
-EXIT_OK, EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_REPLICAS = 0, 2, 3, 4  # 5: gptcore.watchdog.HANG_EXIT
+EXIT_OK, EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_REPLICAS = 0, 2, 3, 4  # 5: gptcore.training.watchdog.HANG_EXIT
 __all__ = ["main", "STOP_FILE"]
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-from gptcore.tokenizer import N_VOCAB
+from gptcore.model.tokenizer import N_VOCAB
 
 LOSS_CHUNK = 256  # rows per chunk of the fused loss (256 x 50304 fp32 logits = 51 MB)
 EVAL_CHUNK = 1024  # rows per chunk of the evaluation loss (206 MB of fp32 logits)

@@ -1,12 +1,12 @@
 """EleutherAI's lm-evaluation-harness on the project's own GPT: the standard benchmark suite, no HF export.
 
     results = run_tasks(model, ["arc_easy", "piqa"], device, autocast_ctx, dtype=cfg.eval.harness_dtype)
-    python -m gptcore.evaluate runs/gpt2-124m --tasks arc_easy,piqa [--include-path DIR]
+    python -m gptcore.evals.evaluate runs/gpt2-124m --tasks arc_easy,piqa [--include-path DIR]
 
 `GPTHarness` implements the harness's language-model interface through its `TemplateLM` (which turns a
 (context, continuation) pair into tokens exactly as its Hugging Face model class does): log-likelihoods of
 continuations and rolling log-likelihoods of whole documents, scored on the device in batches of similar
-length (gptcore/harness_scoring.py, which needs no lm-eval), in full fp32 by default or under the
+length (gptcore/evals/scorers/harness_scoring.py, which needs no lm-eval), in full fp32 by default or under the
 trainer's autocast (eval.harness_dtype, `scoring_context`). Tasks that generate text are not supported
 (GPT-2's suite scores choices). A task whose dataset cannot be fetched (offline, a hub outage) is skipped
 with the reason, as HellaSwag is, never a failed evaluation.
@@ -30,9 +30,9 @@ from lm_eval.tasks import TaskManager, get_task_dict
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from gptcore.config import HARNESS_DTYPES, check_code_path
-from gptcore.harness_scoring import BATCH_TOKENS, continuation_scores, scoring_context
-from gptcore.model import GPT, unwrap
-from gptcore.tokenizer import EOT, get_encoding
+from gptcore.evals.scorers.harness_scoring import BATCH_TOKENS, continuation_scores, scoring_context
+from gptcore.model.gpt import GPT, unwrap
+from gptcore.model.tokenizer import EOT, get_encoding
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class GPTHarness(TemplateLM):
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         """(sum of the continuation's log-probabilities, whether greedy decoding gives it) per request of
-        (key, context tokens, continuation tokens): gptcore.harness_scoring.continuation_scores, in the
+        (key, context tokens, continuation tokens): gptcore.evals.scorers.harness_scoring.continuation_scores, in the
         precision eval.harness_dtype picks."""
         with scoring_context(self.dtype, self.autocast_ctx):
             return continuation_scores(self.model, [(ctx, cont) for _, ctx, cont in requests], self._device,
@@ -90,8 +90,9 @@ class GPTHarness(TemplateLM):
         return totals
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        raise NotImplementedError("generation tasks are not supported by gptcore.harness (GPT-2's suite scores "
-                                  "choices with log-likelihoods); pick multiple-choice or perplexity tasks")
+        raise NotImplementedError("generation tasks are not supported by gptcore.evals.scorers.harness (GPT-2's "
+                                  "suite scores choices with log-likelihoods); pick multiple-choice or perplexity "
+                                  "tasks")
 
 
 def summarize(results: dict) -> dict[str, dict]:
@@ -152,7 +153,7 @@ def run_tasks(model: torch.nn.Module, tasks: list[str], device, autocast_ctx=Non
 def task_documents(tasks: list[str], include_path: str | None = None,
                    limit: int | None = None) -> dict[str, list[list[int]] | str]:
     """Each task's evaluated documents as token lists (its prompt and every choice, the text the model
-    reads), for the contamination scan (gptcore/contamination.py); a reason instead for a task that cannot
+    reads), for the contamination scan (gptcore/evals/scorers/contamination.py); a reason instead for a task that cannot
     be loaded. `limit`: the first documents, as run_tasks scores them."""
     manager = task_manager(include_path)
     out: dict[str, list[list[int]] | str] = {}

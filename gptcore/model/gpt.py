@@ -17,8 +17,8 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 from gptcore.config import ModelConfig
-from gptcore.loss import PlainLoss, eval_loss
-from gptcore.tokenizer import N_VOCAB
+from gptcore.model.loss import PlainLoss, eval_loss
+from gptcore.model.tokenizer import N_VOCAB
 
 
 class CausalSelfAttention(nn.Module):
@@ -105,7 +105,7 @@ class GPT(nn.Module):
                 return_logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Returns (logits over the real vocabulary, mean loss); targets equal to -1 are ignored. The logits
         have the real GPT-2 width (50257), so padding can never win or take probability. With
-        return_logits=False (the training step) the loss comes from `self.head_loss` (gptcore/loss.py)
+        return_logits=False (the training step) the loss comes from `self.head_loss` (gptcore/model/loss.py)
         and no logits tensor is returned or kept."""
         T = idx.size(1)
         if T > self.config.block_size:

@@ -1,5 +1,5 @@
 """Continuation log-likelihoods from our GPT's forward: the pure-torch half of the lm-evaluation-harness
-adapter (gptcore/harness.py), kept apart from it so that what has no lm-eval (the GPU acceptance image:
+adapter (gptcore/evals/scorers/harness.py), kept apart from it so that what has no lm-eval (the GPU acceptance image:
 benchmarks/harness_parity.py) scores exactly as the adapter does.
 
     with scoring_context(cfg.eval.harness_dtype, autocast_ctx):
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from gptcore.config import HARNESS_DTYPES
-from gptcore.tokenizer import EOT
+from gptcore.model.tokenizer import EOT
 
 BATCH_TOKENS = 4096  # tokens per forward pass (rows x padded length): the logits are 50,257 wide per token
 

@@ -24,7 +24,7 @@ from gptcore.config import ConfigError, RunConfig, TrainConfig, apply_overrides,
 from gptcore.data.loader import val_batches
 from gptcore.data.location import dataset_dir
 from gptcore.data.shard_format import Manifest, ShardError
-from gptcore.model import evaluating
+from gptcore.model.gpt import evaluating
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ def load_target(path: Path, device="cpu") -> tuple[torch.nn.Module, dict]:
         model, meta = checkpoint.load_model(path, device)
         return model, {"kind": "checkpoint", "path": str(path), "step": meta.get("step"), "meta": meta}
     if (path / "config.json").is_file():
-        from gptcore.hf import load_hf_dir  # the Hugging Face export/import module
+        from gptcore.model.hf import load_hf_dir  # the Hugging Face export/import module
 
         return load_hf_dir(path).to(device).eval(), {"kind": "hf", "path": str(path)}
     raise FileNotFoundError(f"{path} is neither a checkpoint (no meta.json), a run directory (no "
@@ -127,7 +127,7 @@ def cli_overrides(args: argparse.Namespace) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m gptcore.evaluate",
+        prog="python -m gptcore.evals.evaluate",
         description="Evaluate a checkpoint, a run's newest checkpoint or a Hugging Face export dir: "
                     "HellaSwag (acc, acc_norm) and optionally validation loss. Prints JSON. "
                     "Runs under torchrun too (examples and val batches split across ranks).")

@@ -3,7 +3,7 @@ each at its own interval, e.g. HellaSwag every eval.hellaswag_interval steps, ha
 eval.harness_interval) and text samples, on the plain model, after the checkpoint of their step, and
 never the end of the run.
 
-Evaluation runs eagerly on the GPT inside the DDP / torch.compile wrappers (gptcore.model.evaluating): no
+Evaluation runs eagerly on the GPT inside the DDP / torch.compile wrappers (gptcore.model.gpt.evaluating): no
 DDP forward, no graphs compiled for evaluation shapes, and the training step's compiled graph is left as
 it was (docs/training.md "Evaluation during training" says why eager and not a compiled eval model).
 Each rank computes its share with no collective, then one all-reduce carries the validation sums and a
@@ -21,12 +21,12 @@ from pathlib import Path
 import torch
 
 from gptcore import distributed, evals
-from gptcore.checkpoints.run_files import eval_settings, result_metrics
 from gptcore.config import RunConfig
-from gptcore.evaluate import mean_loss, validation_sums
-from gptcore.guard import FaultInjector
-from gptcore.model import GPT, evaluating
-from gptcore.tokenizer import decode, encode
+from gptcore.evals.evaluate import mean_loss, validation_sums
+from gptcore.evals.record import eval_settings, result_metrics
+from gptcore.model.gpt import GPT, evaluating
+from gptcore.model.tokenizer import decode, encode
+from gptcore.training.guard import FaultInjector
 
 # the all-reduced evaluation vector: the failed flag, then validation_sums
 FAILED, VAL = slice(0, 1), slice(1, 3)
@@ -122,7 +122,7 @@ class Evaluator:
         if limit and self.failures >= limit:
             self.off = True
             then = (f"{self.failures} failures in a row: evaluation is off for the rest of this invocation; "
-                    "evaluate a checkpoint standalone with `python -m gptcore.evaluate <checkpoint dir> --val`")
+                    "evaluate a checkpoint standalone with `python -m gptcore.evals.evaluate <checkpoint dir> --val`")
         else:
             then = f"training goes on and evaluation is tried again at the next eval step ({self.failures} in a row)"
         self.event(step, f"evaluation failed ({who}); {then}", who="eval")

@@ -24,11 +24,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from gptcore.checkpoints.checkpoint import READ_ERRORS
 from gptcore.config import ModelConfig
-from gptcore.files import atomic_dir
-from gptcore.model import GPT, clean_state_dict, unwrap
-from gptcore.tokenizer import EOT, N_VOCAB, hf_tokenizer_files
+from gptcore.files import READ_ERRORS, atomic_dir
+from gptcore.model.gpt import GPT, clean_state_dict, unwrap
+from gptcore.model.tokenizer import EOT, N_VOCAB, hf_tokenizer_files
 
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 BUFFERS = (".attn.bias", ".attn.masked_bias")  # causal masks in old checkpoints (not `c_attn.bias`)
@@ -99,7 +98,7 @@ def load_hf_state_dict(model: GPT, sd: dict[str, torch.Tensor]) -> GPT:
 def model_config_from_hf(hf: dict, vocab_size: int = 50304, dropout: float = 0.0) -> ModelConfig:
     """Our ModelConfig for an HF GPT2Config dict, refusing variants our GPT does not compute exactly."""
     def bad(what: str) -> HFError:
-        return HFError(f"unsupported Hugging Face GPT-2 config: {what}; gptcore.model.GPT implements the "
+        return HFError(f"unsupported Hugging Face GPT-2 config: {what}; gptcore.model.gpt.GPT implements the "
                        "original GPT-2 only")
 
     if missing := [k for k in ("n_layer", "n_head", "n_embd") if k not in hf]:

@@ -1,10 +1,10 @@
 """The Trainer: GPT-2 pretraining on one process or many (DDP under torchrun), resumable exactly.
 
 `Trainer.run` reads top to bottom: step -> log -> checkpoint -> evaluate -> sample -> stop. The parts it
-holds each do one thing: the data loader, the divergence guard (gptcore/guard.py), the checkpoint writer
+holds each do one thing: the data loader, the divergence guard (gptcore/training/guard.py), the checkpoint writer
 (gptcore/checkpoints/background.py: the ranks wait for a copy of the state, rank 0 writes in the background), the
-evaluator (gptcore/train_eval.py: after the checkpoint, on the plain model, failures are events) and the
-metrics log. Where a run starts from (checks, resume, fallback) is gptcore/checkpoints/resume.py.
+evaluator (gptcore/training/train_eval.py: after the checkpoint, on the plain model, failures are events) and the
+metrics log. Where a run starts from (checks, resume, fallback) is gptcore/training/resume.py.
 
 Between host reads the loop never waits for the device: each step's statistics stay on the device until
 the next log, eval or checkpoint step, where one read gets them all (`read_steps`).
@@ -25,27 +25,28 @@ from typing import NamedTuple
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gptcore import distributed, microbatch
+from gptcore import distributed
 from gptcore.checkpoints.background import FAILED, SKIPPED, Checkpointer
-from gptcore.checkpoints.resume import SHARD_HASHES, Prepared, RunError, agreed_checkpoint, restore
 from gptcore.checkpoints.run_files import DONE_FILE, EVAL_FILE, RUN_FILE, step_dir
 from gptcore.data.loader import ShardLoader
 from gptcore.files import read_json, write_json
-from gptcore.guard import OK, ROLLBACK, SKIP, FaultInjector, Guard
-from gptcore.loss import make_loss
 from gptcore.metrics import METRICS_FILE, JsonlLogger, NullLogger
-from gptcore.model import peak_flops_guess
-from gptcore.optim import build_optimizer, lr_at, set_lr, skips_on_device
-from gptcore.replicas import ComputeTimer, odd_ranks, stragglers, weights_checksum
-from gptcore.train_eval import Evaluator
-from gptcore.watchdog import CEILING_S, Watchdog
+from gptcore.model.gpt import peak_flops_guess
+from gptcore.model.loss import make_loss
+from gptcore.model.optim import build_optimizer, lr_at, set_lr, skips_on_device
+from gptcore.training import microbatch
+from gptcore.training.guard import OK, ROLLBACK, SKIP, FaultInjector, Guard
+from gptcore.training.replicas import ComputeTimer, odd_ranks, stragglers, weights_checksum
+from gptcore.training.resume import SHARD_HASHES, Prepared, RunError, agreed_checkpoint, restore
+from gptcore.training.train_eval import Evaluator
+from gptcore.training.watchdog import CEILING_S, Watchdog
 
 STOP_FILE = "STOP"  # create <run_dir>/STOP to stop a run gracefully (checkpoint, exit 0, torchrun too)
 EVAL_PATIENCE_S = CEILING_S  # the hang limit while evaluating (unless train.hang_timeout_s sets one)
 WRITE_PATIENCE_S = CEILING_S  # ... while waiting for a checkpoint write (1.5 GB on slow shared storage)
 PROBE_PATIENCE_S = CEILING_S  # ... per micro-batch size the probe tries (a fresh compile each: minutes)
 PEAK_ENV = "GPTPIPE_PEAK_FLOPS"  # peak FLOP/s per device for MFU (default: a table for known GPUs)
-STOP_SIGNAL: dict = {"signal": None}  # set by gptcore.train's signal handler; read at every step
+STOP_SIGNAL: dict = {"signal": None}  # set by gptcore.training.train's signal handler; read at every step
 
 
 class Diverged(RuntimeError):
@@ -625,7 +626,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loader:
 
 
 def skip_if_nonfinite(optimizer: torch.optim.Optimizer, n_bad: torch.Tensor) -> None:
-    """optimizer.step(), or no update when n_bad > 0. The fused AdamW and the Muon of gptcore.optim take
+    """optimizer.step(), or no update when n_bad > 0. The fused AdamW and the Muon of gptcore.model.optim take
     the decision on the device (found_inf: no parameter, moment or step-count change); another optimizer
     needs a host sync."""
     if skips_on_device(optimizer):

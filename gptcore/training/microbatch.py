@@ -15,7 +15,7 @@ gradients so that no weight moves. A size that runs out of memory, or on CUDA pe
 card, is freed and the next one tried; the ranks adopt the smallest answer. The choice is
 kept in <run_dir>/micro_batch.json for this hardware and settings, so a nightly resume does not probe again.
 A step that still runs out of memory later (fragmentation, a longer evaluation before it) is retried with
-the same data at the next smaller size (gptcore/trainer.py).
+the same data at the next smaller size (gptcore/training/trainer.py).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from gptcore import distributed
 from gptcore.checkpoints.run_files import MICRO_BATCH_FILE
 from gptcore.config import RunConfig
 from gptcore.files import read_json, write_json
-from gptcore.tokenizer import N_VOCAB
+from gptcore.model.tokenizer import N_VOCAB
 
 AUTO = "auto"
 CHOICE_FILE = MICRO_BATCH_FILE

@@ -1,0 +1,91 @@
+"""What every evaluation is: `Evaluation` (its name, settings, cadence, how it runs across ranks, its
+one-line summary) and the `Context` it runs with; `score` runs one on every rank. The registry is
+gptcore/evals/__init__.py; eval.json's bookkeeping is record.py."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from gptcore.config import RunConfig
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass
+class Context:
+    """What an evaluation runs with: the plain model and where it lives, the ranks, the run's dataset."""
+    model: torch.nn.Module
+    cfg: RunConfig
+    device: torch.device | str
+    autocast_ctx: object = None
+    rank: int = 0
+    world: int = 1
+    data_dir: Path | None = None  # the training dataset (manifest.json), when known
+    cache: dict = field(default_factory=dict)  # what `prepare` loaded; the trainer keeps it across steps
+
+
+class Evaluation:
+    name = ""
+
+    def enabled(self, cfg: RunConfig) -> bool:
+        return True
+
+    def settings(self, cfg: RunConfig) -> dict:
+        """What its numbers depend on besides the weights."""
+        return {}
+
+    def interval(self, cfg: RunConfig) -> int | None:
+        """During training: every N steps (at an eval step) and at the end; 0 = only at the end; None =
+        never (the flow's evaluate stage and `python -m gptcore.evals.evaluate` run it)."""
+        return None
+
+    def prepare(self, ctx: Context) -> None:
+        """Every rank, before `share`: load what it needs into ctx.cache (collectives allowed)."""
+
+    def share(self, ctx: Context) -> dict:
+        """This rank's part of the result, with no collective. Default: rank 0 runs `run` alone."""
+        return self.run(ctx) if ctx.rank == 0 else {}
+
+    def combine(self, shares: list[dict]) -> dict:
+        """The result from every rank's share (rank order). Default: rank 0's."""
+        return shares[0]
+
+    def run(self, ctx: Context) -> dict:
+        """The whole result, computed by rank 0 alone; or {"skipped": why}."""
+        raise NotImplementedError
+
+    def summary(self, result: dict) -> str:
+        """One line: each number with its standard error where it has one."""
+        if "skipped" in result:
+            return f"{self.name}: skipped: {result['skipped']}"
+        return f"{self.name}: " + ", ".join(f"{k} {v}" for k, v in numbers(result).items())
+
+
+def score(evaluation: Evaluation, ctx: Context) -> dict:
+    """One evaluation's result on every rank (prepare, share, combine); the standalone route, where an
+    exception is the evaluation's end (the trainer runs the same steps with its failure agreement)."""
+    evaluation.prepare(ctx)
+    share = evaluation.share(ctx)
+    if ctx.world == 1:
+        return evaluation.combine([share])
+    from gptcore import distributed  # torch: only when an evaluation runs (a no-op re-run reads the registry)
+
+    return evaluation.combine(distributed.all_gather_object(share))
+
+
+def numbers(result: dict, prefix: str = "") -> dict[str, str]:
+    """{metric: "0.3100 ± 0.0150"} for a result's finite numbers (nested results flattened with "/")."""
+    out: dict[str, str] = {}
+    for k, v in result.items():
+        if isinstance(v, dict):
+            out.update(numbers(v, f"{prefix}{k}/"))
+        elif isinstance(v, (int, float)) and not isinstance(v, bool) and not k.endswith("_stderr") \
+                and math.isfinite(v):
+            se = result.get(f"{k}_stderr")
+            out[f"{prefix}{k}"] = (f"{v:.4f} ± {se:.4f}" if isinstance(se, float) and math.isfinite(se)
+                                   else f"{v:.4g}" if isinstance(v, float) else str(v))
+    return out
