@@ -227,8 +227,7 @@ def data_stage(cfg: RunConfig, stage: Stages, dask_address: str = "") -> tuple[s
     return dataset_dir, tokens
 
 
-def train_stage(cfg: RunConfig, preset: str, overrides: dict | None, nproc: int, wait_seconds: float,
-                tracking: bool, stage: Stages) -> dict:
+def train_stage(cfg: RunConfig, nproc: int, wait_seconds: float, tracking: bool, stage: Stages) -> dict:
     """The run's state after training it (or finding it DONE)."""
     from tasks import train
 
@@ -243,7 +242,7 @@ def train_stage(cfg: RunConfig, preset: str, overrides: dict | None, nproc: int,
 
         nproc = torch.cuda.device_count() if torch.cuda.is_available() else 1
     cfg.validate(nproc)  # the batch must split over the real number of processes (ConfigError if not)
-    state = train.train_task(preset, overrides, cfg.run_name, nproc, wait_seconds=wait_seconds, tracking=tracking)
+    state = train.train_task(cfg.to_dict(), cfg.run_name, nproc, wait_seconds=wait_seconds, tracking=tracking)
     stage("train", "ran", f"steps {state.get('resumed_from') or 0} -> {state['step']}"
                           f"{'' if state['done'] else ' (time budget reached; continues next run)'}")
     return state
@@ -336,7 +335,7 @@ def pretrain(preset: str = "tiny-cpu", overrides: dict | None = None, nproc: int
              nproc or "auto")
     stage = Stages(log)
     dataset_dir, tokens = data_stage(cfg, stage, dask_address)
-    state = train_stage(cfg, preset, overrides, nproc, wait_seconds, tracking, stage)
+    state = train_stage(cfg, nproc, wait_seconds, tracking, stage)
     ckpt = state["checkpoint"]
     result = evaluate_stage(ckpt, cfg, stage) if evaluate else None
     reg = register_stage(ckpt, model_name or cfg.preset, stage) if register else None

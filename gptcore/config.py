@@ -603,6 +603,13 @@ def load_config(name_or_path: str, overrides: list[str] | dict | None = None,
     return cfg.validate(world_size)
 
 
+def as_config(cfg: RunConfig | dict, world_size: int = 1) -> RunConfig:
+    """The config a flow resolved once, handed to a stage as `cfg.to_dict()` (Prefect records task
+    parameters as JSON), back as a RunConfig validated for `world_size` processes. No stage resolves a
+    preset and overrides again: what the flow decided is what every stage runs with."""
+    return (cfg if isinstance(cfg, RunConfig) else from_dict(cfg)).validate(world_size)
+
+
 def from_dict(d: dict) -> RunConfig:
     """Rebuild a RunConfig from `to_dict()` output (e.g. a checkpoint's meta.json)."""
     d = dict(d)

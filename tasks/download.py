@@ -9,12 +9,8 @@ from __future__ import annotations
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from gptcore.config import RunConfig, from_dict
+from gptcore.config import RunConfig, as_config
 from gptcore.data import sources
-
-
-def as_config(cfg: RunConfig | dict) -> RunConfig:
-    return cfg if isinstance(cfg, RunConfig) else from_dict(cfg).validate()
 
 
 @task(name="download", retries=2, retry_delay_seconds=10, cache_policy=NO_CACHE)

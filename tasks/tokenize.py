@@ -21,10 +21,9 @@ from prefect.futures import as_completed
 from prefect.task_runners import ProcessPoolTaskRunner, TaskRunner
 from prefect.utilities.annotations import unmapped
 
-from gptcore.config import RunConfig
+from gptcore.config import RunConfig, as_config
 from gptcore.data import build, location, planning, tokenizing
 from integrations.progress import PieceProgress
-from tasks.download import as_config
 
 
 @task(name="tokenize-piece", retries=1, cache_policy=NO_CACHE)

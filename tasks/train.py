@@ -1,6 +1,6 @@
 """The train stage: run `torchrun -m gptcore.training.train` as a child process of the flow run.
 
-    train_task(preset="tiny-cpu", overrides={"train.max_steps": 50}, run_name="tiny-cpu", nproc=1)
+    train_task(load_config("tiny-cpu", {"train.max_steps": 50}).to_dict(), run_name="tiny-cpu", nproc=1)
     -> {"run_dir", "checkpoint", "step", "done", "returncode", "seconds", "resumed_from"}
 
 What the launcher guarantees:
@@ -37,6 +37,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -44,7 +45,8 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from gptcore.checkpoints.run_files import out_of_memory_choice, run_dir_for, run_state
-from gptcore.config import RunConfig, load_config
+from gptcore.config import RunConfig, as_config
+from gptcore.files import write_json
 from gptcore.launch import SHUTDOWN_SECONDS, torchrun_cmd
 from gptcore.training import verdict
 from gptcore.training.watchdog import HANG_EXIT
@@ -211,17 +213,28 @@ def done(cfg: RunConfig) -> str | None:
     return f"{run_dir} is DONE at step {state['step']}" if state["done"] else None
 
 
+@contextlib.contextmanager
+def launch_config(cfg: RunConfig):
+    """The resolved config as a JSON file the trainers load (`python -m gptcore.training.train <file>`):
+    they run exactly what the flow decided, not a preset and overrides resolved once more. In a temporary
+    folder of its own, removed after the launch (and its restarts)."""
+    with tempfile.TemporaryDirectory(prefix="gptpipe-launch-") as folder:
+        path = Path(folder) / f"{cfg.run_name}.json"
+        write_json(path, cfg.to_dict())
+        yield path
+
+
 @task(name="train", cache_policy=NO_CACHE, task_run_name="train {run_name}")
-def train_task(preset: str, overrides: dict | None, run_name: str, nproc: int, wait_seconds: float = 600.0,
-               tracking: bool = True) -> dict:
-    """Train (or continue) run `run_name` (the config's run name; `nproc` >= 1, as the flow resolved it) in
-    gptcore.checkpoints.run_files.run_dir_for(cfg) to max_steps or its time budget; returns the run's state."""
+def train_task(cfg: dict, run_name: str, nproc: int, wait_seconds: float = 600.0, tracking: bool = True) -> dict:
+    """Train (or continue) run `run_name` of the flow's resolved config (`cfg.to_dict()`; `nproc` >= 1, as
+    the flow resolved it) in gptcore.checkpoints.run_files.run_dir_for(cfg) to max_steps or its time budget;
+    returns the run's state."""
     from prefect.runtime import flow_run
 
     from integrations.progress import TrainProgress
 
     log = get_run_logger()
-    cfg = load_config(preset, overrides, world_size=nproc)
+    cfg = as_config(cfg, world_size=nproc)
     run_dir, identity_hash = run_dir_for(cfg), cfg.identity_hash()
     flow_run_id = flow_run.get_id()
     slot, guard = prefect_slot(run_name, wait_seconds)
@@ -256,8 +269,9 @@ def train_task(preset: str, overrides: dict | None, run_name: str, nproc: int, w
                                                                 "pid": os.getpid()}))
         progress = TrainProgress(run_dir, run_name, cfg.train.max_steps, cfg.train.max_minutes * 60, shipper, log)
         try:
-            rc, tail = run_trainer(preset, overrides, nproc, cfg.train.max_restarts, run_dir, log, env,
-                                   on_tick=progress.tick)
+            with launch_config(cfg) as path:
+                rc, tail = run_trainer(str(path), None, nproc, cfg.train.max_restarts, run_dir, log, env,
+                                       on_tick=progress.tick)
         finally:
             progress.tick(final=True)  # after a verdict too: the UI shows the step where it ended
             if shipper is not None and not shipper.stop():

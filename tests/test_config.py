@@ -269,3 +269,19 @@ def test_a_recorded_model_config_is_checked_before_anything_is_built():
         model_config_from({**asdict(micro), "evil": 1})
     with pytest.raises(ConfigError, match="must be an object"):
         model_config_from(None)
+
+
+def test_the_flows_resolved_config_is_what_the_trainer_loads():
+    """One config handoff: the flow resolves preset + overrides once; the train task writes that config to
+    the file the trainers load (tasks.train.launch_config) and every other stage takes cfg.to_dict()
+    (gptcore.config.as_config). Both give back the same config, the same run identity."""
+    from gptcore.config import as_config
+    from tasks.train import launch_config
+
+    cfg = load_config("tiny-cpu", {"train.max_steps": 70, "optim.max_lr": 1e-3, "eval.harness_tasks": "arc_easy",
+                                   "train.run_name": "handoff"})
+    with launch_config(cfg) as path:
+        loaded = load_config(str(path), world_size=1)
+    assert loaded.to_dict() == cfg.to_dict() and loaded.identity_hash() == cfg.identity_hash()
+    assert not path.exists()  # the launch file goes with its launch
+    assert as_config(cfg.to_dict()).to_dict() == cfg.to_dict()
