@@ -193,8 +193,20 @@ def rotted_dataset(home: Path):
     return cfg, out, good, victim
 
 
+def rotted_run(home: Path, run_dir: Path, monkeypatch):
+    """rotted_dataset under GPTPIPE_HOME=home, and a run directory that verified its shards on an earlier
+    night: it holds their hashes by (size, mtime, inode), so its trainer's start-up check passes too."""
+    from gptcore.data import location
+
+    monkeypatch.setenv("GPTPIPE_HOME", str(home))
+    cfg, out, good, victim = rotted_dataset(home)
+    run_dir.mkdir()
+    (run_dir / "shard_hashes.json").write_bytes((out / location.SHARD_HASHES).read_bytes())
+    return cfg, out, good, victim
+
+
 def rot_run_args(run_dir: Path, steps: int) -> list[str]:
-    """A run that verified the shards on an earlier night: it holds their hashes by (size, mtime, inode)."""
+    """The trainer's arguments for a run on rotted_dataset's shards."""
     return ["micro", *SMALL, f"train.run_dir={run_dir}", "train.micro_batch=2", "train.seq_len=32",
             "train.total_batch_tokens=256", f"train.max_steps={steps}", "train.log_interval=1",
             f"train.checkpoint_interval={steps}", "eval.eval_interval=0", "eval.sample_interval=0",
@@ -207,12 +219,8 @@ def test_a_shard_that_rots_in_place_is_caught_within_the_epoch_and_rebuilt(tmp_p
     shard's first read does, as an event; the next data stage rebuilds it byte-identical."""
     from gptcore.data import build, location
 
-    home = tmp_path / "home"
-    monkeypatch.setenv("GPTPIPE_HOME", str(home))
-    cfg, out, good, victim = rotted_dataset(home)
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    (run_dir / "shard_hashes.json").write_bytes((out / location.SHARD_HASHES).read_bytes())
+    home, run_dir = tmp_path / "home", tmp_path / "run"
+    cfg, out, good, victim = rotted_run(home, run_dir, monkeypatch)
     p = start([sys.executable, "-m", "gptcore.training.train", *rot_run_args(run_dir, 8)], tmp_path, tmp_path / "log",
               GPTPIPE_HOME=str(home))
     assert p.wait(timeout=300) == 0, (tmp_path / "log").read_text()[-3000:]
@@ -231,14 +239,8 @@ def test_a_restart_after_a_damaged_shard_rebuilds_it_and_trains_on(tmp_path, mon
     STOP file; at night a hang and its restart). The next start finds the shard damaged, rebuilds it
     byte-identical from its source before anything trains on it, and the run goes on to the end. (Before,
     rank 0 refused the start with exit 2, and the night was lost.)"""
-    from gptcore.data import location
-
-    home = tmp_path / "home"
-    monkeypatch.setenv("GPTPIPE_HOME", str(home))
-    _, out, good, victim = rotted_dataset(home)
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    (run_dir / "shard_hashes.json").write_bytes((out / location.SHARD_HASHES).read_bytes())
+    home, run_dir = tmp_path / "home", tmp_path / "run"
+    _, out, good, victim = rotted_run(home, run_dir, monkeypatch)
     cmd = [sys.executable, "-m", "gptcore.training.train", *rot_run_args(run_dir, 200)]
     p = start(cmd, tmp_path, tmp_path / "log1", GPTPIPE_HOME=str(home))
     deadline = time.time() + 120
