@@ -68,3 +68,40 @@ def test_a_new_evaluation_reaches_eval_json_the_logged_model_and_the_leaderboard
     evals.unregister("meanweight")
     assert stored_evaluation(ckpt, cfg, val=False) is None
     assert "meanweight" not in evaluate_dir(ckpt, val=False, device="cpu")
+
+
+class Planted(evals.Evaluation):
+    """A toy evaluation with documents: the contamination scan covers it with no line of its own."""
+    name = "planted"
+    has_documents = True
+
+    def __init__(self, docs):
+        self.docs = docs
+
+    def documents(self, ctx: evals.Context) -> dict:
+        return {"planted/found": self.docs, "planted/missing": "no such split here"}
+
+
+def test_contamination_scans_every_evaluations_documents(tmp_path):
+    """Contamination names no evaluation: it loops over the registry's `documents`. A toy evaluation
+    registered here gets its documents scanned against the training shards (the one planted in a train
+    shard found, the other not) and its settings are part of contamination's, so a change re-scans."""
+    import numpy as np
+
+    from gptcore.evals.contamination import Contamination
+    from tests.test_contamination import dataset
+
+    rng = np.random.default_rng(7)
+    inside, outside = [int(t) for t in rng.integers(0, 50000, 20)], [int(t) for t in rng.integers(0, 50000, 20)]
+    d = dataset(tmp_path / "ds", [np.array(inside)], val_plant=np.array(outside[:5]))
+    cfg = load_config("micro", ["eval.hellaswag=false", "eval.contamination_ngram=13"])
+    toy = evals.register(Planted([inside, outside]))
+    try:
+        contamination = Contamination()
+        assert contamination.enabled(cfg) and contamination.settings(cfg)["documents"] == {"planted": {}}
+        result = contamination.run(evals.Context(None, cfg, "cpu", data_dir=d))
+    finally:
+        evals.unregister(toy.name)
+    assert result["planted"]["found"]["examples"] == 2 and result["planted"]["found"]["contaminated"] == 1
+    assert result["planted"]["missing"] == {"skipped": "no such split here"}
+    assert not contamination.enabled(cfg)  # with no evaluation that has documents, nothing to scan

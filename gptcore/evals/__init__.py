@@ -29,41 +29,19 @@ May import: the base modules, model, data, checkpoints.
 
 from __future__ import annotations
 
-from gptcore.config import RunConfig
-from gptcore.evals.base import Context, Evaluation, numbers, score  # noqa: F401 -- the evaluation API
-
-
-def due(cfg: RunConfig, step: int, last: bool) -> list[Evaluation]:
-    """The evaluations the trainer runs at this eval step, by each one's interval."""
-    out = []
-    for ev in enabled(cfg):
-        every = ev.interval(cfg)
-        if every is not None and (last or (every and step % every == 0)):
-            out.append(ev)
-    return out
-
-
-EVALUATIONS: dict[str, Evaluation] = {}
-
-
-def register(evaluation: Evaluation) -> Evaluation:
-    """Add an evaluation to the registry (its name must be new)."""
-    if not evaluation.name or evaluation.name in EVALUATIONS or "/" in evaluation.name:
-        raise ValueError(f"an evaluation needs a new name without '/', got {evaluation.name!r}")
-    EVALUATIONS[evaluation.name] = evaluation
-    return evaluation
-
-
-def unregister(name: str) -> None:
-    EVALUATIONS.pop(name, None)
-
-
-def enabled(cfg: RunConfig) -> list[Evaluation]:
-    return [ev for ev in EVALUATIONS.values() if ev.enabled(cfg)]
-
+from gptcore.evals.base import (  # noqa: F401 -- the evaluation API and its registry
+    EVALUATIONS,
+    Context,
+    Evaluation,
+    due,
+    enabled,
+    numbers,
+    register,
+    score,
+    unregister,
+)
 
 # --- the registry -----------------------------------------------------------------------------------
-
 from gptcore.evals.contamination import Contamination  # noqa: E402
 from gptcore.evals.harness import Harness  # noqa: E402
 from gptcore.evals.hellaswag import HellaSwag  # noqa: E402

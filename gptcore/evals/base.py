@@ -1,6 +1,6 @@
 """What every evaluation is: `Evaluation` (its name, settings, cadence, how it runs across ranks, its
-one-line summary) and the `Context` it runs with; `score` runs one on every rank. The registry is
-gptcore/evals/__init__.py; eval.json's bookkeeping is record.py."""
+documents, its one-line summary) and the `Context` it runs with; `score` runs one on every rank; the
+registry (EVALUATIONS), which gptcore/evals/__init__.py fills. eval.json's bookkeeping is record.py."""
 
 from __future__ import annotations
 
@@ -58,6 +58,14 @@ class Evaluation:
         """The whole result, computed by rank 0 alone; or {"skipped": why}."""
         raise NotImplementedError
 
+    has_documents = False  # whether `documents` gives its examples (the contamination scan reads them)
+
+    def documents(self, ctx: Context) -> dict[str, list[list[int]] | str]:
+        """Its evaluation documents as token lists, by part ("<name>", or "<name>/<task>" for several),
+        for the contamination scan; a str instead of a part's documents says why it has none. Set
+        has_documents when it gives any."""
+        return {}
+
     def summary(self, result: dict) -> str:
         """One line: each number with its standard error where it has one."""
         if "skipped" in result:
@@ -88,4 +96,35 @@ def numbers(result: dict, prefix: str = "") -> dict[str, str]:
             se = result.get(f"{k}_stderr")
             out[f"{prefix}{k}"] = (f"{v:.4f} ± {se:.4f}" if isinstance(se, float) and math.isfinite(se)
                                    else f"{v:.4g}" if isinstance(v, float) else str(v))
+    return out
+
+
+# --- the registry: filled by gptcore/evals/__init__.py, one line per evaluation ---------------------
+
+EVALUATIONS: dict[str, Evaluation] = {}
+
+
+def register(evaluation: Evaluation) -> Evaluation:
+    """Add an evaluation to the registry (its name must be new)."""
+    if not evaluation.name or evaluation.name in EVALUATIONS or "/" in evaluation.name:
+        raise ValueError(f"an evaluation needs a new name without '/', got {evaluation.name!r}")
+    EVALUATIONS[evaluation.name] = evaluation
+    return evaluation
+
+
+def unregister(name: str) -> None:
+    EVALUATIONS.pop(name, None)
+
+
+def enabled(cfg: RunConfig) -> list[Evaluation]:
+    return [ev for ev in EVALUATIONS.values() if ev.enabled(cfg)]
+
+
+def due(cfg: RunConfig, step: int, last: bool) -> list[Evaluation]:
+    """The evaluations the trainer runs at this eval step, by each one's interval."""
+    out = []
+    for ev in enabled(cfg):
+        every = ev.interval(cfg)
+        if every is not None and (last or (every and step % every == 0)):
+            out.append(ev)
     return out

@@ -23,6 +23,16 @@ class Harness(Evaluation):
     def interval(self, cfg) -> int | None:
         return cfg.eval.harness_interval or None
 
+    has_documents = True
+
+    def documents(self, ctx: Context) -> dict[str, list[list[int]] | str]:
+        """Each task's documents (a str: why a task has none)."""
+        from gptcore.evals.scorers.harness import task_documents  # lm-eval: only when harness tasks are asked for
+
+        e = ctx.cfg.eval
+        found = task_documents(e.harness_task_list, e.harness_include_path or None, e.harness_limit or None)
+        return {f"harness/{task}": docs for task, docs in found.items()}
+
     def run(self, ctx: Context) -> dict:
         from gptcore.evals.scorers.harness import run_tasks  # lm-eval: imported only when a task is asked for
 

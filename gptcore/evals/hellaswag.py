@@ -28,6 +28,12 @@ class HellaSwag(Evaluation):
     def prepare(self, ctx: Context) -> None:
         examples(ctx)
 
+    has_documents = True
+
+    def documents(self, ctx: Context) -> dict[str, list[list[int]] | str]:
+        found, reason = examples(ctx)
+        return {"hellaswag": f"no HellaSwag examples: {reason}" if found is None else [ex.tokens for ex in found]}
+
     def share(self, ctx: Context) -> dict:
         # the scorer (torch) is imported when it runs: reading the registry (a no-op flow re-run compares
         # eval.json's settings) must not import torch
