@@ -3,7 +3,8 @@
     python -m tasks.leaderboard [tiny-cpu] [--csv board.csv] [--sort val_loss]
     leaderboard("tiny-cpu") -> DataFrame, one row per version:
         version, aliases, step, tokens_seen, val_loss, hellaswag_acc(_stderr), hellaswag_acc_norm(_stderr),
-        hellaswag_acc_norm_vs_best ("best", "within 2 SE": not told apart at this sample size, "better",
+        hellaswag_acc_norm_vs_best (for each evaluation's headline metric, gptcore/evals: "best", "within 2 SE":
+        not told apart at this sample size, "better",
         "worse"), optimizer, schedule, run_name, then harness_<task>_<metric> for each lm-evaluation-harness
         metric the versions have (acc, acc_stderr, acc_norm, ...), run_id, manifest_id, model_id, created
 
@@ -29,6 +30,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from gptcore.config import ConfigError
+from gptcore.evals import EVALUATIONS
 from integrations import mlflow_store as store
 from integrations.progress import artifact_key
 
@@ -112,7 +114,10 @@ def leaderboard(name: str, tracking_uri: str | None = None, mlc=None) -> pd.Data
     df = df.astype({"step": "Int64", "tokens_seen": "Int64", "val_loss": "Float64", "hellaswag_acc": "Float64",
                     "hellaswag_acc_stderr": "Float64", "hellaswag_acc_norm": "Float64",
                     "hellaswag_acc_norm_stderr": "Float64"})
-    df["hellaswag_acc_norm_vs_best"] = compared_with_best(df, "hellaswag_acc_norm")
+    for ev in EVALUATIONS.values():  # each evaluation's headline metric, against the `best` version's
+        column = column_of(f"{ev.name}/{ev.headline}") if ev.headline else None
+        if column in df and f"{column}_stderr" in df:
+            df[f"{column}_vs_best"] = compared_with_best(df, column)
     return df.sort_values("version", ignore_index=True)
 
 

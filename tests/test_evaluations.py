@@ -23,6 +23,7 @@ pytestmark = pytest.mark.slow
 class MeanWeight(evals.Evaluation):
     """A toy evaluation: the mean of the final LayerNorm's weight (a number that differs per checkpoint)."""
     name = "meanweight"
+    headline = "score"
 
     def settings(self, cfg) -> dict:
         return {"what": "ln_f.weight"}
@@ -63,6 +64,7 @@ def test_a_new_evaluation_reaches_eval_json_the_logged_model_and_the_leaderboard
     assert metrics["meanweight/score"] == 0.75 and metrics["meanweight/score_stderr"] == 0.0
     board = leaderboard.leaderboard("toy-eval", uri)
     assert list(board["meanweight_score"]) == [0.75] and list(board["meanweight_score_stderr"]) == [0.0]
+    assert list(board["meanweight_score_vs_best"]) == ["best"]  # its headline, compared as HellaSwag's is
 
     # without it registered, the same checkpoint's stored evaluation no longer matches the settings
     evals.unregister("meanweight")

@@ -59,6 +59,7 @@ class Evaluation:
         raise NotImplementedError
 
     has_documents = False  # whether `documents` gives its examples (the contamination scan reads them)
+    headline: str | None = None  # its metric that says most ("acc_norm"): the leaderboard compares versions on it
 
     def documents(self, ctx: Context) -> dict[str, list[list[int]] | str]:
         """Its evaluation documents as token lists, by part ("<name>", or "<name>/<task>" for several),

@@ -14,6 +14,7 @@ log = logging.getLogger(__name__)
 
 class HellaSwag(Evaluation):
     name = "hellaswag"
+    headline = "acc_norm"  # build-nanogpt's and GPT-2's reported number
 
     def enabled(self, cfg) -> bool:
         return cfg.eval.hellaswag
