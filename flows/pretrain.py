@@ -6,16 +6,18 @@
 The config is validated before any work starts (unknown preset, bad override, missing local source: the
 flow run fails at once with the reason). Each stage is skipped when its verified artifacts exist on disk
 (or in the registry), so a re-run of a finished flow does nothing heavy, and a re-run of a killed one
-continues where it stopped. Each stage module makes that decision in one function, which its task asks
-too (a task called alone is idempotent); the flow shows the answer as a Skipped task run:
+continues where it stopped. One protocol for every stage: its task module's `done(...)` says why there
+is nothing to do, or None (its task asks the same, so a task called alone is idempotent); the flow loops
+over STAGES, showing a reason as a Skipped task run, and each stage leaves what it made on the FlowRun:
 
     download + tokenize   tasks.tokenize.done: the dataset's manifest is complete and its shards check out
     train                 tasks.train.done: DONE + a checkpoint for this run identity (else the trainer
                           resumes from its newest checkpoint)
     evaluate              tasks.evaluate.done / missing_parts: <checkpoint>/eval.json holds each part
                           (validation, each evaluation) with the same settings; the missing parts run
-    register              tasks.register.registered_version: a registry version carries the checkpoint's sha256
-    sample                tasks.generate.stored_sample: <checkpoint>/sample.json holds text from that version
+    register              tasks.register.done: a version of the pipeline's model carries the checkpoint's
+                          sha256 and every measurement of eval.json (a re-run that added one registers it)
+    sample                tasks.generate.done: <checkpoint>/sample.json holds text from that version
 
 Tasks exchange paths and config dicts, never arrays. For the UI the flow publishes artifacts: the shard
 table, the eval table, links to the MLflow run and model version, the sample text, and a summary table
@@ -30,6 +32,7 @@ import json
 import os
 import re
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from prefect import flow, get_run_logger, task
@@ -44,7 +47,7 @@ from gptcore.evals.record import result_metrics
 from gptcore.files import read_json
 from integrations.progress import artifact_key, step_label
 from integrations.secrets import mlflow_credentials_from_prefect
-from tasks.generate import SAMPLE_FILE, sample_task, stored_sample
+from tasks import generate
 
 # pydantic notes that the parameter name `register` shadows a BaseModel method; harmless for validation
 warnings.filterwarnings("ignore", message='Field name "register"')
@@ -203,60 +206,86 @@ class Stages:
             skipped_task.with_options(name=name, task_run_name=task_run_name or name)(detail)
 
 
-def data_stage(cfg: RunConfig, stage: Stages, dask_address: str = "") -> tuple[str, dict]:
-    """(dataset dir, {"train": tokens, "val": tokens}) after making the dataset (or finding it complete),
-    tokenized on the Dask cluster at `dask_address` when one is given; the shard table artifact."""
+@dataclass
+class FlowRun:
+    """What the stages share: the flow's resolved config and parameters, and what each stage made."""
+    cfg: RunConfig
+    stage: Stages
+    nproc: int = 0
+    wait_seconds: float = 600.0
+    tracking: bool = True
+    dask_address: str = ""
+    model_name: str = ""
+    dataset_dir: str = ""
+    tokens: dict = field(default_factory=dict)
+    state: dict = field(default_factory=dict)  # the training run's (run_files.run_state)
+    result: dict | None = None  # eval.json of the newest checkpoint
+    reg: dict | None = None  # the registered version
+    sample: dict = field(default_factory=dict)
+
+    @property
+    def ckpt(self) -> str:
+        return self.state["checkpoint"]
+
+
+def data_stage(run: FlowRun) -> None:
+    """The dataset (made, or found complete), tokenized on the Dask cluster at `dask_address` when one is
+    given; the shard table artifact."""
     from gptcore.data import location
     from gptcore.data.shard_format import Manifest
     from tasks import tokenize
 
-    dataset_dir, why_done = str(location.dataset_dir(cfg)), tokenize.done(cfg)  # the stage's own decision
+    cfg = run.cfg
+    dataset_dir, why_done = str(location.dataset_dir(cfg)), tokenize.done(cfg)
     if why_done is None:
         from tasks.download import download_task
 
         download_task(cfg.to_dict())
-        dataset_dir = tokenize.tokenize_dataset(cfg.to_dict(), task_runner=dask_runner(dask_address))
+        dataset_dir = tokenize.tokenize_dataset(cfg.to_dict(), task_runner=dask_runner(run.dask_address))
     rows = [{"shard": s.name, "split": s.split, "tokens": s.tokens, "sha256": s.sha256[:12]}
             for s in Manifest.load(Path(dataset_dir)).shards]
     tokens = {split: sum(r["tokens"] for r in rows if r["split"] == split) for split in ("train", "val")}
-    stage("data", "skipped" if why_done else "ran", f"{len(rows)} shards, {tokens['train']:,} train tokens"
-          f"{f'; {why_done}' if why_done else f' in {dataset_dir}'}")
+    run.stage("data", "skipped" if why_done else "ran", f"{len(rows)} shards, {tokens['train']:,} train tokens"
+              f"{f'; {why_done}' if why_done else f' in {dataset_dir}'}")
     create_table_artifact(rows, key=artifact_key(cfg.run_name, "shards"),
                           description=f"Shards of {dataset_dir} ({tokens['train']:,} train / {tokens['val']:,} "
                                       "val tokens)")
-    return dataset_dir, tokens
+    run.dataset_dir, run.tokens = dataset_dir, tokens
 
 
-def train_stage(cfg: RunConfig, nproc: int, wait_seconds: float, tracking: bool, stage: Stages) -> dict:
-    """The run's state after training it (or finding it DONE)."""
+def train_stage(run: FlowRun) -> None:
+    """The run trained to max_steps or its time budget (or found DONE)."""
     from tasks import train
 
-    state = run_state(run_dir_for(cfg), cfg.identity_hash())
-    if (why := train.done(cfg)) is not None:  # the stage's own decision, as train_task makes it
-        stage("train", "skipped", why, f"train {cfg.run_name}")
-        return state
+    cfg = run.cfg
+    run.state = run_state(run_dir_for(cfg), cfg.identity_hash())
+    if (why := train.done(cfg)) is not None:
+        run.stage("train", "skipped", why, f"train {cfg.run_name}")
+        return
     # nproc=0 (one per GPU, else 1 on CPU) is resolved only here: counting GPUs imports torch, which a re-run
     # that skips everything should not pay for
+    nproc = run.nproc
     if nproc == 0:
         import torch
 
         nproc = torch.cuda.device_count() if torch.cuda.is_available() else 1
     cfg.validate(nproc)  # the batch must split over the real number of processes (ConfigError if not)
-    state = train.train_task(cfg.to_dict(), cfg.run_name, nproc, wait_seconds=wait_seconds, tracking=tracking)
-    stage("train", "ran", f"steps {state.get('resumed_from') or 0} -> {state['step']}"
-                          f"{'' if state['done'] else ' (time budget reached; continues next run)'}")
-    return state
+    run.state = train.train_task(cfg.to_dict(), cfg.run_name, nproc, wait_seconds=run.wait_seconds,
+                                 tracking=run.tracking)
+    run.stage("train", "ran", f"steps {run.state.get('resumed_from') or 0} -> {run.state['step']}"
+                              f"{'' if run.state['done'] else ' (time budget reached; continues next run)'}")
 
 
-def evaluate_stage(ckpt: str, cfg: RunConfig, stage: Stages) -> dict:
+def evaluate_stage(run: FlowRun) -> None:
     """Validation loss and each evaluation of the config (gptcore/evals) that <ckpt>/eval.json lacks, each
     as its own task run; a part skipped for lack of its dataset counts as done (a re-run of a finished
     flow does nothing)."""
     from tasks import evaluate
 
-    why = evaluate.done(ckpt, cfg)  # the stage's own decision, as its task would make it
+    ckpt, cfg = run.ckpt, run.cfg
+    why = evaluate.done(ckpt, cfg)
     if why is not None:  # the trainer's own evaluation at the last step usually is this one
-        stage("evaluate", "skipped", why, f"evaluate {step_label(ckpt)}")
+        run.stage("evaluate", "skipped", why, f"evaluate {step_label(ckpt)}")
         result = read_json(Path(ckpt) / EVAL_FILE, {})
     else:
         parts = evaluate.missing_parts(ckpt, cfg)
@@ -264,7 +293,7 @@ def evaluate_stage(ckpt: str, cfg: RunConfig, stage: Stages) -> dict:
             result = evaluate.evaluate_part(ckpt, part, cfg.to_dict())
         if not parts:  # only parts the config no longer asks for to drop: no task run needed
             result = evaluate.evaluate_dir(ckpt, cfg.to_dict(), only=[])
-        stage("evaluate", "ran", f"{', '.join(parts) or 'rewrote eval.json'}; val loss {result.get('val_loss')}")
+        run.stage("evaluate", "ran", f"{', '.join(parts) or 'rewrote eval.json'}; val loss {result.get('val_loss')}")
     rows = [{"metric": "val_loss", "value": result.get("val_loss")},
             {"metric": "val_tokens", "value": result.get("val_tokens")}]
     # every evaluation the config asked for (gptcore/evals), each number with its standard error beside it
@@ -276,38 +305,49 @@ def evaluate_stage(ckpt: str, cfg: RunConfig, stage: Stages) -> dict:
         rows += [{"metric": f"{name}_n", "value": scores["n"]}] if "n" in scores else []
     create_table_artifact(rows, key=artifact_key(cfg.run_name, "eval"),
                           description=f"Evaluation of {ckpt} (step {result.get('step')})")
-    return result
+    run.result = result
 
 
-def register_stage(ckpt: str, name: str, stage: Stages) -> dict:
-    from tasks.register import register_task, registered_version
+def register_stage(run: FlowRun) -> None:
+    """The checkpoint as a version of the pipeline's registered model, with its measurements; the
+    leaderboard artifact when it ran."""
+    from tasks import register
 
-    reg = registered_version(ckpt, name)
-    if reg is not None:
-        stage("register", "skipped", f"{reg['model_uri']} holds this checkpoint", f"register {name} {step_label(ckpt)}")
-        return reg
-    from prefect.runtime import flow_run
-
-    reg = register_task(ckpt, name, flow_run_id=flow_run.get_id())
-    stage("register", "ran", f"{reg['model_uri']}")
-    from tasks.leaderboard import publish_leaderboard
-
-    publish_leaderboard(name)  # the model's versions side by side, as a table artifact
-    return reg
-
-
-def sample_stage(ckpt: str, model_uri: str | None, cfg: RunConfig, stage: Stages) -> dict:
-    """A text sample from what was registered (or from the checkpoint)."""
-    prompt, n_new = cfg.eval.sample_prompt, cfg.eval.sample_tokens
-    sample = stored_sample(ckpt, model_uri, prompt, n_new)  # the stage's own decision, as sample_task makes it
-    if sample is not None:
-        stage("sample", "skipped", f"{ckpt}/{SAMPLE_FILE} holds text from {model_uri or 'the checkpoint'}")
+    ckpt, name = run.ckpt, run.model_name or run.cfg.preset
+    why = register.done(ckpt, name)
+    if why is not None:
+        run.stage("register", "skipped", why, f"register {name} {step_label(ckpt)}")
+        run.reg = register.registered_version(ckpt, name)
     else:
-        sample = sample_task(ckpt, model_uri, prompt, n_new)
-        stage("sample", "ran", "")
+        from prefect.runtime import flow_run
+
+        from tasks.leaderboard import publish_leaderboard
+
+        run.reg = register.register_task(ckpt, name, flow_run_id=flow_run.get_id())
+        run.stage("register", "ran", f"{run.reg['model_uri']}")
+        publish_leaderboard(name)  # the model's versions side by side, as a table artifact
+
+
+def sample_stage(run: FlowRun) -> None:
+    """A text sample from what was registered (or from the checkpoint)."""
+    ckpt, cfg = run.ckpt, run.cfg
+    model_uri = run.reg["model_uri"] if run.reg else None
+    prompt, n_new = cfg.eval.sample_prompt, cfg.eval.sample_tokens
+    why = generate.done(ckpt, model_uri, prompt, n_new)
+    if why is not None:
+        run.stage("sample", "skipped", why)
+        sample = generate.stored_sample(ckpt, model_uri, prompt, n_new)
+    else:
+        sample = generate.sample_task(ckpt, model_uri, prompt, n_new)
+        run.stage("sample", "ran", "")
     create_markdown_artifact(f"### Sample from {model_uri or ckpt}\n\n```\n{sample['text']}\n```",
                              key=artifact_key(cfg.run_name, "sample"), description="Generated text")
-    return sample
+    run.sample = sample
+
+
+# the stages in order, and the flow parameter that turns one off (None: always runs)
+STAGES = [(data_stage, None), (train_stage, None), (evaluate_stage, "evaluate"), (register_stage, "register"),
+          (sample_stage, None)]
 
 
 @flow(name="pretrain", log_prints=True)
@@ -328,41 +368,44 @@ def pretrain(preset: str = "tiny-cpu", overrides: dict | None = None, nproc: int
     """
     log = get_run_logger()
     check_params(nproc, wait_seconds, model_name, dask_address)
-    cfg = check_config(preset, overrides, nproc or 1)
+    cfg = check_config(preset, overrides, nproc or 1)  # resolved once: every stage gets this config
     mlflow_credentials_from_prefect(log)  # a docker/k8s flow run's MLflow login, from Prefect Secret blocks
-    run_name = cfg.run_name
-    log.info("run %s (identity %s), preset %s, %s process(es)", run_name, cfg.identity_hash(), preset,
+    log.info("run %s (identity %s), preset %s, %s process(es)", cfg.run_name, cfg.identity_hash(), preset,
              nproc or "auto")
-    stage = Stages(log)
-    dataset_dir, tokens = data_stage(cfg, stage, dask_address)
-    state = train_stage(cfg, nproc, wait_seconds, tracking, stage)
-    ckpt = state["checkpoint"]
-    result = evaluate_stage(ckpt, cfg, stage) if evaluate else None
-    reg = register_stage(ckpt, model_name or cfg.preset, stage) if register else None
-    create_markdown_artifact("\n".join([f"### MLflow ({run_name})", mlflow_links(reg, run_name)]),
-                             key=artifact_key(run_name, "mlflow"), description="MLflow run and model version")
-    sample = sample_stage(ckpt, reg["model_uri"] if reg else None, cfg, stage)
-    create_table_artifact(stage.rows, key=artifact_key(run_name, "stages"),
+    run = FlowRun(cfg, Stages(log), nproc, wait_seconds, tracking, dask_address, model_name)
+    switches = {"evaluate": evaluate, "register": register}
+    for stage, switch in STAGES:
+        if switch is None or switches[switch]:
+            stage(run)
+    create_markdown_artifact("\n".join([f"### MLflow ({cfg.run_name})", mlflow_links(run.reg, cfg.run_name)]),
+                             key=artifact_key(cfg.run_name, "mlflow"), description="MLflow run and model version")
+    create_table_artifact(run.stage.rows, key=artifact_key(cfg.run_name, "stages"),
                           description="What this flow run did or skipped")
-    # every evaluation the config asked for, as its one-line summary (the demo prints these)
-    evaluated = {ev.name: ev.summary((result or {}).get(ev.name) or {"skipped": "evaluation disabled"})
-                 for ev in evals.enabled(cfg)}
-    summary = {
-        "run_name": run_name, "run_dir": state["run_dir"], "dataset_dir": dataset_dir,
-        "train_tokens": tokens["train"], "val_tokens_in_dataset": tokens["val"],
-        "step": state["step"], "done": state["done"], "checkpoint": ckpt,
-        "tokens_seen": read_meta(Path(ckpt)).get("tokens_seen"),
-        "val_loss": (result or {}).get("val_loss"),
-        "evaluations": {name: (result or {}).get(name) for name in evaluated},
-        "evaluation_summary": list(evaluated.values()),
-        "model_version": reg["model_uri"] if reg else None,
-        "mlflow_uri": reg["tracking_uri"] if reg else None,
-        "sample": sample["text"],
-        "stages": {s["stage"]: s["status"] for s in stage.rows},
-    }
+    summary = summarize(run)
     create_table_artifact([{"key": k, "value": json.dumps(v)} for k, v in summary.items()], key=SUMMARY_KEY,
-                          description=f"Summary of run {run_name}")
+                          description=f"Summary of run {cfg.run_name}")
     return summary
+
+
+def summarize(run: FlowRun) -> dict:
+    """The flow run's result: what the demo prints and the `pretrain-summary` artifact holds."""
+    # every evaluation the config asked for, as its one-line summary (the demo prints these)
+    result = run.result or {}
+    evaluated = {ev.name: ev.summary(result.get(ev.name) or {"skipped": "evaluation disabled"})
+                 for ev in evals.enabled(run.cfg)}
+    return {
+        "run_name": run.cfg.run_name, "run_dir": run.state["run_dir"], "dataset_dir": run.dataset_dir,
+        "train_tokens": run.tokens["train"], "val_tokens_in_dataset": run.tokens["val"],
+        "step": run.state["step"], "done": run.state["done"], "checkpoint": run.ckpt,
+        "tokens_seen": read_meta(Path(run.ckpt)).get("tokens_seen"),
+        "val_loss": result.get("val_loss"),
+        "evaluations": {name: result.get(name) for name in evaluated},
+        "evaluation_summary": list(evaluated.values()),
+        "model_version": run.reg["model_uri"] if run.reg else None,
+        "mlflow_uri": run.reg["tracking_uri"] if run.reg else None,
+        "sample": run.sample["text"],
+        "stages": {s["stage"]: s["status"] for s in run.stage.rows},
+    }
 
 
 if __name__ == "__main__":  # python -m flows.pretrain tiny-cpu '{"train.max_steps": 50}'

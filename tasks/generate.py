@@ -112,6 +112,13 @@ def stored_sample(ckpt: str | Path, model_uri: str | None, prompt: str, max_new_
     return sample if same and isinstance(sample.get("text"), str) else None
 
 
+def done(ckpt: str | Path, model_uri: str | None, prompt: str, max_new_tokens: int) -> str | None:
+    """Why the sample stage has nothing to do (stored_sample has this text), or None."""
+    if stored_sample(ckpt, model_uri, prompt, max_new_tokens) is None:
+        return None
+    return f"{ckpt}/{SAMPLE_FILE} holds text from {model_uri or 'the checkpoint'}"
+
+
 @task(name="sample", cache_policy=NO_CACHE)
 def sample_task(ckpt: str, model_uri: str | None, prompt: str, max_new_tokens: int) -> dict:
     """Generate text from the registered model version (or straight from the checkpoint when nothing was

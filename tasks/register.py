@@ -331,6 +331,14 @@ def registered_version(ckpt_dir: str | Path, model_name: str | None = None,
     return None if mv is None else _describe(mlc, name, mv.version, False, uri)
 
 
+def done(ckpt_dir: str | Path, model_name: str | None = None) -> str | None:
+    """Why the register stage has nothing to do (a version of the pipeline's model holds this checkpoint
+    with every measurement it has), or None: this stage's one decision, asked by the flow (a Skipped task
+    run); register_task is idempotent whatever it says."""
+    reg = registered_version(ckpt_dir, model_name)
+    return None if reg is None else f"{reg['model_uri']} holds this checkpoint and every measurement of it"
+
+
 def lacks_metrics(ckpt_dir: Path, meta: dict, have: set[str]) -> bool:
     """Whether the checkpoint has measurements (eval.json: e.g. a harness task added on a re-run) that its
     logged model does not: then the version holds the checkpoint but the register stage is not done."""

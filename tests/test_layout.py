@@ -171,3 +171,19 @@ def test_gptcore_is_rooms_and_architecture_names_them():
     named = {(room, m.strip()) for room, mods in re.findall(r"^\| (\w+) \| ([\w/, ]+) \|", text, re.M)
              if room in ROOMS for m in mods.split(",")}
     assert named == tree, {"not in ARCHITECTURE.md": sorted(tree - named), "not in the tree": sorted(named - tree)}
+
+
+def test_every_stage_follows_one_protocol():
+    """The flow loops over STAGES; each stage asks its task module's `done(...)` (why there is nothing to
+    do, or None), the same decision its task makes."""
+    import inspect
+
+    from flows import pretrain
+
+    assert [s.__name__ for s, _ in pretrain.STAGES] == ["data_stage", "train_stage", "evaluate_stage",
+                                                         "register_stage", "sample_stage"]
+    for module in ("tokenize", "train", "evaluate", "register", "generate"):
+        done = getattr(importlib.import_module(f"tasks.{module}"), "done", None)
+        assert callable(done), f"tasks.{module} has no done()"
+    for stage, _ in pretrain.STAGES:
+        assert ".done(" in inspect.getsource(stage), f"{stage.__name__} does not ask its module's done()"
