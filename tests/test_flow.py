@@ -47,11 +47,12 @@ def started(names: dict[str, str], prefix: str) -> list[str]:
 
 
 def trainer_pids(run_name: str) -> list[int]:
-    """Trainer processes (not torchrun) of one run (psutil)."""
+    """Trainer processes (not torchrun) of one run (psutil): the train task launches them on its resolved
+    config, a launch file named after the run (tasks.train.launch_config)."""
     out = []
     for p in psutil.process_iter(["cmdline"]):
         cmd = p.info["cmdline"] or []
-        if "gptcore.training.train" in cmd and f"train.run_name={run_name}" in cmd and \
+        if "gptcore.training.train" in cmd and any(a.endswith(f"/{run_name}.json") for a in cmd) and \
                 "torch.distributed.run" not in cmd and "-c" not in cmd:
             out.append(p.pid)
     return out
