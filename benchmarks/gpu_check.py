@@ -562,6 +562,7 @@ def check_auto_micro_batch(device: torch.device) -> tuple[None, str]:
     from gptcore.distributed import select
     from gptcore.model.gpt import GPT
     from gptcore.model.loss import make_loss
+    from gptcore.model.optim import build_optimizer
     from gptcore.training.microbatch import probe
 
     if device.type == "cuda":
@@ -573,7 +574,8 @@ def check_auto_micro_batch(device: torch.device) -> tuple[None, str]:
     raw = GPT(cfg.model).to(env.device)
     raw.head_loss = make_loss(env.loss)
     t0 = time.perf_counter()
-    chosen, failed = probe(raw, cfg, env)
+    # the real step: its optimizer's state held, as the trainer's probe has it (not DDP: one process here)
+    chosen, failed = probe(raw, build_optimizer(raw, cfg.optim, env.device.type), cfg, env)
     tried = f"; out of memory at {', '.join(map(str, failed))}" if failed else ""
     return None, (f"{cfg.preset}: micro_batch {chosen} of at most {cfg.train.micro_batch_max} x seq_len "
                   f"{cfg.train.seq_len} ({env.dtype}, compile={env.compile}, loss={env.loss}){tried}; probed in "
