@@ -15,14 +15,17 @@ import torch
 
 from gptcore.checkpoints import run_files as R
 from gptcore.config import load_config
-from gptcore.distributed import select
+from gptcore.data.loader import ShardLoader
+from gptcore.distributed import Env, select
 from gptcore.launch import torchrun_cmd
 from gptcore.metrics import read_metrics
 from gptcore.model.gpt import GPT
 from gptcore.model.loss import make_loss
 from gptcore.model.optim import build_optimizer
 from gptcore.model.tokenizer import N_VOCAB
-from gptcore.training.microbatch import CHOICE_FILE, candidates, probe, probe_tokens, smaller
+from gptcore.training.microbatch import CHOICE_FILE, candidates, probe, probe_tokens, retry_smaller, smaller
+from gptcore.training.resume import RunError
+from gptcore.training.train import restart_helps
 from tests.test_train_utils import env, final_weights, losses, make_dataset, python_cmd, start
 
 STEPS = 10
@@ -49,6 +52,52 @@ def test_the_candidates_divide_the_share():
     assert candidates(48, 64) == [48, 24, 16, 12, 8, 6, 4, 3, 2, 1]
     assert candidates(512, 64) == [64, 32, 16, 8, 4, 2, 1]
     assert smaller(64, 512) == 32 and smaller(12, 48) == 6 and smaller(3, 48) == 1 and smaller(1, 48) is None
+
+
+def test_a_step_out_of_memory_is_retried_smaller_with_the_same_data(ds, tmp_path):
+    """retry_smaller in-process: under auto the step's data is rewound and split smaller (an event, kept
+    for the next start); an explicit size, or nothing smaller, is the error itself; under DDP a RunError
+    that the launcher restarts (no verdict)."""
+    cfg = load_config("micro", [f"data.dataset_dir={ds}", "train.micro_batch=4", "train.seq_len=32",
+                                "train.total_batch_tokens=256", "train.device=cpu", "train.compile=false"])
+    env = Env(rank=0, local_rank=0, world=1, device=torch.device("cpu"), dtype=torch.float32, compile=False)
+    loader = ShardLoader(ds, 4, 32, 256, cfg.train.seed, verify_reads=False)  # a share of 8 sequences
+    before = loader.state_dict()
+    first, _ = loader.next_batch()  # the step had begun: one micro-batch of 4 read, its gradient partial
+    w = torch.nn.Parameter(torch.ones(3))
+    w.grad = torch.ones(3)
+    optimizer = torch.optim.SGD([w], lr=0.1)
+    events, error = [], torch.OutOfMemoryError("CUDA out of memory")
+
+    def retry(auto=True, env=env):
+        retry_smaller(error, auto, tmp_path, cfg, env, optimizer, loader, before, 7,
+                      lambda step, text, who="guard", **values: events.append((step, text, who, values)))
+
+    with pytest.raises(torch.OutOfMemoryError) as raised:
+        retry(auto=False)  # an explicit train.micro_batch is the user's: not changed
+    assert raised.value is error and cfg.train.micro_batch == 4 and not (tmp_path / CHOICE_FILE).exists()
+
+    retry()
+    assert events == [(7, "out of memory at micro-batch 4 (step 7): the step is retried with the same data at "
+                          "micro-batch 2", "micro-batch", {"train/micro_batch": 2})]
+    assert cfg.train.micro_batch == 2 and (loader.B, loader.accum) == (2, 4) and w.grad is None
+    assert json.loads((tmp_path / CHOICE_FILE).read_text())["micro_batch"] == 2  # the next start begins there
+    assert loader.state_dict() == before and torch.equal(loader.next_batch()[0], first[:2])  # the same data
+    loader.load_state_dict(before)
+
+    retry()
+    assert cfg.train.micro_batch == 1 and len(events) == 2
+    with pytest.raises(torch.OutOfMemoryError) as raised:
+        retry()  # nothing smaller than 1
+    assert raised.value is error and cfg.train.micro_batch == 1 and len(events) == 2
+
+    cfg.train.micro_batch = 4
+    ddp = Env(rank=0, local_rank=0, world=2, device=torch.device("cpu"), dtype=torch.float32, compile=False)
+    with pytest.raises(RunError, match=r"out of memory at micro-batch 4 \(step 7\): .* at micro-batch 2 after a "
+                                       r"restart \(train.max_restarts\): under DDP") as raised:
+        retry(env=ddp)  # the other ranks wait in a collective: exit, for torchrun to restart smaller
+    assert raised.value.__cause__ is error and restart_helps(raised.value)
+    assert json.loads((tmp_path / CHOICE_FILE).read_text())["micro_batch"] == 2 and len(events) == 2
 
 
 def test_the_probe_feeds_ids_the_loss_accepts():

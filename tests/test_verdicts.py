@@ -142,7 +142,7 @@ def test_the_prefect_launcher_fails_naming_the_verdict_and_does_not_restart(ds, 
 
 
 def test_a_ddp_out_of_memory_exit_is_no_verdict_and_the_launcher_restarts_it(ds, tmp_path, monkeypatch):
-    """Exit 2 from a rank that ran out of memory under DDP (gptcore/training/trainer.py smaller_micro_batch) is no
+    """Exit 2 from a rank that ran out of memory under DDP (gptcore/training/microbatch.py retry_smaller) is no
     verdict: the smaller size is kept for the restart, which the Prefect task's launcher makes and logs (the
     fault's call count starts again in the new process, past the step it hit: resumed from step 5, the run
     ends at step 10)."""

@@ -15,7 +15,7 @@ gradients so that no weight moves. A size that runs out of memory, or on CUDA pe
 card, is freed and the next one tried; the ranks adopt the smallest answer. The choice is
 kept in <run_dir>/micro_batch.json for this hardware and settings, so a nightly resume does not probe again.
 A step that still runs out of memory later (fragmentation, a longer evaluation before it) is retried with
-the same data at the next smaller size (gptcore/training/trainer.py).
+the same data at the next smaller size (`retry_smaller`, which the trainer calls).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from gptcore.checkpoints.run_files import MICRO_BATCH_FILE
 from gptcore.config import RunConfig
 from gptcore.files import read_json, write_json
 from gptcore.model.tokenizer import N_VOCAB
+from gptcore.training.resume import RunError
 
 AUTO = "auto"
 CHOICE_FILE = MICRO_BATCH_FILE
@@ -220,3 +221,29 @@ def remember(run_dir, cfg: RunConfig, env: distributed.Env, micro: int) -> None:
     """Keep a micro-batch the trainer fell back to after an out-of-memory step, for the next start."""
     write_json(run_dir / CHOICE_FILE, {"micro_batch": micro, "fingerprint": fingerprint(cfg, env),
                                        "after_out_of_memory": True})
+
+
+def retry_smaller(error: torch.OutOfMemoryError, auto: bool, run_dir, cfg: RunConfig, env: distributed.Env,
+                  optimizer, loader, before: dict, step: int, event: Callable[..., None]) -> None:
+    """Training step `step` ran out of memory with train.micro_batch=auto (`auto`): drop its partial
+    gradients, rewind the data to the step's start (`before`, the loader's state then) and split it into
+    smaller micro-batches, so the retry takes the same data and no update is lost or doubled. Under DDP the
+    other ranks wait in a collective this rank will not join: the smaller size is kept in micro_batch.json
+    and RunError ends the rank, for torchrun to restart the job from its newest checkpoint with it. An
+    explicit micro_batch, or nothing smaller: `error` itself."""
+    tc = cfg.train
+    micro = smaller(tc.micro_batch, share(cfg, env.world))
+    if not auto or micro is None:
+        raise error
+    optimizer.zero_grad(set_to_none=True)
+    free_memory(env.device)
+    old, tc.micro_batch = tc.micro_batch, micro
+    text = (f"out of memory at micro-batch {old} (step {step}): the step is retried with the same "
+            f"data at micro-batch {micro}")
+    remember(run_dir, cfg, env, micro)  # the next start begins there
+    if env.ddp:
+        raise RunError(f"{text} after a restart (train.max_restarts): under DDP the other ranks wait in a "
+                       f"collective; {CHOICE_FILE} keeps micro-batch {micro} for it") from error
+    loader.load_state_dict(before)
+    loader.set_micro_batch(micro)
+    event(step, text, who="micro-batch", **{"train/micro_batch": micro})

@@ -46,8 +46,9 @@ from gptcore.data.shard_format import ShardError
 from gptcore.runlock import LockHeld
 from gptcore.training import verdict, watchdog
 from gptcore.training.microbatch import NothingFits
+from gptcore.training.replicas import ReplicasDisagree
 from gptcore.training.resume import RunError, prepare
-from gptcore.training.trainer import STOP_FILE, STOP_SIGNAL, Diverged, ReplicasDisagree, Trainer
+from gptcore.training.trainer import STOP_FILE, STOP_SIGNAL, Diverged, Trainer
 
 EXIT_OK, EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_REPLICAS = 0, 2, 3, 4  # 5: gptcore.training.watchdog.HANG_EXIT
 __all__ = ["main", "STOP_FILE"]
@@ -123,7 +124,7 @@ def fail(e: Exception, run_dir=None) -> int:
 
 
 def restart_helps(e: Exception) -> bool:
-    """The DDP out-of-memory exit (Trainer.smaller_micro_batch: a RunError from torch's OutOfMemoryError) is
+    """The DDP out-of-memory exit (microbatch.retry_smaller: a RunError from torch's OutOfMemoryError) is
     exit 2 but no verdict: the restart starts at the smaller micro-batch that micro_batch.json keeps."""
     return isinstance(e.__cause__, torch.OutOfMemoryError)
 

@@ -15,11 +15,9 @@ from __future__ import annotations
 import math
 import os
 import socket
-import statistics
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -29,14 +27,15 @@ from gptcore import distributed
 from gptcore.checkpoints.background import FAILED, SKIPPED, Checkpointer
 from gptcore.checkpoints.run_files import DONE_FILE, EVAL_FILE, RUN_FILE, step_dir
 from gptcore.data.loader import ShardLoader
-from gptcore.files import read_json, write_json
+from gptcore.files import write_json
 from gptcore.metrics import METRICS_FILE, JsonlLogger, NullLogger
 from gptcore.model.gpt import peak_flops_guess
 from gptcore.model.loss import make_loss
 from gptcore.model.optim import build_optimizer, lr_at, set_lr, skips_on_device
 from gptcore.training import microbatch
+from gptcore.training.damage import DamagedShards
 from gptcore.training.guard import OK, ROLLBACK, SKIP, FaultInjector, Guard
-from gptcore.training.replicas import ComputeTimer, odd_ranks, stragglers, weights_checksum
+from gptcore.training.replicas import ComputeTimer, Disagreements, Stragglers, weights_checksum
 from gptcore.training.resume import SHARD_HASHES, Prepared, RunError, agreed_checkpoint, restore
 from gptcore.training.train_eval import Evaluator
 from gptcore.training.watchdog import CEILING_S, Watchdog
@@ -51,10 +50,6 @@ STOP_SIGNAL: dict = {"signal": None}  # set by gptcore.training.train's signal h
 
 class Diverged(RuntimeError):
     """The guard rolled back too often in a row, or had no checkpoint to roll back to."""
-
-
-class ReplicasDisagree(RuntimeError):
-    """A rank's weights differed from the others' a second time: its host corrupts data (exit 4)."""
 
 
 class StepStats(NamedTuple):
@@ -161,13 +156,13 @@ class Trainer:
         self.guard, self.event = Guard(cfg.guard), EventLog(self.logger, env.master)
         self.watchdog.on_hang = self.event
         self.timer = ComputeTimer(env.device)  # this rank's own compute time, for the straggler check
-        self.slow_streak = [0] * env.world  # log steps in a row each rank was a straggler
-        self.disagreements = [0] * env.world  # consistency checks each rank failed
-        self.damaged_shards: set[str] = set()  # reported by the loaders' background checks
-        self.data_dir = prep.data_dir
+        self.stragglers = Stragglers(cfg.guard.straggler_ratio, cfg.guard.straggler_logs, self.hosts, self.event)
+        self.disagreements = Disagreements(self.hosts, self.event)  # the replicas' weight checksums
+        # shards the loaders' background checks find damaged; rank 0 drops them from both hash caches
+        self.damaged = DamagedShards(self.hosts, [prep.data_dir / SHARD_HASHES, self.run_dir / SHARD_HASHES]
+                                     if env.master else [], self.event)
         self.checkpointer = Checkpointer(self.run_dir, tc.keep_last, background=tc.async_checkpoint)
         self.evaluator = Evaluator(cfg, env, prep.data_dir, raw, self.logger, self.event, self.faults)
-        self.accum = cfg.grad_accum_steps(env.world)
         self.pending: list[Pending] = []
         self.unconfirmed: int | None = None  # the step of a checkpoint whose write every rank has not confirmed
         self.saved_step: int | None = None  # the step of the newest checkpoint this invocation saved
@@ -261,38 +256,15 @@ class Trainer:
         before = self.loader.state_dict()
         while True:
             try:
-                stats = train_step(self.model, self.optimizer, self.loader, self.accum, self.env, self.scaler,
-                                   self.cfg.optim.grad_clip, vote, self.timer)
+                stats = train_step(self.model, self.optimizer, self.loader, self.loader.accum, self.env,
+                                   self.scaler, self.cfg.optim.grad_clip, vote, self.timer)
                 break
-            except torch.OutOfMemoryError as e:
-                self.smaller_micro_batch(before, e)
+            except torch.OutOfMemoryError as e:  # train.micro_batch=auto: the same data at a smaller size
+                microbatch.retry_smaller(e, self.auto_micro, self.run_dir, self.cfg, self.env, self.optimizer,
+                                         self.loader, before, self.step + 1, self.event)
         self.step += 1
         self.watchdog.beat("training", step=self.step)
         self.pending.append(Pending(self.step, lr, self.loader.epoch, stats))
-
-    def smaller_micro_batch(self, before: dict, error: torch.OutOfMemoryError) -> None:
-        """A step ran out of memory with train.micro_batch=auto: drop its partial gradients, rewind the data
-        to the step's start and split it into smaller micro-batches (the next step retries the same data,
-        so no update is lost or doubled). Under DDP the other ranks wait in a collective this rank will not
-        join: the smaller size is kept in micro_batch.json and the rank exits, for torchrun to restart the
-        job from its newest checkpoint with it. An explicit micro_batch, or nothing smaller: the error."""
-        tc, env = self.cfg.train, self.env
-        micro = microbatch.smaller(tc.micro_batch, microbatch.share(self.cfg, env.world))
-        if not self.auto_micro or micro is None:
-            raise error
-        self.optimizer.zero_grad(set_to_none=True)
-        microbatch.free_memory(env.device)
-        old, tc.micro_batch = tc.micro_batch, micro
-        text = (f"out of memory at micro-batch {old} (step {self.step + 1}): the step is retried with the same "
-                f"data at micro-batch {micro}")
-        microbatch.remember(self.run_dir, self.cfg, env, micro)  # the next start begins there
-        if env.ddp:
-            raise RunError(f"{text} after a restart (train.max_restarts): under DDP the other ranks wait in a "
-                           f"collective; {microbatch.CHOICE_FILE} keeps micro-batch {micro} for it") from error
-        self.loader.load_state_dict(before)
-        self.loader.set_micro_batch(micro)
-        self.accum = self.loader.accum
-        self.event(self.step + 1, text, who="micro-batch", **{"train/micro_batch": micro})
 
     def stop_vote(self) -> bool:
         """This rank votes to stop: a signal on any rank, rank 0's clock, a STOP file or unwritable metrics.
@@ -315,8 +287,8 @@ class Trainer:
         # what each rank learned since the last read: its own compute time, shards that failed their check
         mine = (self.timer.take() / len(self.pending), self.loader.damaged())
         heard = distributed.all_gather_object(mine) if env.ddp else [mine]
-        ranks = self.compare_compute_times(self.pending[-1].step, [t for t, _ in heard])
-        self.report_damaged_shards(self.pending[-1].step, [d for _, d in heard])
+        ranks = self.stragglers.observe(self.pending[-1].step, [t for t, _ in heard])
+        self.damaged.report(self.pending[-1].step, [d for _, d in heard])
         batch = cfg.train.total_batch_tokens
         tok_s = batch / dt
         rates = {}
@@ -346,67 +318,13 @@ class Trainer:
         self.confirm_checkpoint(wait=False)
         return read
 
-    def compare_compute_times(self, step: int, times: list[float]) -> dict[str, float]:
-        """Every rank's own compute time per step (host values: the read has synced already); returns the
-        slowest rank's, for the metrics row. A rank over guard.straggler_ratio x the median at
-        guard.straggler_logs log steps in a row is named in an event, once per streak."""
-        if not self.env.ddp:
-            return {}
-        g = self.cfg.guard
-        slowest, median = max(range(len(times)), key=times.__getitem__), statistics.median(times)
-        slow = set(stragglers(times, g.straggler_ratio))
-        for r in range(len(times)):
-            self.slow_streak[r] = self.slow_streak[r] + 1 if r in slow else 0
-            if self.slow_streak[r] == g.straggler_logs:
-                self.event(step, f"straggler: rank {r} on host {self.hosts[r]} computed {times[r] * 1000:.1f} ms "
-                           f"per step, {times[r] / median:.2f}x the median {median * 1000:.1f} ms, at "
-                           f"{g.straggler_logs} log steps in a row; every rank waits for it in each all-reduce "
-                           "(check that host's GPU clocks, temperature and neighbours)",
-                           **{"straggler/rank": r, "straggler/ratio": times[r] / median})
-        return {"straggler/slowest_s": times[slowest], "straggler/slowest_rank": slowest,
-                "straggler/median_s": median}
-
-    def report_damaged_shards(self, step: int, found: list[list[str]]) -> None:
-        """Shards whose bytes no longer hash to the manifest (bit rot that kept size and mtime): an event,
-        and out of both hash caches (the dataset's and this run's), so the next data stage re-hashes and
-        rebuilds them, and so does the next trainer start (resume.verify_or_rebuild). Training goes on: the
-        damage is already in this run, and stopping would not undo it."""
-        for rank, names in enumerate(found):
-            for name in names:
-                if name in self.damaged_shards:
-                    continue
-                self.damaged_shards.add(name)
-                self.event(step, f"shard {name} (read by rank {rank} on host {self.hosts[rank]}) no longer "
-                           "matches its sha256 in the manifest: its bytes changed on disk or in memory "
-                           "without a new size or mtime (bit rot). This run goes on with it; the trainer's next "
-                           "start (a restart) or the next data stage rebuilds it from its source (it is dropped "
-                           "from the hash caches)", who="data")
-                if self.env.master:
-                    for cache in (self.data_dir / SHARD_HASHES, self.run_dir / SHARD_HASHES):
-                        forget_hash(cache, name)
-
     def replicas_differ(self) -> bool:
         """Compare the ranks' weight checksums (collective). Equal: False. A rank that differs for the first
         time: an event, a rollback to the newest good checkpoint (every rank loads the same weights), True.
-        A rank that differs again: ReplicasDisagree, naming its host."""
+        A rank that differs again: ReplicasDisagree, naming its host (replicas.Disagreements)."""
         sums = distributed.all_gather_object(int(weights_checksum(self.raw).item()))
-        if len(set(sums)) == 1:
+        if not self.disagreements.check(self.step, sums):
             return False
-        odd = odd_ranks(sums)
-        names = ", ".join(f"rank {r} on host {self.hosts[r]}" for r in odd)
-        for r in odd:
-            self.disagreements[r] += 1
-        again = [r for r in odd if self.disagreements[r] > 1]
-        if again:
-            hosts = sorted({self.hosts[r] for r in again})
-            raise ReplicasDisagree(
-                f"the replicas' weights differ again at step {self.step} ({names}); weights of one replica change "
-                f"on their own, a silent data corruption: drain host(s) {', '.join(hosts)} (GPU memory or compute "
-                "errors: nvidia-smi -q -d ECC,ROW_REMAPPER; dcgmi diag), then run the same command without them "
-                "to continue from the newest checkpoint")
-        self.event(self.step, f"replicas disagree at step {self.step}: the weights of {names} differ from "
-                   f"{'the majority' if len(odd) < len(sums) else 'each other'} (checksums {sums}); rolling back",
-                   **{"guard/replica_mismatch": len(odd)})
         self.roll_back(why="replicas disagree")
         return True
 
@@ -549,16 +467,6 @@ class timed:
         self.spent[self.name] = self.spent.get(self.name, 0.0) + time.time() - self.t0
         if self.watchdog is not None:
             self.watchdog.beat("training")
-
-
-def forget_hash(cache: Path, name: str) -> None:
-    """Drop `name` from a hash cache (files.cached_sha256's JSON), so its next check re-hashes it."""
-    hashes = read_json(cache, {})
-    if hashes.pop(name, None) is not None:
-        try:
-            write_json(cache, hashes)
-        except OSError:  # a read-only dataset: the data stage's own check then hashes anyway on --full-verify
-            pass
 
 
 def write_records(prep: Prepared, step: int, micro_how: str = "set") -> None:
