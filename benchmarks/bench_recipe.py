@@ -33,7 +33,8 @@ ADAMW_LRS = (1e-3, 3e-3, 6e-3)
 MUON = ["optim.name=muon", "optim.schedule=wsd", "optim.decay_frac=0.3", "optim.min_lr=0",
         "optim.weight_decay=0", "optim.muon_lr=0.02", "optim.muon_momentum=0.95", "optim.muon_weight_decay=0"]
 COMMON = ["train.total_batch_tokens=2048", "eval.eval_interval=0", "eval.sample_interval=0",
-          "eval.hellaswag=false", "eval.val_tokens=32768", "train.checkpoint_interval=100000", "train.log_interval=1"]
+          "eval.hellaswag.enabled=false", "eval.val_tokens=32768", "train.checkpoint_interval=100000",
+          "train.log_interval=1"]
 # --smoke: 8 steps, so that the 0.5N run still has steps after the two its step time leaves out
 SMOKE = {"preset": "micro", "steps": 8, "seeds": [1337],
          "set": ["train.total_batch_tokens=256", "eval.val_tokens=1024"]}

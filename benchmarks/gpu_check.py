@@ -32,7 +32,7 @@ the speed target, so a lease's budget cuts the least telling rows):
           token, HellaSwag per example, a sample per sample. The wait for the previous checkpoint write
           counts only where the write is slower than the preset's checkpoint interval. On CUDA the GPT-2
           shape must project <= 5% of wall time, and a checkpoint must block <= 150 ms
-  harness parity  lm-eval adapter scores (eval.harness_dtype=float32) against a plain transformers
+  harness parity  lm-eval adapter scores (eval.harness.dtype=float32) against a plain transformers
           forward of the HF export on this device: <= 1e-4 nats (benchmarks/harness_parity.py)
   guards  the replica consistency check (a bitwise checksum of the weights, gptcore/training/replicas.py) timed on
           gpt2-124m's model, projected to its cadence at the reference row's tokens/s (else the train row's):
@@ -182,7 +182,7 @@ class Trainer:
                 "train.micro_batch": B, "train.seq_len": T, "train.total_batch_tokens": B * T * 2 * self.ndev,
                 "train.max_steps": STEPS, "train.checkpoint_interval": EVERY, "train.keep_last": 10,
                 "train.log_interval": 1, "optim.warmup_steps": 2, "eval.eval_interval": EVERY,
-                "eval.hellaswag_interval": EVERY, "eval.sample_interval": EVERY, "eval.sample_tokens": 16,
+                "eval.hellaswag.interval": EVERY, "eval.sample_interval": EVERY, "eval.sample_tokens": 16,
                 "eval.val_tokens": B * T * self.ndev, **hellaswag_settings(),
                 **{f"model.{k}": v for k, v in self.shape["model"].items()}, **extra}
 
@@ -215,7 +215,7 @@ def hellaswag_settings() -> dict:
 
     cached = pipeline_home() / "hellaswag" / "hellaswag_val.jsonl"
     path = cached if cached.is_file() else FIXTURE
-    return {"eval.hellaswag": True, "eval.hellaswag_path": str(path), "eval.hellaswag_limit": HELLASWAG_LIMIT}
+    return {"eval.hellaswag.enabled": True, "eval.hellaswag.path": str(path), "eval.hellaswag.limit": HELLASWAG_LIMIT}
 
 
 def losses(run: Path) -> dict[int, float]:
@@ -385,7 +385,7 @@ def run_ours(work: Path, dataset: Path, device: str, shape: dict, name: str) -> 
                  "optim.warmup_steps": 2,  # the preset's 715 exceed the run (the rate does not change the speed)
                  "train.log_interval": 1,  # a host read every step, as the reference's own print: no edge
                  "train.compile": str(shape["compile"]).lower(), "train.checkpoint_interval": REFERENCE_STEPS,
-                 "eval.eval_interval": 0, "eval.val_tokens": shape["B"] * shape["T"], "eval.hellaswag": False,
+                 "eval.eval_interval": 0, "eval.val_tokens": shape["B"] * shape["T"], "eval.hellaswag.enabled": False,
                  "eval.sample_interval": 0, "eval.sample_tokens": 8,
                  **{f"model.{k}": v for k, v in shape["model"].items()}}
     proc = subprocess.Popen(torchrun_cmd(shape["preset"], overrides, 1), cwd=ROOT, env=worker_env(),

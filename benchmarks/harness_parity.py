@@ -1,5 +1,5 @@
 """Harness scores against Hugging Face's fp32 forward, on this device: the GPU acceptance row for
-eval.harness_dtype=float32 (the default).
+eval.harness.dtype=float32 (the default).
 
     python -m benchmarks.harness_parity [--device cuda]
 
@@ -7,7 +7,7 @@ A GPT-2-shaped model (gpt2-124m's shape on CUDA, a small one on CPU; random weig
 exported with gptcore.model.hf.export_hf and loaded back with transformers' GPT2LMHeadModel in fp32. Per-continuation
 log-likelihoods of 16 (context, continuation) token sequences are computed as the lm-evaluation-harness
 adapter computes them (gptcore.evals.scorers.harness_scoring: the same function GPTHarness calls, in the precision
-eval.harness_dtype=float32 picks, with the trainer's bf16 autocast passed in as during training) and by a
+eval.harness.dtype=float32 picks, with the trainer's bf16 autocast passed in as during training) and by a
 plain transformers forward of each sequence alone. The row passes when they agree to 1e-4 nats.
 
 Needs torch, transformers, tiktoken and safetensors; not lm-eval (the bare CUDA image lacks it).
@@ -72,7 +72,7 @@ def reference_scores(hf_model, pairs: list[tuple[list[int], list[int]]], device:
 
 
 def check_harness_parity(device: torch.device) -> tuple[bool | None, str]:
-    """(passed, detail): the adapter's continuation log-likelihoods (eval.harness_dtype=float32, the trainer's
+    """(passed, detail): the adapter's continuation log-likelihoods (eval.harness.dtype=float32, the trainer's
     bf16 autocast passed in) against transformers' fp32 forward of the exported weights, max |difference|
     <= 1e-4 over 16 sequences. None when transformers is not installed (nothing to compare with)."""
     try:
@@ -95,7 +95,7 @@ def check_harness_parity(device: torch.device) -> tuple[bool | None, str]:
     worst = max(abs(a - b) for a, b in zip(ours, theirs, strict=True))
     cfg = model.config
     detail = (f"max |log-likelihood difference| {worst:.2e} nats over {len(pairs)} sequences (pass <= "
-              f"{TOLERANCE:.0e}): the adapter's scoring at eval.harness_dtype=float32 against transformers' "
+              f"{TOLERANCE:.0e}): the adapter's scoring at eval.harness.dtype=float32 against transformers' "
               f"GPT2LMHeadModel fp32 forward of the HF export ({cfg.n_layer} layers x {cfg.n_embd}, "
               f"{sum(len(c) + len(k) for c, k in pairs):,} tokens, {device.type})")
     return worst <= TOLERANCE, detail

@@ -324,7 +324,8 @@ def register_stage(run: FlowRun) -> None:
         from tasks.leaderboard import publish_leaderboard
 
         run.reg = register.register_task(ckpt, name, flow_run_id=flow_run.get_id())
-        run.stage("register", "ran", f"{run.reg['model_uri']}")
+        scores = ", ".join(f"{k} {v}" for k, v in run.reg.get("headline", {}).items())
+        run.stage("register", "ran", f"{run.reg['model_uri']}" + (f" ({scores})" if scores else ""))
         publish_leaderboard(name)  # the model's versions side by side, as a table artifact
 
 

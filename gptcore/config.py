@@ -43,7 +43,7 @@ def check_name(key: str, value) -> None:
 # Where code may come from. A harness task YAML runs Python (`process_docs: !function evil.f` imports
 # evil.py beside it when the task loads), so the folders such settings name must lie under a root the
 # operator sets in the evaluating process's environment (the worker's), never one a flow parameter sets.
-# eval.harness_include_path is the one such setting today (the rest name data: sources, HellaSwag's jsonl)
+# eval.harness.include_path is the one such setting today (the rest name data: sources, HellaSwag's jsonl)
 CODE_ROOTS = "GPTPIPE_CODE_ROOTS"  # absolute folders, os.pathsep-separated; unset = no such setting allowed
 
 
@@ -297,50 +297,59 @@ class TrainConfig:
                               f"must be >= 0, got {self.hang_timeout_s} and {self.max_restarts}")
 
 
-HARNESS_DTYPES = ("float32", "autocast")  # eval.harness_dtype: gptcore/harness.scoring_context
+# --- each evaluation's own section: eval.<name>.<field> ------------------------------------------
+
+# An evaluation owns its settings (eval.hellaswag.limit=200, eval.harness.tasks=arc_easy). Their types are the
+# evaluations' own `Settings` dataclasses, which gptcore/evals registers here when it is imported: config sits
+# below the evaluations and cannot import them. A process that has imported gptcore.evals (the flow's check,
+# the trainer, evaluate) checks every section: the evaluation exists, its fields, their types and its own
+# `validate()`. One that has not (a data stage) carries the sections through as they were given.
+EVAL_SECTIONS: dict[str, type] = {}
+
+
+def eval_section(name: str, settings: type | None) -> None:
+    """Register (a dataclass) or drop (None) evaluation `name`'s settings type."""
+    if settings is None:
+        EVAL_SECTIONS.pop(name, None)
+    else:
+        EVAL_SECTIONS[name] = settings
 
 
 @dataclass
 class EvalConfig:
+    """The trainer's own evaluation loop (validation loss, samples, failure budget), and each registered
+    evaluation's section in `sections` (written and read as eval.<name>.<field>; `options(name)`)."""
     eval_interval: int = 250  # steps between validation-loss evaluations; 0 = only at the end
-    hellaswag_interval: int = 1000  # steps between HellaSwag evaluations (at an eval step); 0 = only at the end
     val_tokens: int = 10_485_760  # fixed number of validation tokens (same batches every time)
-    hellaswag: bool = True
-    hellaswag_path: str = ""  # local jsonl (air-gapped); "" = download into the cache
-    hellaswag_limit: int = 0  # 0 = all 10,042 examples
     sample_interval: int = 250  # steps between text samples; 0 = only at the end
     sample_prompt: str = "Hello, I'm a language model,"
     sample_tokens: int = 32
     max_failures: int = 3  # evaluations failing in a row before evaluation is off for this invocation; 0 = never
-    # lm-evaluation-harness tasks (comma-separated) scored on each evaluated checkpoint
-    # (gptcore/evals/scorers/harness.py); "" = none. harness_include_path: a folder of your own task YAMLs;
-    # harness_limit: examples per task (0 = all)
-    harness_tasks: str = ""
-    harness_include_path: str = ""
-    harness_limit: int = 0
-    harness_interval: int = 0  # steps between harness runs during training (at an eval step); 0 = not during training
-    # the precision harness log-likelihoods are scored in: "float32" (the default: scores comparable across
-    # cards and with Hugging Face's fp32 forward; bf16 autocast moved them by up to 0.126 nats on CPU, with
-    # greedy flips, and fp32 is cheap at 124M) or "autocast" (the trainer's autocast dtype: faster on big models)
-    harness_dtype: str = "float32"
-    # evaluated checkpoints report the share of HellaSwag examples that share an n-gram of this many tokens
-    # with the training shards (gptcore/evals/scorers/contamination.py; GPT-3 used 13); 0 = off
-    contamination_ngram: int = 0
-    exclude_contaminated: bool = False  # HellaSwag also scored on its clean examples only (needs contamination_ngram)
+    sections: dict[str, dict] = field(default_factory=dict)  # {"hellaswag": {"limit": 200}}: what differs from
+    #                                                          each evaluation's own defaults
 
-    @property
-    def harness_task_list(self) -> list[str]:
-        return [t.strip() for t in self.harness_tasks.split(",") if t.strip()]
+    def options(self, name: str):
+        """Evaluation `name`'s settings: its Settings dataclass with this config's values, checked."""
+        if name not in EVAL_SECTIONS:
+            raise ConfigError(f"eval.{name}: no evaluation named {name!r}; evaluations: {sorted(EVAL_SECTIONS)}")
+        settings = EVAL_SECTIONS[name]
+        hints = typing.get_type_hints(settings)
+        values = self.sections.get(name, {})
+        unknown = sorted(set(values) - set(hints))
+        if unknown:
+            raise ConfigError(f"unknown config key eval.{name}.{unknown[0]}; eval.{name} has {sorted(hints)}")
+        options = settings(**{k: _coerce(v, hints[k], f"eval.{name}.{k}") for k, v in values.items()})
+        if hasattr(options, "validate"):
+            options.validate()
+        return options
 
     def validate(self) -> None:
-        for name in ("eval_interval", "hellaswag_interval", "val_tokens", "hellaswag_limit", "sample_interval",
-                     "sample_tokens", "max_failures", "harness_limit", "harness_interval", "contamination_ngram"):
+        for name in ("eval_interval", "val_tokens", "sample_interval", "sample_tokens", "max_failures"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"eval.{name} must be >= 0, got {getattr(self, name)}")
-        check_code_path("eval.harness_include_path", self.harness_include_path)
-        if self.harness_dtype not in HARNESS_DTYPES:
-            raise ConfigError(f"eval.harness_dtype={self.harness_dtype!r}; use float32 (scores comparable across "
-                              "cards, the default) or autocast (the trainer's autocast dtype)")
+        if EVAL_SECTIONS:  # the evaluations are known in this process: every section is checked
+            for name in sorted(set(self.sections) | set(EVAL_SECTIONS)):
+                self.options(name)
 
 
 @dataclass
@@ -416,7 +425,13 @@ class RunConfig:
         return self.train.total_batch_tokens // (micro * self.train.seq_len * world_size)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """Plain JSON-able values; each evaluation's section under eval.<name> (all its fields where the
+        evaluation is known in this process, else the values given)."""
+        d = asdict(self)
+        given = d["eval"].pop("sections")
+        for name in sorted(set(given) | set(EVAL_SECTIONS)):
+            d["eval"][name] = asdict(self.eval.options(name)) if name in EVAL_SECTIONS else given[name]
+        return d
 
     def identity_hash(self) -> str:
         """Hash of what defines a training trajectory (model, data, optimizer, batch, seed, length).
@@ -438,8 +453,9 @@ def _gpt2_124m() -> RunConfig:
     # the harness's share of the suite GPT-2 reproductions report (HellaSwag is the project's own scorer)
     return RunConfig(preset="gpt2-124m", model=model_preset("gpt2"), data=DataConfig(source="hf"),
                      train=TrainConfig(micro_batch="auto"),
-                     eval=EvalConfig(harness_tasks="arc_easy,arc_challenge,piqa,winogrande,lambada_openai",
-                                     contamination_ngram=13))
+                     eval=EvalConfig(sections={
+                         "harness": {"tasks": "arc_easy,arc_challenge,piqa,winogrande,lambada_openai"},
+                         "contamination": {"ngram": 13}}))
 
 
 def _gpt2_124m_muon() -> RunConfig:
@@ -465,8 +481,8 @@ def _tiny_cpu() -> RunConfig:
         train=TrainConfig(total_batch_tokens=8 * 256, micro_batch=8, seq_len=256, max_steps=120,
                           checkpoint_interval=40, keep_last=2, log_interval=10),
         # HellaSwag (200 examples) only on the final checkpoint: it costs more than the rest of an eval
-        eval=EvalConfig(eval_interval=60, hellaswag_interval=0, val_tokens=64 * 256, hellaswag=True,
-                        hellaswag_limit=200, sample_interval=60, sample_tokens=48))
+        eval=EvalConfig(eval_interval=60, val_tokens=64 * 256, sample_interval=60, sample_tokens=48,
+                        sections={"hellaswag": {"interval": 0, "limit": 200}}))
 
 
 def _micro() -> RunConfig:
@@ -477,8 +493,8 @@ def _micro() -> RunConfig:
         optim=OptimConfig(max_lr=1e-3, min_lr=1e-4, warmup_steps=2),
         train=TrainConfig(total_batch_tokens=8 * 32, micro_batch=4, seq_len=32, max_steps=20,
                           checkpoint_interval=5, keep_last=2, log_interval=1),
-        eval=EvalConfig(eval_interval=10, val_tokens=8 * 32, hellaswag=False, sample_interval=10,
-                        sample_tokens=8))
+        eval=EvalConfig(eval_interval=10, val_tokens=8 * 32, sample_interval=10, sample_tokens=8,
+                        sections={"hellaswag": {"enabled": False}}))
 
 
 PRESETS = {"gpt2-124m": _gpt2_124m, "gpt2-124m-muon": _gpt2_124m_muon, "tiny-cpu": _tiny_cpu, "micro": _micro}
@@ -509,10 +525,16 @@ def _coerce(value: str, typ: type, key: str):
         raise ConfigError(f"{key}={value!r} is not a valid {typ.__name__}") from None
 
 
-# keys of an earlier layout, still read (saved configs, old overrides) for one release: the hub source's
-# flat data.hf_* fields are its own section now
+# keys of an earlier layout, still read (saved configs, old overrides): the hub source's flat data.hf_* fields
+# are its own section now, and so are the evaluations' flat eval.* fields (eval.hellaswag.limit)
 RENAMED_KEYS = {"data.hf_repo": "data.hub.repo", "data.hf_config": "data.hub.config",
-                "data.hf_split": "data.hub.split", "data.hf_revision": "data.hub.revision"}
+                "data.hf_split": "data.hub.split", "data.hf_revision": "data.hub.revision",
+                "eval.hellaswag": "eval.hellaswag.enabled", "eval.hellaswag_interval": "eval.hellaswag.interval",
+                "eval.hellaswag_path": "eval.hellaswag.path", "eval.hellaswag_limit": "eval.hellaswag.limit",
+                "eval.exclude_contaminated": "eval.hellaswag.exclude_contaminated",
+                "eval.harness_tasks": "eval.harness.tasks", "eval.harness_include_path": "eval.harness.include_path",
+                "eval.harness_limit": "eval.harness.limit", "eval.harness_interval": "eval.harness.interval",
+                "eval.harness_dtype": "eval.harness.dtype", "eval.contamination_ngram": "eval.contamination.ngram"}
 
 
 def _set(cfg: RunConfig, key: str, value) -> None:
@@ -523,15 +545,36 @@ def _set(cfg: RunConfig, key: str, value) -> None:
         raise ConfigError(f"unknown config key {key!r}; keys look like section.name with section in "
                           f"{sorted(sections)}")
     section, path = getattr(cfg, section_name), section_name
+    if section_name == "eval" and "." in name:  # an evaluation's own section: eval.<name>.<field>
+        set_eval_option(cfg.eval, key, *name.split(".", 1), value)
+        return
     while "." in name:  # a section inside a section (data.hub.repo)
         sub, _, name = name.partition(".")
         if not dataclasses.is_dataclass(getattr(section, sub, None)):
             raise ConfigError(f"unknown config key {key!r}; {path} has no section {sub!r}")
         section, path = getattr(section, sub), f"{path}.{sub}"
     hints = typing.get_type_hints(type(section))
-    if name not in hints or dataclasses.is_dataclass(getattr(section, name)):
-        raise ConfigError(f"unknown config key {key!r}; {path} has {sorted(hints)}")
+    if name not in hints or dataclasses.is_dataclass(getattr(section, name)) or key == "eval.sections":
+        has = sorted(set(hints) - {"sections"} if path == "eval" else hints)
+        each = f", and eval.<evaluation>.<field> for {sorted(EVAL_SECTIONS)}" if path == "eval" else ""
+        raise ConfigError(f"unknown config key {key!r}; {path} has {has}{each}")
     setattr(section, name, _coerce(value, hints[name], key))
+
+
+def set_eval_option(section: EvalConfig, key: str, name: str, option: str, value) -> None:
+    """eval.<name>.<option>=value: typed and checked now when the evaluation is known in this process,
+    else kept as given (EvalConfig.options types it where the evaluations are)."""
+    if "." in option:
+        raise ConfigError(f"unknown config key {key!r}; an evaluation's keys look like eval.<name>.<field>")
+    if EVAL_SECTIONS:
+        if name not in EVAL_SECTIONS:
+            raise ConfigError(f"unknown config key {key!r}: no evaluation named {name!r}; evaluations: "
+                              f"{sorted(EVAL_SECTIONS)}")
+        hints = typing.get_type_hints(EVAL_SECTIONS[name])
+        if option not in hints:
+            raise ConfigError(f"unknown config key {key!r}; eval.{name} has {sorted(hints)}")
+        value = _coerce(value, hints[option], key)
+    section.sections.setdefault(name, {})[option] = value
 
 
 def flatten(d: dict, prefix: str = "") -> dict[str, object]:

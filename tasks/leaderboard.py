@@ -2,14 +2,14 @@
 
     python -m tasks.leaderboard [tiny-cpu] [--csv board.csv] [--sort val_loss]
     leaderboard("tiny-cpu") -> DataFrame, one row per version:
-        version, aliases, step, tokens_seen, val_loss, hellaswag_acc(_stderr), hellaswag_acc_norm(_stderr),
-        hellaswag_acc_norm_vs_best (for each evaluation's headline metric, gptcore/evals: "best", "within 2 SE":
-        not told apart at this sample size, "better",
-        "worse"), optimizer, schedule, run_name, then harness_<task>_<metric> for each lm-evaluation-harness
-        metric the versions have (acc, acc_stderr, acc_norm, ...), run_id, manifest_id, model_id, created
+        version, aliases, step, tokens_seen, val_loss, then each evaluation's headline metric (gptcore/evals)
+        with its _stderr and _vs_best ("best", "within 2 SE": not told apart at this sample size, "better",
+        "worse"): hellaswag_acc_norm(_stderr, _vs_best); then every other metric the versions have, one column
+        each (hellaswag_acc, harness_<task>_<metric>, ...); optimizer, schedule, run_name, run_id,
+        manifest_id, model_id, created
 
-Measurements (val loss, HellaSwag, step, tokens) are the metrics of each version's LoggedModel (what the
-MLflow UI's Models tab sorts by); identity (recipe, manifest id, run) comes from the version's tags. Three
+Measurements (val loss, every evaluation's numbers, step, tokens) are the metrics of each version's LoggedModel
+(what the MLflow UI's Models tab sorts by); identity (recipe, manifest id, run) comes from the version's tags. Three
 calls build it (the model's versions, its aliases, the logged models of that name), however many
 versions there are. `best_version` reads the same table, so the alias and the board cannot disagree. The flow publishes
 the board as a Prefect table artifact after it registers a checkpoint (`publish_leaderboard`).
@@ -34,14 +34,22 @@ from gptcore.evals import EVALUATIONS
 from integrations import mlflow_store as store
 from integrations.progress import artifact_key
 
-# metric of the logged model -> leaderboard column
-METRICS = {"val/loss": "val_loss", "hellaswag/acc": "hellaswag_acc", "hellaswag/acc_stderr": "hellaswag_acc_stderr",
-           "hellaswag/acc_norm": "hellaswag_acc_norm", "hellaswag/acc_norm_stderr": "hellaswag_acc_norm_stderr",
-           "train/step": "step", "train/tokens_seen": "tokens_seen"}
+# metric of the logged model -> leaderboard column (every evaluation's metrics add columns of their own:
+# hellaswag/acc_norm -> hellaswag_acc_norm, harness/arc_easy/acc -> harness_arc_easy_acc)
+METRICS = {"val/loss": "val_loss", "train/step": "step", "train/tokens_seen": "tokens_seen"}
 TAGS = ("optimizer", "schedule", "run_name", "manifest_id")
-COLUMNS = ["version", "aliases", "step", "tokens_seen", "val_loss", "hellaswag_acc", "hellaswag_acc_stderr",
-           "hellaswag_acc_norm", "hellaswag_acc_norm_stderr", "hellaswag_acc_norm_vs_best", "optimizer", "schedule",
-           "run_name", "run_id", "manifest_id", "model_id", "created"]
+FIRST = ["version", "aliases", "step", "tokens_seen", "val_loss"]  # then each headline with its stderr and vs_best
+LAST = ["optimizer", "schedule", "run_name", "run_id", "manifest_id", "model_id", "created"]
+
+
+def headline_columns() -> list[str]:
+    """Each registered evaluation's headline column, its stderr and its comparison with `best`."""
+    out = []
+    for ev in EVALUATIONS.values():
+        if ev.headline:
+            column = column_of(f"{ev.name}/{ev.headline}")
+            out += [column, f"{column}_stderr", f"{column}_vs_best"]
+    return out
 
 
 def _model_id(mv) -> str:
@@ -76,12 +84,17 @@ def _logged_model_metrics(mlc, name: str, model_ids: set[str]) -> dict[str, dict
     return found
 
 
-def _legacy(tags: dict, column: str) -> float | None:
-    """Versions registered before measurements were metrics carried them as tags of the column's name."""
-    try:
-        return float(tags[column])
-    except (KeyError, ValueError):
-        return None
+def _legacy(tags: dict) -> dict[str, float]:
+    """Versions registered before measurements were metrics carried them as tags of the column's name
+    (val_loss, hellaswag_acc, ...): {column: value}."""
+    out = {}
+    for key, value in tags.items():
+        if key == "val_loss" or key.split("_")[0] in EVALUATIONS:
+            try:
+                out[key] = float(value)
+            except ValueError:
+                continue
+    return out
 
 
 def leaderboard(name: str, tracking_uri: str | None = None, mlc=None) -> pd.DataFrame:
@@ -101,22 +114,24 @@ def leaderboard(name: str, tracking_uri: str | None = None, mlc=None) -> pd.Data
                                    + (["latest"] if int(mv.version) == newest else [])),
                "run_id": mv.run_id, "model_id": _model_id(mv),
                "created": pd.Timestamp(mv.creation_timestamp, unit="ms", tz="UTC")}
+        legacy = _legacy(mv.tags)
         for key, column in METRICS.items():
-            value = values.get(key, _legacy(mv.tags, column))
+            value = values.get(key, legacy.get(column))
             row[column] = value if value is not None and math.isfinite(value) else None
         row.update({t: mv.tags.get(t) for t in TAGS})
-        # every other evaluation's metrics (gptcore/evals), one column each: harness_arc_easy_acc, ..._stderr
-        row.update({column_of(k): v for k, v in values.items() if k not in METRICS and k.split("/")[0] not in
-                    ("train", "val", "system")})
+        # every evaluation's metrics (gptcore/evals), one column each: hellaswag_acc_norm, harness_arc_easy_acc
+        evaluated = {column_of(k): v for k, v in values.items() if k.split("/")[0] in EVALUATIONS}
+        row.update({**{k: v for k, v in legacy.items() if k not in row}, **evaluated})
         rows.append(row)
-    extra = sorted({k for row in rows for k in row} - set(COLUMNS))
-    df = pd.DataFrame(rows, columns=COLUMNS[:-4] + extra + COLUMNS[-4:])
-    df = df.astype({"step": "Int64", "tokens_seen": "Int64", "val_loss": "Float64", "hellaswag_acc": "Float64",
-                    "hellaswag_acc_stderr": "Float64", "hellaswag_acc_norm": "Float64",
-                    "hellaswag_acc_norm_stderr": "Float64"})
+    firsts = FIRST + headline_columns()
+    numbers = sorted({k for row in rows for k in row} - set(firsts) - set(LAST))
+    df = pd.DataFrame(rows, columns=firsts + numbers + LAST)
+    measured = ["val_loss", *numbers, *headline_columns()]
+    df = df.astype({"step": "Int64", "tokens_seen": "Int64",
+                    **{c: "Float64" for c in measured if not c.endswith("_vs_best")}})
     for ev in EVALUATIONS.values():  # each evaluation's headline metric, against the `best` version's
         column = column_of(f"{ev.name}/{ev.headline}") if ev.headline else None
-        if column in df and f"{column}_stderr" in df:
+        if column:
             df[f"{column}_vs_best"] = compared_with_best(df, column)
     return df.sort_values("version", ignore_index=True)
 
@@ -181,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Print a registered model's versions as a table.")
     p.add_argument("model", nargs="?", default="tiny-cpu", help="registered model name (default tiny-cpu)")
     p.add_argument("--csv", default=None, help="also write the table to this CSV file")
-    p.add_argument("--sort", default="version", choices=COLUMNS, help="sort by this column (default version)")
+    p.add_argument("--sort", default="version", help="sort by this column (default version; e.g. val_loss, "
+                   "hellaswag_acc_norm)")
     p.add_argument("--tracking-uri", default=None, help="default: $MLFLOW_TRACKING_URI or the embedded store")
     args = p.parse_args(argv)
     from mlflow.exceptions import MlflowException
@@ -198,6 +214,10 @@ def main(argv: list[str] | None = None) -> int:
     if board.empty:
         print(f"error: registered model {args.model!r} has no versions at {args.tracking_uri or store.tracking_uri()};"
               " name one that exists (python -m tasks.leaderboard <model>) or register a checkpoint first",
+              file=sys.stderr)
+        return 2
+    if args.sort not in board:
+        print(f"error: --sort {args.sort!r} is not a column of this board; use one of {list(board.columns)}",
               file=sys.stderr)
         return 2
     board = board.sort_values(args.sort, ignore_index=True, na_position="last")

@@ -8,8 +8,9 @@ What a registration does:
   training run's MLflow run (the one integrations.tracking ships metrics into): the pyfunc text generator
   of integrations/mlflow_model.py with the checkpoint's weights, plus the Hugging Face export under `hf/`;
 - records the checkpoint's measurements as **metrics of the logged model** (MLflow 3's model metrics, what
-  the UI's Models tab sorts and charts by): `val/loss` (tied to the validation dataset), `hellaswag/acc`,
-  `hellaswag/acc_norm`, `train/step` and `train/tokens_seen` (tied to the training dataset);
+  the UI's Models tab sorts and charts by): `val/loss` (tied to the validation dataset), every
+  evaluation's `<name>/<metric>` with its `_stderr` (gptcore/evals), `train/step` and `train/tokens_seen`
+  (tied to the training dataset); the result names each evaluation's headline metric (`headline`);
 - creates a version of the registered model `<preset>` (e.g. `gpt2-124m`: one stable model, never one
   per run) from it, tagged with what identifies it: step, manifest id, config hash, run name, code
   version, flow run id, the weights' sha256 and the recipe (optimizer, schedule), all set in the creating
@@ -72,22 +73,33 @@ def _requirements() -> list[str]:
 
 
 def checkpoint_metrics(ckpt_dir: Path, meta: dict) -> dict[str, float]:
-    """The checkpoint's measurements, as metrics of its logged model. val loss and HellaSwag come from
-    <ckpt>/eval.json (the trainer's evaluation after the checkpoint, or the evaluate stage's), else from
-    what meta.json recorded (checkpoints written before eval.json existed). A non-finite val loss (a
+    """The checkpoint's measurements, as metrics of its logged model: the val loss, and every evaluation's
+    numbers (each accuracy with its standard error, `<name>/<metric>_stderr`) from <ckpt>/eval.json (the
+    trainer's evaluation after the checkpoint, or the evaluate stage's), else from what meta.json recorded
+    under the evaluation's name (checkpoints written before eval.json existed). A non-finite val loss (a
     diverged run) is left out, so such a version is never `best`."""
-    val, hs = val_loss_of(ckpt_dir, meta), meta.get("hellaswag") or {}
-    ev = read_json(ckpt_dir / EVAL_FILE, {})
-    if isinstance(ev.get("hellaswag"), dict) and ev["hellaswag"].get("acc") is not None:
-        hs = ev["hellaswag"]
-    values = {"val/loss": val, "train/step": meta["step"], "train/tokens_seen": meta.get("tokens_seen"),
-              **result_metrics("hellaswag", hs)}
-    # every evaluation's numbers, each accuracy with its standard error (<metric>_stderr)
     from gptcore.evals import EVALUATIONS
 
+    ev = read_json(ckpt_dir / EVAL_FILE, {})
+    values = {"val/loss": val_loss_of(ckpt_dir, meta), "train/step": meta["step"],
+              "train/tokens_seen": meta.get("tokens_seen")}
     for name in EVALUATIONS:
-        values.update(result_metrics(name, ev.get(name)))
+        values.update(result_metrics(name, ev.get(name) if isinstance(ev.get(name), dict) else meta.get(name)))
     return {k: float(v) for k, v in values.items() if v is not None and not isinstance(v, bool)}
+
+
+def headlines(metrics: dict[str, float]) -> dict[str, str]:
+    """Each evaluation's headline metric among a version's metrics, with its standard error
+    ("hellaswag/acc_norm": "0.2950 ± 0.0046"): the numbers a registration reports."""
+    from gptcore.evals import EVALUATIONS
+
+    out = {}
+    for ev in EVALUATIONS.values():
+        key = f"{ev.name}/{ev.headline}"
+        if ev.headline and key in metrics:
+            se = metrics.get(f"{key}_stderr")
+            out[key] = f"{metrics[key]:.4f}" + (f" ± {se:.4f}" if se is not None else "")
+    return out
 
 
 def _version_tags(ckpt_dir: Path, meta: dict, sha: str, flow_run_id: str | None) -> dict[str, str]:
@@ -278,7 +290,7 @@ def register_checkpoint(ckpt_dir: str | Path, model_name: str | None = None, tra
         if created:
             log.info("registered %s as %s version %s", ckpt_dir, name, mv.version)
     _move_best(mlc, name)
-    return _describe(mlc, name, mv.version, created, uri)
+    return {**_describe(mlc, name, mv.version, created, uri), "headline": headlines(checkpoint_metrics(ckpt_dir, meta))}
 
 
 def _describe(mlc, name: str, version, created: bool, uri: str) -> dict:

@@ -227,6 +227,37 @@ def test_the_hub_source_has_its_own_section_and_old_keys_still_read():
             load_config("micro", [bad])
 
 
+def test_each_evaluation_owns_its_section_and_the_flat_keys_of_old_configs_still_read():
+    """eval.<name>.<field> is the evaluation's own Settings (gptcore/evals registers the types): typed,
+    checked, written whole into a saved config; the flat eval.* keys of earlier configs land in the sections."""
+    import gptcore.evals  # noqa: F401 -- registers the evaluations' sections (a data stage's process need not)
+
+    cfg = load_config("gpt2-124m", {"eval": {"hellaswag": {"limit": "50"}, "harness": {"dtype": "autocast"}}})
+    assert (cfg.eval.options("hellaswag").limit, cfg.eval.options("harness").dtype) == (50, "autocast")
+    assert cfg.eval.options("harness").task_list[:2] == ["arc_easy", "arc_challenge"]  # the preset's
+    saved = cfg.to_dict()["eval"]
+    assert saved["hellaswag"] == {"enabled": True, "interval": 1000, "path": "", "limit": 50,
+                                  "exclude_contaminated": False} and saved["contamination"] == {"ngram": 13}
+    old = {"preset": "micro", "eval": {"eval_interval": 10, "hellaswag": True, "hellaswag_limit": 7,
+                                       "hellaswag_interval": 3, "exclude_contaminated": True,
+                                       "harness_tasks": "piqa", "harness_limit": 4, "harness_dtype": "autocast",
+                                       "contamination_ngram": 8}}
+    e = from_dict(old).validate().eval
+    assert (e.options("hellaswag").enabled, e.options("hellaswag").limit, e.options("hellaswag").interval) == \
+        (True, 7, 3)
+    assert e.options("hellaswag").exclude_contaminated and e.options("contamination").ngram == 8
+    assert (e.options("harness").task_list, e.options("harness").limit, e.options("harness").dtype) == \
+        (["piqa"], 4, "autocast")
+    assert load_config("micro", ["eval.hellaswag_path=/x.jsonl"]).eval.options("hellaswag").path == "/x.jsonl"
+    for bad, message in (("eval.hellaswag.limit=-1", "eval.hellaswag.interval and eval.hellaswag.limit must be"),
+                         ("eval.contamination.ngram=-2", "eval.contamination.ngram must be >= 0"),
+                         ("eval.harness.tasks.x=1", "eval.<name>.<field>"),
+                         ("eval.hellaswagg.limit=1", "no evaluation named 'hellaswagg'"),
+                         ("eval.limit=1", r"eval.<evaluation>.<field> for \['contamination', 'harness', 'hellaswag'")):
+        with pytest.raises(ConfigError, match=message):
+            load_config("micro", [bad])
+
+
 def test_an_evaluations_validation_part_depends_on_the_tokens_it_covers():
     """eval.json's "val" settings: the tokens the validation loss covers, so the trainer's own evaluation
     (micro_batch=auto replaced by its choice, e.g. 16) and the flow's (auto read as micro_batch_max, 64)
@@ -278,7 +309,7 @@ def test_the_flows_resolved_config_is_what_the_trainer_loads():
     from gptcore.config import as_config
     from tasks.train import launch_config
 
-    cfg = load_config("tiny-cpu", {"train.max_steps": 70, "optim.max_lr": 1e-3, "eval.harness_tasks": "arc_easy",
+    cfg = load_config("tiny-cpu", {"train.max_steps": 70, "optim.max_lr": 1e-3, "eval.harness.tasks": "arc_easy",
                                    "train.run_name": "handoff"})
     with launch_config(cfg) as path:
         loaded = load_config(str(path), world_size=1)

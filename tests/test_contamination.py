@@ -79,14 +79,15 @@ def test_the_evaluate_command_reports_it_for_the_checkpoints_dataset(tmp_path):
     ckpt = checkpoint.save_checkpoint(tmp_path / "run", 3, GPT(cfg.model), {"optimizer": {}},
                                       {"config": cfg.to_dict(), "run_name": "cont"}, keep_last=2)
     r = subprocess.run([sys.executable, "-m", "gptcore.evals.evaluate", str(ckpt), "--hellaswag", str(FIXTURE),
-                        "--contamination", "13", "--set", "eval.exclude_contaminated=true", "--device", "cpu"],
+                        "--contamination", "13", "--set", "eval.hellaswag.exclude_contaminated=true",
+                        "--device", "cpu"],
                        capture_output=True, text=True, timeout=300,
                        cwd=Path(__file__).resolve().parents[1])
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout)
     assert out["contamination"] == {"hellaswag": {"n": 13, "examples": 7, "contaminated": 1, "share": 1 / 7}}
     assert out["hellaswag"]["n"] == 7
-    # eval.exclude_contaminated: HellaSwag on its clean examples too (example 6 left out)
+    # eval.hellaswag.exclude_contaminated: HellaSwag on its clean examples too (example 6 left out)
     assert out["hellaswag"]["clean_n"] == 6 and 0 <= out["hellaswag"]["clean_acc"] <= 1
     assert "clean_acc_norm_stderr" in out["hellaswag"]
 
@@ -128,8 +129,8 @@ def test_harness_task_documents_are_scanned_in_the_same_pass(tmp_path, monkeypat
     docs = task_documents(["distinct"], str(folder))["distinct"]
     assert len(docs) == 8 and all(len(d) >= 18 for d in docs)
     d = dataset(tmp_path / "ds", [np.array(docs[5][2:18])], val_plant=np.array(docs[1]))
-    cfg = load_config("micro", [f"data.dataset_dir={d}", "eval.hellaswag=false", "eval.contamination_ngram=13",
-                                "eval.harness_tasks=distinct,no_such_task", f"eval.harness_include_path={folder}"])
+    cfg = load_config("micro", [f"data.dataset_dir={d}", "eval.hellaswag.enabled=false", "eval.contamination.ngram=13",
+                                "eval.harness.tasks=distinct,no_such_task", f"eval.harness.include_path={folder}"])
     torch.manual_seed(0)
     out = evaluate_model(GPT(cfg.model), cfg, "cpu", only=["contamination"])["contamination"]
     assert out["harness"]["distinct"] == {"n": 13, "examples": 8, "contaminated": 1, "share": 1 / 8}

@@ -38,8 +38,8 @@ pytestmark = pytest.mark.slow
 STEPS = 14
 HELLASWAG = Path(__file__).parent / "fixtures" / "hellaswag_mini.jsonl"
 # the GPU job's cadence, compressed: evaluation and HellaSwag at every checkpoint step, and at the end
-EVALS = ["eval.eval_interval=4", "eval.hellaswag=true", "eval.hellaswag_interval=4",
-         f"eval.hellaswag_path={HELLASWAG}", "eval.sample_interval=4", "eval.sample_tokens=4"]
+EVALS = ["eval.eval_interval=4", "eval.hellaswag.enabled=true", "eval.hellaswag.interval=4",
+         f"eval.hellaswag.path={HELLASWAG}", "eval.sample_interval=4", "eval.sample_tokens=4"]
 
 
 def args(ds, run, *extra):
@@ -159,7 +159,7 @@ def test_the_compiled_job_with_evaluation_trains_and_evaluates_like_eager(ds, re
 
     run = tmp_path / "compiled"
     tasks = toy_task(tmp_path / "tasks", n=8)
-    harness = ["eval.harness_tasks=toy_choice", f"eval.harness_include_path={tasks}", "eval.harness_interval=8"]
+    harness = ["eval.harness.tasks=toy_choice", f"eval.harness.include_path={tasks}", "eval.harness.interval=8"]
     proc = start(torchrun_cmd(args(ds, run, *EVALS, *harness, "train.compile=true")), tmp_path, tmp_path / "log",
                  GPTPIPE_CODE_ROOTS=str(tasks))  # the operator's root for task folders
     assert proc.wait(timeout=900) == 0, (tmp_path / "log").read_text()[-3000:]

@@ -27,8 +27,8 @@ from tasks.evaluate import evaluate_dir, missing_parts
 FIXTURE = Path(__file__).parent / "fixtures" / "hellaswag_mini.jsonl"
 REPO = Path(__file__).resolve().parent.parent
 # micro: B=4, T=32 -> 128 tokens per batch; 5 batches of validation
-OVERRIDES = ["data.dataset_name=evaltest", "eval.val_tokens=640", f"eval.hellaswag_path={FIXTURE}",
-             "eval.hellaswag=true"]
+OVERRIDES = ["data.dataset_name=evaltest", "eval.val_tokens=640", f"eval.hellaswag.path={FIXTURE}",
+             "eval.hellaswag.enabled=true"]
 
 
 @pytest.fixture(autouse=True)
@@ -214,7 +214,7 @@ def test_evaluate_stage_writes_eval_json_once(tmp_path):
     assert evaluate_dir(str(run_dir), device="cpu") == result
     weights.with_suffix(".moved").rename(weights)
     # different settings -> evaluated again
-    cfg = load_config("micro", OVERRIDES + ["eval.hellaswag_limit=3"])
+    cfg = load_config("micro", OVERRIDES + ["eval.hellaswag.limit=3"])
     again = evaluate_dir(str(out.parent), cfg.to_dict(), device="cpu")
     assert again["hellaswag"]["n"] == 3 and json.loads(out.read_text())["hellaswag"]["n"] == 3
 
@@ -226,11 +226,11 @@ def test_evaluate_stage_reports_unreachable_hellaswag(tmp_path, monkeypatch):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     monkeypatch.setenv(hellaswag.URL_ENV, f"http://127.0.0.1:{port}/x.jsonl")
-    cfg = load_config("micro", [o for o in OVERRIDES if "hellaswag_path" not in o])
+    cfg = load_config("micro", [o for o in OVERRIDES if "hellaswag.path" not in o])
     result = evaluate_dir(str(run_dir), cfg.to_dict(), device="cpu")
     assert "cannot download" in result["hellaswag"]["skipped"] and "val_loss" in result
     # the skip counts as done, for the flow and the task alike (a re-run stays a no-op) ...
-    cfg.eval.hellaswag_path = str(FIXTURE)
+    cfg.eval.sections.setdefault("hellaswag", {})["path"] = str(FIXTURE)
     assert missing_parts(run_dir / "checkpoints" / "step_00000005", cfg) == []
     assert "skipped" in evaluate_dir(str(run_dir), cfg.to_dict(), device="cpu")["hellaswag"]
     # ... until asked to score it again, once its dataset is available; the validation loss is kept

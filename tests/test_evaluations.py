@@ -43,7 +43,7 @@ def toy():
 
 
 def test_a_new_evaluation_reaches_eval_json_the_logged_model_and_the_leaderboard(toy, mlflow_server, tmp_path):
-    cfg = load_config("micro", ["train.run_name=toy", "eval.hellaswag=false"])
+    cfg = load_config("micro", ["train.run_name=toy", "eval.hellaswag.enabled=false"])
     torch.manual_seed(0)
     model = GPT(cfg.model)
     with torch.no_grad():
@@ -96,7 +96,7 @@ def test_contamination_scans_every_evaluations_documents(tmp_path):
     rng = np.random.default_rng(7)
     inside, outside = [int(t) for t in rng.integers(0, 50000, 20)], [int(t) for t in rng.integers(0, 50000, 20)]
     d = dataset(tmp_path / "ds", [np.array(inside)], val_plant=np.array(outside[:5]))
-    cfg = load_config("micro", ["eval.hellaswag=false", "eval.contamination_ngram=13"])
+    cfg = load_config("micro", ["eval.hellaswag.enabled=false", "eval.contamination.ngram=13"])
     toy = evals.register(Planted([inside, outside]))
     try:
         contamination = Contamination()

@@ -66,8 +66,8 @@ def test_end_to_end_then_rerun_is_a_no_op(prefect_stack):
     # its own dataset (no other test builds it, so every stage runs whatever ran before) and a learning rate
     # at which 8 steps of the micro model learn well beyond noise
     # lm-evaluation-harness's own arc_easy task, its dataset served by the hub stand-in (tests/prefect_stack.py)
-    params = micro("e2e", 8, **{"eval.hellaswag": True, "eval.hellaswag_path": str(HELLASWAG),
-                                "eval.harness_tasks": "arc_easy", "eval.harness_limit": 8,
+    params = micro("e2e", 8, **{"eval.hellaswag.enabled": True, "eval.hellaswag.path": str(HELLASWAG),
+                                "eval.harness.tasks": "arc_easy", "eval.harness.limit": 8,
                                 "data.dataset_name": "micro-e2e", "optim.max_lr": 1e-2, "optim.min_lr": 1e-3})
     fr = run_deployment_and_wait(params)
     assert fr.state.is_completed(), fr.state.message
@@ -75,7 +75,7 @@ def test_end_to_end_then_rerun_is_a_no_op(prefect_stack):
     summary = {r["key"]: json.loads(r["value"]) for r in arts["pretrain-summary"]}
     assert summary["step"] == 8 and summary["done"] is True
     # the trainer evaluated its last checkpoint (val + HellaSwag); the stage added only the harness tasks,
-    # which the trainer does not run (eval.harness_interval=0), as their own task run
+    # which the trainer does not run (eval.harness.interval=0), as their own task run
     assert summary["stages"] == {"data": "ran", "train": "ran", "evaluate": "ran", "register": "ran",
                                  "sample": "ran"}
     evaluation = json.loads((Path(summary["checkpoint"]) / "eval.json").read_text())
@@ -168,7 +168,7 @@ def test_end_to_end_then_rerun_is_a_no_op(prefect_stack):
 
 
 def test_a_rerun_that_adds_an_evaluation_brings_its_scores_to_the_model(prefect_stack):
-    """A finished run, run again with eval.harness_tasks added: the evaluate stage scores the harness task,
+    """A finished run, run again with eval.harness.tasks added: the evaluate stage scores the harness task,
     and the register stage runs (the version holds the checkpoint but its logged model lacks those metrics),
     so the scores reach the logged model and the leaderboard. It used to skip register ("holds this
     checkpoint") and the scores never left eval.json."""
@@ -177,7 +177,7 @@ def test_a_rerun_that_adds_an_evaluation_brings_its_scores_to_the_model(prefect_
     params = micro("addeval", 4)
     fr = run_deployment_and_wait(params)
     assert fr.state.is_completed(), fr.state.message
-    params["overrides"].update({"eval.harness_tasks": "arc_easy", "eval.harness_limit": 8})
+    params["overrides"].update({"eval.harness.tasks": "arc_easy", "eval.harness.limit": 8})
     fr2 = run_deployment_and_wait(params)
     assert fr2.state.is_completed(), fr2.state.message
     arts = artifacts(fr2.id)

@@ -339,8 +339,8 @@ def test_a_hellaswag_file_that_is_not_utf8_skips_the_benchmark_not_the_run(ds, t
     bad = tmp_path / "hellaswag_val.jsonl"
     bad.write_bytes(b'{"ctx": "a\xff", "endings": ["a", "b", "c", "d"], "label": 0}\n')
     run = tmp_path / "run"
-    proc = run_proc(python_cmd(args(ds, run, "train.max_steps=4", "eval.hellaswag=true",
-                                    f"eval.hellaswag_path={bad}")), tmp_path)
+    proc = run_proc(python_cmd(args(ds, run, "train.max_steps=4", "eval.hellaswag.enabled=true",
+                                    f"eval.hellaswag.path={bad}")), tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "hellaswag evaluation skipped" in proc.stdout.lower() and "not UTF-8" in proc.stdout
     assert (run / "DONE").is_file() and "Traceback" not in proc.stderr

@@ -134,7 +134,7 @@ metric_list:
   - metric: acc
 """)
     got = run_tasks(ours.model, ["gone"], "cpu", include_path=str(folder))
-    assert "could not be loaded" in got["gone"]["skipped"] and "eval.harness_include_path" in got["gone"]["skipped"]
+    assert "could not be loaded" in got["gone"]["skipped"] and "eval.harness.include_path" in got["gone"]["skipped"]
 
 
 def test_the_evaluate_command_scores_a_checkpoint_on_harness_tasks(tmp_path):
@@ -173,7 +173,7 @@ def evil_task(folder, marker):
 
 
 def test_task_code_loads_only_from_an_allowed_root(tmp_path, monkeypatch):
-    """eval.harness_include_path names a folder whose task YAMLs can run Python, so it must resolve (symlinks
+    """eval.harness.include_path names a folder whose task YAMLs can run Python, so it must resolve (symlinks
     followed) under a root the operator lists in GPTPIPE_CODE_ROOTS: outside it the evaluate command exits
     2 naming the setting, the path and the fix, and the task's code never runs: given on the command line
     or recorded in a checkpoint's (a registered version's) meta.json. Inside it, the same folder runs."""
@@ -190,7 +190,7 @@ def test_task_code_loads_only_from_an_allowed_root(tmp_path, monkeypatch):
     allowed = tmp_path / "allowed"
     allowed.mkdir()
     (allowed / "link").symlink_to(folder)  # inside the root by name, outside once resolved
-    cfg = load_config("micro", ["train.run_name=evil", f"eval.harness_include_path={folder}"])  # allowed now
+    cfg = load_config("micro", ["train.run_name=evil", f"eval.harness.include_path={folder}"])  # allowed now
     ckpt = checkpoint.save_checkpoint(tmp_path / "run", 5, model(), {"optimizer": {}},
                                       {"config": cfg.to_dict(), "run_name": "evil"}, keep_last=3)
 
@@ -203,22 +203,22 @@ def test_task_code_loads_only_from_an_allowed_root(tmp_path, monkeypatch):
     for extra in (["--include-path", str(folder)], []):  # given, or taken from the checkpoint's meta.json
         r = evaluate(allowed, *extra)
         assert r.returncode == 2, r.stderr[-3000:]
-        assert f"eval.harness_include_path={str(folder)!r} (resolved: {folder}) is outside the folders allowed " \
+        assert f"eval.harness.include_path={str(folder)!r} (resolved: {folder}) is outside the folders allowed " \
                f"to hold task code ({CODE_ROOTS}: {allowed})" in r.stderr, r.stderr[-3000:]
         assert "Fix: put the task folder under an allowed root" in r.stderr
         assert not marker.exists()
     monkeypatch.setenv(CODE_ROOTS, str(allowed))
     for where in (folder, allowed / "link", allowed / ".." / "outside" / "tasks"):
         with pytest.raises(ConfigError, match=r"is outside the folders allowed to hold task code"):
-            check_code_path("eval.harness_include_path", str(where))
+            check_code_path("eval.harness.include_path", str(where))
         with pytest.raises(ConfigError, match=r"is outside the folders allowed"):  # the harness checks too
             run_tasks(model(), ["evil"], "cpu", include_path=str(where))
     monkeypatch.delenv(CODE_ROOTS)  # unset: no folder at all
     with pytest.raises(ConfigError, match=rf"\({CODE_ROOTS}: unset\)"):
-        load_config("micro", [f"eval.harness_include_path={allowed}"])
+        load_config("micro", [f"eval.harness.include_path={allowed}"])
     monkeypatch.setenv(CODE_ROOTS, "relative/tasks")
     with pytest.raises(ConfigError, match=rf"{CODE_ROOTS} entry 'relative/tasks' is not an absolute path"):
-        load_config("micro", [f"eval.harness_include_path={allowed}"])
+        load_config("micro", [f"eval.harness.include_path={allowed}"])
     assert not marker.exists()
 
     # the operator's root: the very same folder loads, and its code runs (so the refusals above mattered)
@@ -227,15 +227,15 @@ def test_task_code_loads_only_from_an_allowed_root(tmp_path, monkeypatch):
     assert marker.read_text() == "ran" and json.loads(r.stdout)["harness"]["evil"]["n"] == 4
 
 
-# --- eval.harness_dtype: the precision harness log-likelihoods are scored in ---------------------------
+# --- eval.harness.dtype: the precision harness log-likelihoods are scored in ---------------------------
 
 def test_the_config_rejects_an_unknown_harness_dtype():
     from gptcore.config import ConfigError, load_config
 
-    assert load_config("micro").eval.harness_dtype == "float32"
-    assert load_config("micro", ["eval.harness_dtype=autocast"]).eval.harness_dtype == "autocast"
-    with pytest.raises(ConfigError, match=r"eval\.harness_dtype='bf16'; use float32 .* or autocast"):
-        load_config("micro", ["eval.harness_dtype=bf16"])
+    assert load_config("micro").eval.options("harness").dtype == "float32"
+    assert load_config("micro", ["eval.harness.dtype=autocast"]).eval.options("harness").dtype == "autocast"
+    with pytest.raises(ConfigError, match=r"eval\.harness\.dtype='bf16'; use float32 .* or autocast"):
+        load_config("micro", ["eval.harness.dtype=bf16"])
 
 
 def plain_fp32_scores(gpt: GPT, pairs: list[tuple[list[int], list[int]]]) -> list[float]:
@@ -265,7 +265,7 @@ def test_harness_scores_are_fp32_by_default_whatever_autocast_the_caller_passes(
     moved = [s for s, _ in GPTHarness(gpt, "cpu", bf16, dtype="autocast").loglikelihood(
         requests("loglikelihood", texts))]
     assert max(abs(a - b) for a, b in zip(moved, want, strict=True)) > 1e-3
-    with pytest.raises(ValueError, match="eval.harness_dtype='bf16'"):
+    with pytest.raises(ValueError, match="eval.harness.dtype='bf16'"):
         GPTHarness(gpt, "cpu", dtype="bf16")
 
 
@@ -275,7 +275,7 @@ def test_the_harness_evaluation_records_its_dtype_and_passes_it_on(monkeypatch):
     from gptcore.evals.harness import Harness
     from gptcore.evals.scorers import harness
 
-    cfg = load_config("micro", ["eval.harness_tasks=toy_choice", "eval.harness_dtype=autocast"])
+    cfg = load_config("micro", ["eval.harness.tasks=toy_choice", "eval.harness.dtype=autocast"])
     assert Harness().settings(cfg)["dtype"] == "autocast"  # eval.json: fp32 and autocast results never mixed
     seen = {}
     monkeypatch.setattr(harness, "run_tasks", lambda *a, **kw: seen.update(kw) or {})

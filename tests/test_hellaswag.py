@@ -70,7 +70,7 @@ def test_malformed_jsonl_error_names_the_line(tmp_path, mutate, line, words):
 
 
 def test_missing_file_error_says_what_to_do(tmp_path):
-    with pytest.raises(hellaswag.HellaSwagError, match="eval.hellaswag_path"):
+    with pytest.raises(hellaswag.HellaSwagError, match="eval.hellaswag.path"):
         hellaswag.read_records(tmp_path / "nope.jsonl")
 
 
@@ -159,14 +159,14 @@ def test_fetch_unreachable_returns_none_with_reason(home, monkeypatch):
     monkeypatch.setenv(hellaswag.URL_ENV, f"http://127.0.0.1:{port}/hellaswag_val.jsonl")
     path, reason = hellaswag.fetch(load_config("micro"))
     assert path is None and f"127.0.0.1:{port}" in reason
-    assert "cannot download" in reason and "eval.hellaswag_path" in reason
+    assert "cannot download" in reason and "eval.hellaswag.path" in reason
 
 
 def test_fetch_local_path(home, tmp_path, monkeypatch):
     monkeypatch.setenv(hellaswag.URL_ENV, "http://127.0.0.1:9/never-used")
-    cfg = load_config("micro", [f"eval.hellaswag_path={FIXTURE}"])
+    cfg = load_config("micro", [f"eval.hellaswag.path={FIXTURE}"])
     assert hellaswag.fetch(cfg) == (FIXTURE, "")
-    cfg = load_config("micro", [f"eval.hellaswag_path={tmp_path / 'missing.jsonl'}"])
+    cfg = load_config("micro", [f"eval.hellaswag.path={tmp_path / 'missing.jsonl'}"])
     path, reason = hellaswag.fetch(cfg)
     assert path is None and "missing.jsonl does not exist" in reason
 

@@ -58,6 +58,7 @@ def test_register_versions_tags_aliases_idempotent(mlflow_server, ckpts, monkeyp
     r1 = register.register_checkpoint(a, tracking_uri=uri, flow_run_id="flow-1", hf=True)
     assert (r1["name"], r1["version"], r1["created"]) == ("micro", "1", True)
     assert r1["aliases"] == ["best", "latest"]
+    assert r1["headline"] == {"hellaswag/acc_norm": "0.2600"}  # each evaluation's headline (no stderr recorded)
     meta = run_files.read_meta(a)
     mv = mlc.get_model_version("micro", "1")
     assert mv.tags["step"] == "5"  # identity stays a tag; measurements are metrics of the logged model
@@ -312,7 +313,9 @@ def test_models_compare_by_their_metrics_and_the_leaderboard(mlflow_server, tmp_
     assert register.register_checkpoint(tie, model_name="board", tracking_uri=uri, hf=False)["aliases"] == ["latest"]
 
     board = leaderboard.leaderboard("board", uri)
-    assert list(board["version"]) == [1, 2, 3] and list(board.columns) == leaderboard.COLUMNS
+    assert list(board["version"]) == [1, 2, 3]
+    assert list(board.columns) == [*leaderboard.FIRST, "hellaswag_acc_norm", "hellaswag_acc_norm_stderr",
+                                   "hellaswag_acc_norm_vs_best", "hellaswag_acc", *leaderboard.LAST]
     assert list(board["val_loss"]) == [7.5, 7.25, 7.25] and list(board["step"]) == [10, 20, 30]
     assert list(board["aliases"]) == ["", "best", "latest"]
     assert board.loc[0, "hellaswag_acc"] == 0.3 and pd.isna(board.loc[1, "hellaswag_acc"])

@@ -306,3 +306,54 @@ def test_auto_dtype_uses_bf16_only_where_the_gpu_has_it_natively(monkeypatch):
     assert select_dtype("auto", cuda) == torch.bfloat16  # native
     assert select_dtype("auto", cpu) == torch.float32
     assert select_dtype("bfloat16", cpu) == torch.bfloat16
+
+
+def test_an_evaluation_with_its_own_switch_interval_and_settings_is_one_class_and_one_line(ds, tmp_path):
+    """Adding an evaluation with its own settings is one module and one registry line: this one, defined
+    and registered here, gets its config section (eval.scaled.*: switch, interval, a setting of its own),
+    typed and checked, off by default; switched on, the trainer runs it at its own interval with its
+    setting, and the run's config.json keeps the section."""
+    from dataclasses import dataclass
+
+    from gptcore import evals
+    from gptcore.config import ConfigError, from_dict
+
+    @dataclass
+    class ScaledSettings:
+        enabled: bool = False
+        interval: int = 0
+        scale: float = 1.0
+
+    class Scaled(evals.Evaluation):
+        name = "scaled"
+        Settings = ScaledSettings
+
+        def settings(self, cfg) -> dict:
+            return {"scale": self.options(cfg).scale}
+
+        def run(self, ctx: evals.Context) -> dict:
+            return {"score": self.options(ctx.cfg).scale * 2}
+
+    with pytest.raises(ConfigError, match="no evaluation named 'scaled'"):
+        load_config("micro", ["eval.scaled.enabled=true"])
+    evals.register(Scaled())
+    try:
+        assert "scaled" not in [ev.name for ev in evals.enabled(load_config("micro"))]  # off by default
+        for bad, message in (("eval.scaled.scale=big", "eval.scaled.scale='big' is not a valid float"),
+                             ("eval.scaled.colour=red", r"unknown config key 'eval.scaled.colour'; eval.scaled has")):
+            with pytest.raises(ConfigError, match=message):
+                load_config("micro", [bad])
+        on = ["eval.scaled.enabled=true", "eval.scaled.interval=4", "eval.scaled.scale=2.5"]
+        run = tmp_path / "scaled"
+        assert main(args(ds, run, "eval.eval_interval=2", *on)) == 0
+        saved = json.loads((run / "config.json").read_text())
+        assert saved["eval"]["scaled"] == {"enabled": True, "interval": 4, "scale": 2.5}
+        assert from_dict(saved).eval.options("scaled").scale == 2.5
+        rows = {r["step"]: r for r in read_metrics(run / "metrics.jsonl", "eval")}
+        assert sorted(rows) == [2, 4, 6] and "scaled/score" not in rows[2]  # its own interval: 4, and the end
+        assert rows[4]["scaled/score"] == rows[6]["scaled/score"] == 5.0
+        stored = json.loads((R.step_dir(run, 4) / R.EVAL_FILE).read_text())
+        assert stored["scaled"] == {"score": 5.0} and stored["settings"]["evaluations"]["scaled"] == {"scale": 2.5}
+    finally:
+        evals.unregister("scaled")
+    assert "scaled" not in load_config("micro").to_dict()["eval"]

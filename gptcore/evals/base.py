@@ -1,5 +1,5 @@
-"""What every evaluation is: `Evaluation` (its name, settings, cadence, how it runs across ranks, its
-documents, its one-line summary) and the `Context` it runs with; `score` runs one on every rank; the
+"""What every evaluation is: `Evaluation` (its name, its config section, settings, cadence, how it runs
+across ranks, its documents, its one-line summary) and the `Context` it runs with; `score` runs one on every rank; the
 registry (EVALUATIONS), which gptcore/evals/__init__.py fills. eval.json's bookkeeping is record.py."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gptcore.config import RunConfig
+from gptcore.config import RunConfig, eval_section
 
 if TYPE_CHECKING:
     import torch
@@ -28,11 +28,24 @@ class Context:
     cache: dict = field(default_factory=dict)  # what `prepare` loaded; the trainer keeps it across steps
 
 
+@dataclass
+class NoSettings:
+    """An evaluation with no settings of its own."""
+
+
 class Evaluation:
     name = ""
+    # Its config section, eval.<name>.<field>: a dataclass of its own settings with their defaults (and an
+    # optional validate() raising ConfigError). Fields named `enabled` and `interval` are its switch and its
+    # cadence during training unless it says otherwise (below).
+    Settings: type = NoSettings
+
+    def options(self, cfg: RunConfig):
+        """Its settings in this config (a Settings instance)."""
+        return cfg.eval.options(self.name)
 
     def enabled(self, cfg: RunConfig) -> bool:
-        return True
+        return getattr(self.options(cfg), "enabled", True)
 
     def settings(self, cfg: RunConfig) -> dict:
         """What its numbers depend on besides the weights."""
@@ -41,7 +54,7 @@ class Evaluation:
     def interval(self, cfg: RunConfig) -> int | None:
         """During training: every N steps (at an eval step) and at the end; 0 = only at the end; None =
         never (the flow's evaluate stage and `python -m gptcore.evals.evaluate` run it)."""
-        return None
+        return getattr(self.options(cfg), "interval", None)
 
     def prepare(self, ctx: Context) -> None:
         """Every rank, before `share`: load what it needs into ctx.cache (collectives allowed)."""
@@ -110,11 +123,13 @@ def register(evaluation: Evaluation) -> Evaluation:
     if not evaluation.name or evaluation.name in EVALUATIONS or "/" in evaluation.name:
         raise ValueError(f"an evaluation needs a new name without '/', got {evaluation.name!r}")
     EVALUATIONS[evaluation.name] = evaluation
+    eval_section(evaluation.name, evaluation.Settings)  # eval.<name>.* is now a known, typed section
     return evaluation
 
 
 def unregister(name: str) -> None:
     EVALUATIONS.pop(name, None)
+    eval_section(name, None)
 
 
 def enabled(cfg: RunConfig) -> list[Evaluation]:

@@ -113,15 +113,15 @@ def cli_overrides(args: argparse.Namespace) -> list[str]:
     """The command line's evaluation flags as config overrides (they win over the checkpoint's config).
     Harness tasks and the contamination scan run when asked for here (they fetch datasets and scan shards:
     the flow's evaluate stage runs the config's), HellaSwag unless --no-hellaswag."""
-    out = [f"eval.hellaswag={not args.no_hellaswag}", f"eval.hellaswag_limit={args.limit}",
-           f"eval.harness_tasks={'' if args.tasks in (None, 'none') else args.tasks}",
-           f"eval.contamination_ngram={args.contamination or 0}"]
+    out = [f"eval.hellaswag.enabled={not args.no_hellaswag}", f"eval.hellaswag.limit={args.limit}",
+           f"eval.harness.tasks={'' if args.tasks in (None, 'none') else args.tasks}",
+           f"eval.contamination.ngram={args.contamination or 0}"]
     if args.hellaswag:
-        out.append(f"eval.hellaswag_path={args.hellaswag}")
+        out.append(f"eval.hellaswag.path={args.hellaswag}")
     if args.include_path:
-        out.append(f"eval.harness_include_path={args.include_path}")
+        out.append(f"eval.harness.include_path={args.include_path}")
     if args.harness_limit is not None:
-        out.append(f"eval.harness_limit={args.harness_limit}")
+        out.append(f"eval.harness.limit={args.harness_limit}")
     return out
 
 
@@ -143,9 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--label", help="name the target by this in the output (e.g. the model URI it came from)")
     p.add_argument("--tasks", help="lm-evaluation-harness tasks, comma-separated, e.g. arc_easy,piqa (default: "
-                   "none; the flow's evaluate stage runs the config's eval.harness_tasks)")
+                   "none; the flow's evaluate stage runs the config's eval.harness.tasks)")
     p.add_argument("--include-path", metavar="DIR", help="a folder of your own harness task YAMLs")
-    p.add_argument("--harness-limit", type=int, help="examples per harness task (default: eval.harness_limit)")
+    p.add_argument("--harness-limit", type=int, help="examples per harness task (default: eval.harness.limit)")
     p.add_argument("--contamination", type=int, metavar="N", help="report HellaSwag examples sharing an N-token "
                    "n-gram with the training shards, e.g. 13 (default: off)")
     args = p.parse_args(argv)

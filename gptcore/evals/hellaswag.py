@@ -1,30 +1,43 @@
 """HellaSwag as an evaluation (gptcore/evals/scorers/hellaswag.py scores it): acc and acc_norm with their binomial
 standard errors, the examples split across ranks. A dataset that cannot be had is a skip, with the fix.
-During training: every eval.hellaswag_interval steps (0 = at the end only)."""
+Its settings: eval.hellaswag.* (below). During training: every eval.hellaswag.interval steps (0 = at the
+end only)."""
 
 from __future__ import annotations
 
 # lazy imports: the registry is read by the flow's no-op re-run, which must not import torch
 import logging
+from dataclasses import dataclass
 
+from gptcore.config import ConfigError
 from gptcore.evals.base import Context, Evaluation
 
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class HellaSwagSettings:
+    enabled: bool = True
+    interval: int = 1000  # steps between HellaSwag evaluations (at an eval step); 0 = only at the end
+    path: str = ""  # a local hellaswag_val.jsonl (air-gapped); "" = download into the cache
+    limit: int = 0  # 0 = all 10,042 examples
+    # also scored on its clean examples only: those sharing no eval.contamination.ngram-gram with the shards
+    exclude_contaminated: bool = False
+
+    def validate(self) -> None:
+        if self.interval < 0 or self.limit < 0:
+            raise ConfigError(f"eval.hellaswag.interval and eval.hellaswag.limit must be >= 0, got "
+                              f"{self.interval} and {self.limit}")
+
+
 class HellaSwag(Evaluation):
     name = "hellaswag"
+    Settings = HellaSwagSettings
     headline = "acc_norm"  # build-nanogpt's and GPT-2's reported number
 
-    def enabled(self, cfg) -> bool:
-        return cfg.eval.hellaswag
-
     def settings(self, cfg) -> dict:
-        clean = cfg.eval.exclude_contaminated and cfg.eval.contamination_ngram > 0
-        return {"limit": cfg.eval.hellaswag_limit, **({"clean_ngram": cfg.eval.contamination_ngram} if clean else {})}
-
-    def interval(self, cfg) -> int:
-        return cfg.eval.hellaswag_interval
+        ngram = clean_ngram(cfg)
+        return {"limit": self.options(cfg).limit, **({"clean_ngram": ngram} if ngram else {})}
 
     def prepare(self, ctx: Context) -> None:
         examples(ctx)
@@ -70,8 +83,8 @@ class HellaSwag(Evaluation):
         the manifest after the first)."""
         from gptcore.evals.overlap import hellaswag_report
 
-        e = ctx.cfg.eval
-        key = ("hellaswag-clean", e.hellaswag_path, e.hellaswag_limit, e.contamination_ngram)  # as `examples`
+        o = ctx.cfg.eval.options("hellaswag")
+        key = ("hellaswag-clean", o.path, o.limit, clean_ngram(ctx.cfg))  # as `examples`
         if key not in ctx.cache:
             report = hellaswag_report(ctx, found)
             dirty = set(report["ids"]) if report is not None else set()
@@ -85,12 +98,18 @@ def examples(ctx: Context) -> tuple[list | None, str]:
     HellaSwagError on every rank alike (the trainer turns it into a skip: a benchmark never stops a run)."""
     from gptcore.evals.scorers import hellaswag as hs
 
-    cfg = ctx.cfg
-    key = ("hellaswag", cfg.eval.hellaswag_path, cfg.eval.hellaswag_limit)
+    o = ctx.cfg.eval.options("hellaswag")
+    key = ("hellaswag", o.path, o.limit)
     if key not in ctx.cache:
-        found, why = hs.shared_examples(cfg, cfg.eval.hellaswag_path or None, cfg.eval.hellaswag_limit,
-                                        master=ctx.rank == 0)
+        found, why = hs.shared_examples(ctx.cfg, o.path or None, o.limit, master=ctx.rank == 0)
         if found is None:
             log.warning("HellaSwag evaluation skipped: %s", why)
         ctx.cache[key] = (found, why)
     return ctx.cache[key]
+
+
+def clean_ngram(cfg) -> int:
+    """The n-gram the clean examples are judged by: the contamination scan's, when eval.hellaswag asks for
+    clean scores and the scan is on; 0 = no clean scores."""
+    wanted = cfg.eval.options("hellaswag").exclude_contaminated
+    return cfg.eval.options("contamination").ngram if wanted else 0

@@ -1,6 +1,6 @@
 """Evaluation documents against the run's training shards: the n-gram overlap scan
 (gptcore/evals/scorers/contamination.py) as evaluations use it. The Contamination evaluation reports it;
-HellaSwag drops the examples it finds (eval.exclude_contaminated). One scan serves both (cached beside the
+HellaSwag drops the examples it finds (eval.hellaswag.exclude_contaminated). One scan serves both (cached beside the
 manifest)."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def reports(ctx: Context, documents: dict[str, list[list[int]]]) -> dict | None:
     data = training_data(ctx)
     if not (data / "manifest.json").is_file():
         return None
-    return contamination(data, documents, ctx.cfg.eval.contamination_ngram)
+    return contamination(data, documents, ctx.cfg.eval.options("contamination").ngram)
 
 
 def hellaswag_report(ctx: Context, found: list) -> dict | None:

@@ -1,6 +1,6 @@
 """Evaluation during training: validation loss, the registered evaluations that are due (gptcore/evals:
-each at its own interval, e.g. HellaSwag every eval.hellaswag_interval steps, harness tasks every
-eval.harness_interval) and text samples, on the plain model, after the checkpoint of their step, and
+each at its own interval, e.g. HellaSwag every eval.hellaswag.interval steps, harness tasks every
+eval.harness.interval) and text samples, on the plain model, after the checkpoint of their step, and
 never the end of the run.
 
 Evaluation runs eagerly on the GPT inside the DDP / torch.compile wrappers (gptcore.model.gpt.evaluating): no

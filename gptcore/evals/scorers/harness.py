@@ -1,13 +1,13 @@
 """EleutherAI's lm-evaluation-harness on the project's own GPT: the standard benchmark suite, no HF export.
 
-    results = run_tasks(model, ["arc_easy", "piqa"], device, autocast_ctx, dtype=cfg.eval.harness_dtype)
+    results = run_tasks(model, ["arc_easy", "piqa"], device, autocast_ctx, dtype=cfg.eval.options("harness").dtype)
     python -m gptcore.evals.evaluate runs/gpt2-124m --tasks arc_easy,piqa [--include-path DIR]
 
 `GPTHarness` implements the harness's language-model interface through its `TemplateLM` (which turns a
 (context, continuation) pair into tokens exactly as its Hugging Face model class does): log-likelihoods of
 continuations and rolling log-likelihoods of whole documents, scored on the device in batches of similar
 length (gptcore/evals/scorers/harness_scoring.py, which needs no lm-eval), in full fp32 by default or under the
-trainer's autocast (eval.harness_dtype, `scoring_context`). Tasks that generate text are not supported
+trainer's autocast (eval.harness.dtype, `scoring_context`). Tasks that generate text are not supported
 (GPT-2's suite scores choices). A task whose dataset cannot be fetched (offline, a hub outage) is skipped
 with the reason, as HellaSwag is, never a failed evaluation.
 
@@ -29,7 +29,7 @@ from lm_eval.api.task import Task
 from lm_eval.tasks import TaskManager, get_task_dict
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from gptcore.config import HARNESS_DTYPES, check_code_path
+from gptcore.config import check_code_path
 from gptcore.evals.scorers.harness_scoring import BATCH_TOKENS, continuation_scores, scoring_context
 from gptcore.model.gpt import GPT, unwrap
 from gptcore.model.tokenizer import EOT, get_encoding
@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 class GPTHarness(TemplateLM):
     """The harness's model interface over a plain GPT (unwrapped from DDP / torch.compile, in eval mode).
-    `dtype` (eval.harness_dtype): "float32" scores in full fp32 and ignores `autocast_ctx`; "autocast"
+    `dtype` (eval.harness.dtype): "float32" scores in full fp32 and ignores `autocast_ctx`; "autocast"
     scores under `autocast_ctx`."""
 
     def __init__(self, model: torch.nn.Module, device, autocast_ctx=None, batch_tokens: int = BATCH_TOKENS,
@@ -49,12 +49,11 @@ class GPTHarness(TemplateLM):
         self._device = torch.device(device)
         self.autocast_ctx = autocast_ctx
         self.dtype = dtype
-        if dtype not in HARNESS_DTYPES:  # fails here, not after the harness has loaded its tasks
-            raise ValueError(f"eval.harness_dtype={dtype!r}; use {' or '.join(HARNESS_DTYPES)}")
+        scoring_context(dtype)  # a dtype it cannot score in fails here, not after the harness has loaded its tasks
         weights = {p.dtype for p in self.model.parameters()}
         if dtype == "float32" and weights != {torch.float32}:  # fp32 scores need fp32 weights, not a cast copy
-            raise ValueError(f"eval.harness_dtype=float32 scores the model's fp32 weights, but they are "
-                             f"{sorted(map(str, weights))}; load the model in fp32 or use eval.harness_dtype=autocast")
+            raise ValueError(f"eval.harness.dtype=float32 scores the model's fp32 weights, but they are "
+                             f"{sorted(map(str, weights))}; load the model in fp32 or use eval.harness.dtype=autocast")
         self.batch_tokens = batch_tokens
         self.max_length = self.model.config.block_size
         self.encoding = get_encoding()
@@ -73,7 +72,7 @@ class GPTHarness(TemplateLM):
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         """(sum of the continuation's log-probabilities, whether greedy decoding gives it) per request of
         (key, context tokens, continuation tokens): gptcore.evals.scorers.harness_scoring.continuation_scores, in the
-        precision eval.harness_dtype picks."""
+        precision eval.harness.dtype picks."""
         with scoring_context(self.dtype, self.autocast_ctx):
             return continuation_scores(self.model, [(ctx, cont) for _, ctx, cont in requests], self._device,
                                        self.batch_tokens)
@@ -119,7 +118,7 @@ def task_manager(include_path: str | None) -> TaskManager:
     checkpoint's or a registered version's meta.json reaches this point without load_config."""
     if not include_path:
         return TaskManager()
-    check_code_path("eval.harness_include_path", include_path)
+    check_code_path("eval.harness.include_path", include_path)
     return TaskManager(include_path=include_path)
 
 
@@ -127,14 +126,14 @@ def run_tasks(model: torch.nn.Module, tasks: list[str], device, autocast_ctx=Non
               include_path: str | None = None, limit: int | None = None, dtype: str = "float32") -> dict[str, dict]:
     """Score `model` on each of the harness's `tasks` (names it knows, or defined under `include_path`):
     {task: metrics} or {task: {"skipped": reason}} when the task or its data cannot be had. `dtype`:
-    eval.harness_dtype ("float32" ignores `autocast_ctx`)."""
+    eval.harness.dtype ("float32" ignores `autocast_ctx`)."""
     manager = task_manager(include_path)
     lm = GPTHarness(model, device, autocast_ctx, dtype=dtype)
     out: dict[str, dict] = {}
     for task in tasks:  # one at a time: a task that cannot run costs only itself
         if task not in manager.all_tasks:
             out[task] = {"skipped": f"lm-evaluation-harness knows no task {task!r}; check the name "
-                         "(`lm-eval ls tasks`) or pass the folder of its YAML (eval.harness_include_path)"}
+                         "(`lm-eval ls tasks`) or pass the folder of its YAML (eval.harness.include_path)"}
             continue
         try:
             with random_state_kept(device):
@@ -144,7 +143,7 @@ def run_tasks(model: torch.nn.Module, tasks: list[str], device, autocast_ctx=Non
             log.warning("harness task %s skipped: %s", task, e)
             out[task] = {"skipped": f"{type(e).__name__}: {e}. Its dataset could not be loaded: connect to the "
                          "Hugging Face hub (or set HF_ENDPOINT to a mirror), or use a local copy through a task "
-                         "YAML in eval.harness_include_path"}
+                         "YAML in eval.harness.include_path"}
             continue
         out.update(summarize(results or {}))
     return out

@@ -2,10 +2,10 @@
 adapter (gptcore/evals/scorers/harness.py), kept apart from it so that what has no lm-eval (the GPU acceptance image:
 benchmarks/harness_parity.py) scores exactly as the adapter does.
 
-    with scoring_context(cfg.eval.harness_dtype, autocast_ctx):
+    with scoring_context(cfg.eval.options("harness").dtype, autocast_ctx):
         scores = continuation_scores(model, [(context_tokens, continuation_tokens), ...], device)
 
-eval.harness_dtype picks the precision: "float32" scores in full fp32 whatever the caller's autocast (the
+eval.harness.dtype picks the precision: "float32" scores in full fp32 whatever the caller's autocast (the
 scores are then comparable across cards and with Hugging Face's fp32 forward: bf16 autocast moved them by
 up to 0.126 nats on CPU, with greedy flips); "autocast" uses the caller's autocast context (faster on big
 models, scores that depend on the card's precision).
@@ -19,21 +19,20 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 import torch
 import torch.nn.functional as F
 
-from gptcore.config import HARNESS_DTYPES
 from gptcore.model.tokenizer import EOT
 
 BATCH_TOKENS = 4096  # tokens per forward pass (rows x padded length): the logits are 50,257 wide per token
 
 
 def scoring_context(dtype_setting: str, autocast_ctx=None) -> AbstractContextManager:
-    """The context harness log-likelihoods are computed under, from eval.harness_dtype: "float32" = no
+    """The context harness log-likelihoods are computed under, from eval.harness.dtype: "float32" = no
     autocast and full-precision fp32 matmuls (the model's fp32 weights as they are); "autocast" = the
     caller's autocast context (none when the caller has none)."""
     if dtype_setting == "float32":
         return full_fp32()
     if dtype_setting == "autocast":
         return autocast_ctx or nullcontext()
-    raise ValueError(f"eval.harness_dtype={dtype_setting!r}; use {' or '.join(HARNESS_DTYPES)}")
+    raise ValueError(f"eval.harness.dtype={dtype_setting!r}; use float32 or autocast")
 
 
 @contextmanager

@@ -93,14 +93,14 @@ def parse_record(line: str, lineno: int, source: str | Path) -> tuple[str, list[
 def read_records(path: Path, limit: int = 0) -> list[tuple[str, list[str], int]]:
     path = Path(path)
     if not path.is_file():
-        raise HellaSwagError(f"HellaSwag file {path} does not exist; set eval.hellaswag_path to the "
+        raise HellaSwagError(f"HellaSwag file {path} does not exist; set eval.hellaswag.path to the "
                              "hellaswag_val.jsonl file or leave it empty to download it")
     try:
         with open(path, encoding="utf-8") as f:
             return [parse_record(line, i, path) for i, line in enumerate(islice(f, limit or None), start=1)]
     except (OSError, UnicodeDecodeError) as e:  # a benchmark file that cannot be read must not stop a run
         raise HellaSwagError(f"cannot read {path} ({e}); it is corrupt or not UTF-8: delete it to re-download "
-                             "it, or point eval.hellaswag_path at a good copy") from None
+                             "it, or point eval.hellaswag.path at a good copy") from None
 
 
 def make_example(ctx: str, endings: list[str], label: int) -> Example:
@@ -128,11 +128,12 @@ def verify_bytes(data: bytes) -> str:
 
 def fetch(cfg: RunConfig) -> tuple[Path | None, str]:
     """(path, '') when the dataset is available, else (None, why not)."""
-    if cfg.eval.hellaswag_path:
-        p = Path(cfg.eval.hellaswag_path).expanduser()
+    path = cfg.eval.options("hellaswag").path
+    if path:
+        p = Path(path).expanduser()
         if p.is_file():
             return p, ""
-        return None, (f"eval.hellaswag_path={p} does not exist; point it at a hellaswag_val.jsonl file "
+        return None, (f"eval.hellaswag.path={p} does not exist; point it at a hellaswag_val.jsonl file "
                       "or set it to '' to download the dataset")
     dest = pipeline_home() / "hellaswag" / "hellaswag_val.jsonl"
     if dest.is_file():  # only ever written (atomically) after verification
@@ -143,7 +144,7 @@ def fetch(cfg: RunConfig) -> tuple[Path | None, str]:
             data = r.read()
     except (OSError, ValueError) as e:  # URLError and HTTPError are OSErrors
         return None, (f"cannot download {url} ({e}); on an air-gapped machine copy hellaswag_val.jsonl "
-                      f"to {dest} or set eval.hellaswag_path (or {URL_ENV} to a reachable mirror)")
+                      f"to {dest} or set eval.hellaswag.path (or {URL_ENV} to a reachable mirror)")
     problem = verify_bytes(data)
     if problem:
         return None, f"the file downloaded from {url} failed verification: {problem}"
