@@ -48,6 +48,14 @@ EXPECTED_SKIPS = {
 }
 
 
+@pytest.fixture(scope="module")
+def ds(tmp_path_factory):
+    """A small tokenized dataset on disk (tests/test_train_utils.make_dataset), one per test module."""
+    from tests.test_train_utils import make_dataset  # the helpers import torch: only for modules that train
+
+    return make_dataset(tmp_path_factory.mktemp("ds"))
+
+
 def pytest_addoption(parser):
     parser.addoption("--fail-on-unexpected-skips", action="store_true",
                      help="exit non-zero if a test outside tests/conftest.py's EXPECTED_SKIPS is skipped")

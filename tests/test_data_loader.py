@@ -9,11 +9,6 @@ from tests.test_train_utils import make_dataset
 T, B = 16, 2
 
 
-@pytest.fixture(scope="module")
-def ds(tmp_path_factory):
-    return make_dataset(tmp_path_factory.mktemp("ds"))
-
-
 def windows(loader, g0, n):
     return [tuple(loader.locate(g)[1:]) for g in range(g0, g0 + n)]
 

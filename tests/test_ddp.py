@@ -25,7 +25,6 @@ from tests.test_train_utils import (
     free_port,
     kill_tree,
     losses,
-    make_dataset,
     python_cmd,
     rank_exit_codes,
     start,
@@ -59,11 +58,6 @@ def assert_same_run(run, ref, tol):
     for k in b:
         torch.testing.assert_close(a[k], b[k], atol=tol, rtol=0, msg=k)
     assert (run / "DONE").is_file()
-
-
-@pytest.fixture(scope="module")
-def ds(tmp_path_factory):
-    return make_dataset(tmp_path_factory.mktemp("ds"))
 
 
 @pytest.fixture(scope="module")

@@ -33,7 +33,6 @@ from tests.test_train_utils import (
     final_weights,
     kill_tree,
     losses,
-    make_dataset,
     python_cmd,
     rank_exit_codes,
     run,
@@ -67,11 +66,6 @@ def rank_pid(launcher_pid: int, rank: int) -> int | None:
         if environ.get("RANK") == str(rank) and "TORCHELASTIC_RUN_ID" in environ:
             return pid
     return None
-
-
-@pytest.fixture(scope="module")
-def ds(tmp_path_factory):
-    return make_dataset(tmp_path_factory.mktemp("ds"))
 
 
 @pytest.fixture(scope="module")

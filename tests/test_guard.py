@@ -20,7 +20,7 @@ from gptcore.checkpoints import run_files as R
 from gptcore.files import file_sha256
 from gptcore.metrics import read_metrics
 from gptcore.training.train import main
-from tests.test_train_utils import REPO, descendants, env, make_dataset, python_cmd, start, wait_for_step
+from tests.test_train_utils import REPO, descendants, env, python_cmd, start, wait_for_step
 
 SEQS_PER_STEP = 4  # total_batch_tokens / seq_len below
 
@@ -43,11 +43,6 @@ def final_weights(run):
 
 def events(run):
     return [r["event"] for r in read_metrics(run / "metrics.jsonl", "event")]
-
-
-@pytest.fixture(scope="module")
-def ds(tmp_path_factory):
-    return make_dataset(tmp_path_factory.mktemp("ds"))
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ from gptcore.model.tokenizer import N_VOCAB
 from gptcore.training.microbatch import CHOICE_FILE, candidates, probe, probe_tokens, retry_smaller, smaller
 from gptcore.training.resume import RunError
 from gptcore.training.train import restart_helps
-from tests.test_train_utils import env, final_weights, losses, make_dataset, python_cmd, start
+from tests.test_train_utils import env, final_weights, losses, python_cmd, start
 
 STEPS = 10
 
@@ -41,11 +41,6 @@ def overrides(ds, run_dir, world: int = 1, **extra) -> dict:
 
 def args(o: dict) -> list[str]:
     return ["micro", *(f"{k}={v}" for k, v in o.items())]
-
-
-@pytest.fixture(scope="module")
-def ds(tmp_path_factory):
-    return make_dataset(tmp_path_factory.mktemp("ds"))
 
 
 def test_the_candidates_divide_the_share():

@@ -31,7 +31,6 @@ from tests.test_train_utils import (
     env,
     kill_tree,
     losses,
-    make_dataset,
     python_cmd,
     start,
     torchrun_cmd,
@@ -177,11 +176,6 @@ def test_combined_state_round_trips_and_refuses_an_adamw_state():
 
 def args(ds, run, *extra):
     return ddp_args(ds, run, *MUON, *extra)  # tests/test_ddp.py's small run, with the new recipe
-
-
-@pytest.fixture(scope="module")
-def ds(tmp_path_factory):
-    return make_dataset(tmp_path_factory.mktemp("ds"))
 
 
 @pytest.fixture(scope="module")

@@ -28,11 +28,6 @@ def snapshot(d):
 
 
 @pytest.fixture(scope="module")
-def ds(tmp_path_factory):
-    return make_dataset(tmp_path_factory.mktemp("ds"))
-
-
-@pytest.fixture(scope="module")
 def finished(ds, tmp_path_factory):
     """A run trained to the end in this process (2 optimizer steps' worth of micro-batches each)."""
     run = tmp_path_factory.mktemp("runs") / "done"

@@ -31,7 +31,7 @@ from gptcore.checkpoints import run_files as R
 from gptcore.files import read_json
 from gptcore.metrics import read_metrics
 from gptcore.training import verdict
-from tests.test_train_utils import REPO, descendants, env, free_port, make_dataset
+from tests.test_train_utils import REPO, descendants, env, free_port
 
 pytestmark = pytest.mark.slow
 NPROC, STEPS = 2, 16
@@ -70,11 +70,6 @@ class Recorder(logging.Handler):
 
     def count(self, text: str) -> int:  # occurrences: two ranks' unbuffered lines may share one log line
         return sum(line.count(text) for line in self.lines)
-
-
-@pytest.fixture(scope="module")
-def ds(tmp_path_factory):
-    return make_dataset(tmp_path_factory.mktemp("ds"))
 
 
 @pytest.fixture(scope="module")

@@ -38,6 +38,7 @@ from gptcore.checkpoints.run_files import (
     list_checkpoints,
     newest_healthy,
     read_meta,
+    read_part,
     step_dir,
 )
 from gptcore.config import ConfigError, model_config_from
@@ -147,15 +148,10 @@ def prune(run_dir: Path, keep_last: int) -> None:
 # --- reading ------------------------------------------------------------------------------------
 
 def load_trainer_state(ckpt_dir: Path) -> dict:
-    path = Path(ckpt_dir) / TRAINER_FILE
-    if not path.is_file():
-        raise CheckpointError(f"{ckpt_dir} has no {TRAINER_FILE}: it holds weights only and cannot resume "
-                              "training; start a new run from it or pick another checkpoint")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except READ_ERRORS as e:
-        raise CheckpointError(f"{path} cannot be read ({type(e).__name__}: {e}); the file is damaged: "
-                              "resume from another checkpoint") from e
+    return read_part(Path(ckpt_dir) / TRAINER_FILE, lambda p: torch.load(p, map_location="cpu", weights_only=True),
+                     f"{ckpt_dir} has no {TRAINER_FILE}: it holds weights only and cannot resume training; start "
+                     "a new run from it or pick another checkpoint",
+                     "the file is damaged: resume from another checkpoint")
 
 
 # --- resuming: verify whole, fall back, keep what failed -------------------------------------------

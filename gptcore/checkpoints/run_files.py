@@ -13,11 +13,11 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from gptcore.config import RunConfig, pipeline_home
-from gptcore.files import read_json
+from gptcore.files import READ_ERRORS, read_json
 
 RUN_FILE = "run.json"
 DONE_FILE = "DONE"
@@ -61,15 +61,22 @@ def rejected(run_dir: Path) -> list[Path]:
     return sorted(p for p in d.iterdir() if p.is_dir()) if d.is_dir() else []
 
 
+def read_part(path: Path, read: Callable[[Path], object], missing: str, damaged: str):
+    """`read(path)` for one file of a checkpoint; CheckpointError when it is not there (`missing`: what
+    that means and the fix) or cannot be read (the error, then `damaged`: the fix)."""
+    if not path.is_file():
+        raise CheckpointError(missing)
+    try:
+        return read(path)
+    except READ_ERRORS as e:
+        raise CheckpointError(f"{path} cannot be read ({type(e).__name__}: {e}); {damaged}") from e
+
+
 def read_meta(ckpt_dir: Path) -> dict:
     path = Path(ckpt_dir) / META_FILE
-    if not path.is_file():
-        raise CheckpointError(f"{ckpt_dir} is not a checkpoint: no {META_FILE}; pass a directory like "
-                              "<home>/runs/<run>/checkpoints/step_00001000")
-    try:
-        meta = json.loads(path.read_text())
-    except (ValueError, OSError) as e:
-        raise CheckpointError(f"{path} is not valid JSON ({e}); the checkpoint is corrupt") from e
+    meta = read_part(path, lambda p: json.loads(p.read_text()),
+                     f"{ckpt_dir} is not a checkpoint: no {META_FILE}; pass a directory like "
+                     "<home>/runs/<run>/checkpoints/step_00001000", "the checkpoint is corrupt")
     if not isinstance(meta, dict):
         raise CheckpointError(f"{path} holds no JSON object; the checkpoint is corrupt")
     return meta
