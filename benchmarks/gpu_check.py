@@ -290,6 +290,7 @@ def check_outside_steps(t: Trainer, label: str, gate: bool) -> tuple[bool | None
     """Time outside training steps: its share in the train row's run, and projected to gpt2-124m's
     cadence from what each part cost per unit against the step time per token."""
     from gptcore.config import load_config
+    from gptcore.evals import HellaSwag  # and the registry: the evaluations' config sections (eval.hellaswag.*)
     from gptcore.metrics import read_metrics
 
     rows = read_metrics(t.work / f"train-{label}" / "metrics.jsonl")
@@ -315,7 +316,7 @@ def check_outside_steps(t: Trainer, label: str, gate: bool) -> tuple[bool | None
     wait_at_cadence = max(0.0, write - tc.checkpoint_interval * step)
     per_step = ((med["checkpoint"] + wait_at_cadence) / tc.checkpoint_interval
                 + val_s_per_token * ev.val_tokens / ev.eval_interval
-                + hs_s_per_example * HELLASWAG_FULL / ev.hellaswag_interval
+                + hs_s_per_example * HELLASWAG_FULL / ev.options(HellaSwag.name).interval
                 + med["sample"] / ev.sample_interval)
     projected = per_step / (per_step + step)
     detail = (f"{outside / (outside + steps_s):.1%} here (every {EVERY} steps: a checkpoint blocked "
