@@ -325,8 +325,9 @@ class EvalConfig:
     sample_prompt: str = "Hello, I'm a language model,"
     sample_tokens: int = 32
     max_failures: int = 3  # evaluations failing in a row before evaluation is off for this invocation; 0 = never
-    sections: dict[str, dict] = field(default_factory=dict)  # {"hellaswag": {"limit": 200}}: what differs from
-    #                                                          each evaluation's own defaults
+    # {"hellaswag": {"limit": 200}}: the values given (a preset's, an override's; a saved config's are whole);
+    # the rest are each evaluation's own defaults
+    sections: dict[str, dict] = field(default_factory=dict)
 
     def options(self, name: str):
         """Evaluation `name`'s settings: its Settings dataclass with this config's values, checked."""
