@@ -84,7 +84,10 @@ def checkpoint_metrics(ckpt_dir: Path, meta: dict) -> dict[str, float]:
     values = {"val/loss": val_loss_of(ckpt_dir, meta), "train/step": meta["step"],
               "train/tokens_seen": meta.get("tokens_seen")}
     for name in EVALUATIONS:
-        values.update(result_metrics(name, ev.get(name) if isinstance(ev.get(name), dict) else meta.get(name)))
+        result = ev.get(name)
+        if not isinstance(result, dict) or "skipped" in result:  # none here: what an older meta.json recorded
+            result = meta.get(name) or result
+        values.update(result_metrics(name, result))
     return {k: float(v) for k, v in values.items() if v is not None and not isinstance(v, bool)}
 
 
