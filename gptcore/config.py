@@ -333,13 +333,7 @@ class EvalConfig:
         """Evaluation `name`'s settings: its Settings dataclass with this config's values, checked."""
         if name not in EVAL_SECTIONS:
             raise ConfigError(f"eval.{name}: no evaluation named {name!r}; evaluations: {sorted(EVAL_SECTIONS)}")
-        settings = EVAL_SECTIONS[name]
-        hints = typing.get_type_hints(settings)
-        values = self.sections.get(name, {})
-        unknown = sorted(set(values) - set(hints))
-        if unknown:
-            raise ConfigError(f"unknown config key eval.{name}.{unknown[0]}; eval.{name} has {sorted(hints)}")
-        options = settings(**{k: _coerce(v, hints[k], f"eval.{name}.{k}") for k, v in values.items()})
+        options = EVAL_SECTIONS[name](**{k: eval_option(name, k, v) for k, v in self.sections.get(name, {}).items()})
         if hasattr(options, "validate"):
             options.validate()
         return options
@@ -568,14 +562,20 @@ def set_eval_option(section: EvalConfig, key: str, name: str, option: str, value
     if "." in option:
         raise ConfigError(f"unknown config key {key!r}; an evaluation's keys look like eval.<name>.<field>")
     if EVAL_SECTIONS:
-        if name not in EVAL_SECTIONS:
-            raise ConfigError(f"unknown config key {key!r}: no evaluation named {name!r}; evaluations: "
-                              f"{sorted(EVAL_SECTIONS)}")
-        hints = typing.get_type_hints(EVAL_SECTIONS[name])
-        if option not in hints:
-            raise ConfigError(f"unknown config key {key!r}; eval.{name} has {sorted(hints)}")
-        value = _coerce(value, hints[option], key)
+        value = eval_option(name, option, value)
     section.sections.setdefault(name, {})[option] = value
+
+
+def eval_option(name: str, option: str, value):
+    """`value` typed as evaluation `name`'s field `option`; ConfigError for an evaluation or a field it lacks."""
+    key = f"eval.{name}.{option}"
+    if name not in EVAL_SECTIONS:
+        raise ConfigError(f"unknown config key {key!r}: no evaluation named {name!r}; evaluations: "
+                          f"{sorted(EVAL_SECTIONS)}")
+    hints = typing.get_type_hints(EVAL_SECTIONS[name])
+    if option not in hints:
+        raise ConfigError(f"unknown config key {key!r}; eval.{name} has {sorted(hints)}")
+    return _coerce(value, hints[option], key)
 
 
 def flatten(d: dict, prefix: str = "") -> dict[str, object]:
