@@ -95,6 +95,7 @@ class Table:
         self.out, self.header, self.budget_s, self.fail_row = out, header, budget_s, fail_row
         self.rows: list[Row] = []
         self.t0 = time.monotonic()
+        self.after_row = lambda: None  # main keeps the logs here (--logs)
 
     def run(self, name: str, check, *args) -> None:
         """`check(*args)` -> (True / False / None for informational, detail)."""
@@ -118,6 +119,7 @@ class Table:
         self.rows.append(row)
         print(f"  {row.status:7s} {row.name:26s} {row.detail}  [{row.seconds:.0f} s]", flush=True)
         self.save()
+        self.after_row()
 
     def skip(self, name: str, why: str) -> None:
         self.rows.append(Row(name, "not run", why, 0.0))
@@ -165,9 +167,16 @@ def make_dataset(d: Path) -> Path:
     return d
 
 
-def worker_env() -> dict:
+def worker_env(extra: dict | None = None) -> dict:
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(extra or {})}
+
+
+def compile_cache(work: Path, side: str) -> dict:
+    """The reference's own Inductor/Triton cache, shared by its rounds; ours use the one main sets for every
+    run of the project's code (its train rows too). The second run of a side skips most of its compile: wall
+    time only, since the measured steps come after the warm-up on both sides, so neither gains tokens/s."""
+    return {} if side == "ours" else {"TORCHINDUCTOR_CACHE_DIR": str(work / f"inductor-{side}")}
 
 
 class Trainer:
@@ -200,13 +209,23 @@ class Trainer:
         return rc, losses(run), log.read_text()[-2000:]
 
 
+DEADLINE = [math.inf]  # time.monotonic() past which no subprocess may run (--deadline-s); main sets it
+
+
+def time_left() -> float:
+    return DEADLINE[0] - time.monotonic()
+
+
 def wait(proc: subprocess.Popen, timeout: float) -> int:
-    """The exit code; a run past `timeout` is killed (with its workers) and raises."""
+    """The exit code; a run past `timeout` or past the call's deadline is killed (with its workers) and
+    raises, so one hung run never spends the rest of a lease."""
+    bound = min(timeout, max(time_left(), 0.0))
     try:
-        return proc.wait(timeout=timeout)
+        return proc.wait(timeout=bound)
     except subprocess.TimeoutExpired:
         kill_session(proc)
-        raise
+        why = "the call's --deadline-s" if bound < timeout else f"its {timeout:.0f} s limit"
+        raise TimeoutError(f"killed after {bound:.0f} s: {why} (the log is kept in --logs)") from None
 
 
 def hellaswag_settings() -> dict:
@@ -333,7 +352,7 @@ def check_outside_steps(t: Trainer, label: str, gate: bool) -> tuple[bool | None
 def check_resume(t: Trainer, nproc: int, reference: dict[int, float], tol: float) -> tuple[bool, str]:
     run, log = t.work / "resume", t.work / "resume.log"
     proc = t.start(run, nproc, log)
-    deadline = time.monotonic() + 1800
+    deadline = time.monotonic() + min(1800, max(time_left(), 0.0))
     while time.monotonic() < deadline and proc.poll() is None:
         if (run / "checkpoints" / "step_00000004").is_dir():
             break
@@ -356,11 +375,14 @@ def check_ranks(t: Trainer, two_ranks: dict[int, float], tol: float) -> tuple[bo
 
 def reference_shape(device: str) -> dict:
     """build-nanogpt's shape on CUDA; on CPU the same preset with a small model (the stand-in's own model
-    knobs set to it), without compiling (minutes on 2 cores)."""
+    knobs set to it), without compiling (minutes on 2 cores). `ours_micro`: the micro-batch our trainer is
+    given: on CUDA the preset's own `auto`, so the probe picks it on this card as it would for a user (the
+    reference runs its fixed B=64); the row says which size each side ran."""
     if device == "cuda":
-        return {"preset": "gpt2-124m", "B": 64, "T": 1024, "total": 524_288, "compile": True, "model": {}}
+        return {"preset": "gpt2-124m", "B": 64, "T": 1024, "total": 524_288, "compile": True, "model": {},
+                "ours_micro": "auto"}
     return {"preset": "gpt2-124m", "B": 2, "T": 32, "total": 2 * 32 * 2, "compile": False,
-            "model": {"n_layer": 2, "n_head": 2, "n_embd": 64, "block_size": 32}}
+            "model": {"n_layer": 2, "n_head": 2, "n_embd": 64, "block_size": 32}, "ours_micro": 2}
 
 
 def reference_data(dataset: Path, folder: Path) -> Path:
@@ -374,14 +396,18 @@ def reference_data(dataset: Path, folder: Path) -> Path:
     return folder
 
 
-def run_ours(work: Path, dataset: Path, device: str, shape: dict, name: str) -> tuple[float, float | None]:
-    """The project's trainer through torchrun, as users launch it: (tokens/s after the warm-up, peak GiB)."""
+def run_ours(work: Path, dataset: Path, device: str, shape: dict, name: str) -> tuple[float, float | None, int]:
+    """The project's trainer through torchrun, as users launch it: (tokens/s after the warm-up, peak GiB,
+    the micro-batch it ran)."""
+    from gptcore.files import read_json
     from gptcore.launch import torchrun_cmd
     from gptcore.metrics import read_metrics
+    from gptcore.training.microbatch import CHOICE_FILE
 
     run, log = work / name, work / f"{name}.log"
     overrides = {"data.dataset_dir": str(dataset), "train.run_dir": str(run), "train.device": device,
-                 "train.micro_batch": shape["B"], "train.seq_len": shape["T"],
+                 "train.micro_batch": shape["ours_micro"], "train.micro_batch_max": shape["B"],
+                 "train.seq_len": shape["T"],
                  "train.total_batch_tokens": shape["total"], "train.max_steps": REFERENCE_STEPS,
                  "optim.warmup_steps": 2,  # the preset's 715 exceed the run (the rate does not change the speed)
                  "train.log_interval": 1,  # a host read every step, as the reference's own print: no edge
@@ -389,14 +415,16 @@ def run_ours(work: Path, dataset: Path, device: str, shape: dict, name: str) -> 
                  "eval.eval_interval": 0, "eval.val_tokens": shape["B"] * shape["T"], "eval.hellaswag.enabled": False,
                  "eval.sample_interval": 0, "eval.sample_tokens": 8,
                  **{f"model.{k}": v for k, v in shape["model"].items()}}
-    proc = subprocess.Popen(torchrun_cmd(shape["preset"], overrides, 1), cwd=ROOT, env=worker_env(),
+    proc = subprocess.Popen(torchrun_cmd(shape["preset"], overrides, 1), cwd=ROOT, env=worker_env(compile_cache(work, "ours")),
                             stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
-    rc = wait(proc, 900)
+    rc = wait(proc, 600)
     rows = [r for r in read_metrics(run / "metrics.jsonl", "train") if WARM < r["step"] < REFERENCE_STEPS]
     if rc != 0 or not rows:
         raise RuntimeError(f"the project's trainer exited {rc}: {log.read_text()[-600:]}")
     peak = [r["train/peak_memory_gib"] for r in rows if "train/peak_memory_gib" in r]
-    return statistics.median(r["train/tokens_per_s"] for r in rows), max(peak) if peak else None
+    chosen = read_json(run / CHOICE_FILE) or {}
+    micro = int(chosen.get("micro_batch", shape["ours_micro"] if shape["ours_micro"] != "auto" else 0))
+    return statistics.median(r["train/tokens_per_s"] for r in rows), max(peak) if peak else None, micro
 
 
 def run_reference(file: Path, folder: Path, shape: dict, name: str) -> tuple[float, float | None]:
@@ -410,9 +438,9 @@ def run_reference(file: Path, folder: Path, shape: dict, name: str) -> tuple[flo
     cmd = [sys.executable, "-m", "benchmarks.reference_run", str(file), "--workdir", str(folder),
            *(f"--set={k}={v}" for k, v in settings.items())]
     log = folder.parent / f"{name}.log"
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=worker_env(), stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    rc = wait(proc, 900)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=worker_env(compile_cache(folder.parent, "reference")),
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    rc = wait(proc, 600)
     out = log.read_text()
     steps = parse_steps(out)
     measured = [tps for s, (_, _, tps) in steps.items() if WARM <= s < REFERENCE_STEPS - 1]
@@ -435,13 +463,18 @@ def check_reference(work: Path, dataset: Path, device: str, file: Path | None, r
     work.mkdir(parents=True, exist_ok=True)
     folder = reference_data(dataset, work / "reference-cwd")
     ours, theirs, ratios = [], [], []
-    for r in range(rounds):  # alternated: drift in the machine's speed hits both alike
-        ours.append(run_ours(work, dataset, device, shape, f"ours-{r}"))
-        theirs.append(run_reference(file, folder, shape, f"reference-{r}"))
+    for r in range(rounds):  # ABBA: a linear drift in the machine's speed hits both sides alike
+        pair = (("ours", "reference") if r % 2 == 0 else ("reference", "ours"))
+        for side in pair:
+            if side == "ours":
+                ours.append(run_ours(work, dataset, device, shape, f"ours-{r}"))
+            else:
+                theirs.append(run_reference(file, folder, shape, f"reference-{r}"))
         ratios.append(ours[-1][0] / theirs[-1][0])
     ratio = statistics.median(ratios)
     ours_tps, ref_tps = statistics.median(o[0] for o in ours), statistics.median(t[0] for t in theirs)
     ctx["tokens_per_s"] = ours_tps
+    ctx["reference_ratio"] = ratio
     model_cfg = load_config(shape["preset"]).model if not shape["model"] else ModelConfig(**shape["model"])
     fpt = GPT(model_cfg).flops_per_token(shape["T"])
     rate = matmul_rate(torch.device(device, 0) if device == "cuda" else torch.device("cpu"))
@@ -450,11 +483,15 @@ def check_reference(work: Path, dataset: Path, device: str, file: Path | None, r
               if all(p is not None for p in peaks[0] + peaks[1]) else "")
     commit = (file.parent / "COMMIT").read_text().strip()[:12] if (file.parent / "COMMIT").is_file() else "unpinned"
     which = f"{file.name} @ {commit}" if real else "our stand-in (pass --reference FILE for build-nanogpt's)"
-    detail = (f"{ours_tps:,.0f} vs {ref_tps:,.0f} tok/s: median {ratio:.3f}x over {rounds} alternated rounds "
-              f"({min(ratios):.3f}..{max(ratios):.3f}; pass >= {REFERENCE_TARGET}); MFU {fpt * ours_tps / rate:.1%} "
-              f"vs {fpt * ref_tps / rate:.1%} of the {rate / 1e12:.1f} TFLOP/s matmul rate measured now{memory}; "
-              f"B={shape['B']} x T={shape['T']}, {shape['total']:,}-token steps, compile={shape['compile']}; "
-              f"reference: {which}")
+    order = "".join("AB" if r % 2 == 0 else "BA" for r in range(rounds))
+    sizes = sorted({o[2] for o in ours})
+    middle = "median" if rounds > 2 else "mean" if rounds == 2 else "one"
+    detail = (f"{ours_tps:,.0f} vs {ref_tps:,.0f} tok/s: {middle} {ratio:.3f}x over {rounds} alternated rounds "
+              f"({order}; per round {', '.join(f'{x:.3f}' for x in ratios)}; pass >= {REFERENCE_TARGET}); "
+              f"MFU {fpt * ours_tps / rate:.1%} vs {fpt * ref_tps / rate:.1%} of the {rate / 1e12:.1f} TFLOP/s "
+              f"matmul rate measured now{memory}; micro-batch ours {'/'.join(map(str, sizes))} "
+              f"({shape['ours_micro']}) vs reference {shape['B']}, T={shape['T']}, {shape['total']:,}-token "
+              f"steps, compile={shape['compile']}; reference: {which}")
     return (ratio >= REFERENCE_TARGET) if (real and device == "cuda") else None, detail
 
 
@@ -583,7 +620,84 @@ def check_auto_micro_batch(device: torch.device) -> tuple[None, str]:
                   f"{time.perf_counter() - t0:.1f} s")
 
 
+def check_profile(device: torch.device, shape: dict, ratio: float | None) -> tuple[None, str]:
+    """Where one micro-step's time goes on each side (issue 51: asked for when the reference ratio is below
+    REFERENCE_TARGET): one compiled forward + backward of our model (the trainer's loss) and of the plain
+    build-nanogpt-style model (benchmarks/bench_train.py's BaseGPT), each recorded with torch.profiler after
+    three warm-up micro-steps; the top kernels (device time on CUDA, CPU time on CPU) and their shares."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.bench_train import BaseGPT
+    from gptcore.config import ModelConfig, TrainConfig, load_config
+    from gptcore.distributed import select
+    from gptcore.model.gpt import GPT
+    from gptcore.model.loss import make_loss
+    from gptcore.model.tokenizer import N_VOCAB
+
+    cuda = device.type == "cuda"
+    env = select(TrainConfig(device=device.type, compile="true"))
+    c = ModelConfig(**shape["model"]) if shape["model"] else load_config(shape["preset"]).model
+    B, T = shape["B"], shape["T"]
+    data = torch.randint(0, N_VOCAB, (B, T + 1), device=device)
+    x, y = data[:, :-1].contiguous(), data[:, 1:].contiguous()
+    ours = GPT(c).to(device)
+    ours.head_loss = make_loss(env.loss)
+    theirs = BaseGPT(c).to(device)
+    steps = {"ours": (torch.compile(ours), lambda m: m(x, y, return_logits=False)[1]),
+             "plain": (torch.compile(theirs), lambda m: m(x, y))}
+    lines = []
+    for side, (model, loss_of) in steps.items():
+        def micro_step():
+            with env.autocast():
+                loss = loss_of(model)
+            loss.backward()
+        for _ in range(3):
+            micro_step()
+        if cuda:
+            torch.cuda.synchronize()
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=activities) as prof:
+            micro_step()
+            if cuda:
+                torch.cuda.synchronize()
+        key = "self_device_time_total" if cuda else "self_cpu_time_total"
+        events = [e for e in prof.key_averages() if getattr(e, key) > 0]
+        total = sum(getattr(e, key) for e in events) or 1
+        top = sorted(events, key=lambda e: getattr(e, key), reverse=True)[:6]
+        lines.append(f"{side} {total / 1000:.1f} ms: " + "; ".join(
+            f"{e.key[:48]} {getattr(e, key) / total:.0%}" for e in top))
+        model.zero_grad(set_to_none=True)
+    why = f"reference ratio {ratio:.3f}x" if ratio is not None else "no reference ratio"
+    return None, f"one micro-step B={B} x T={T} ({why}); " + " | ".join(lines)
+
+
 # --- the run ---------------------------------------------------------------------------------------
+
+def train_row(table: Table, work: Path, dataset: Path, device: str, all_shapes: dict, label: str, ndev: int,
+              ctx: dict) -> Trainer:
+    t = Trainer(work / label, dataset, device, all_shapes[label], ndev)
+    (work / label).mkdir()
+    table.run(f"train {label}", check_train, t, label, ndev, ctx)
+    return t
+
+
+KEPT = (".log", ".jsonl", ".json", ".txt")  # a run's logs, metrics, events, configs; not checkpoints or data
+
+
+def save_logs(work: Path, dest: Path) -> None:
+    """Every run's logs and metrics under `work` into the .tar.gz `dest`, whole or not at all (written to a
+    temporary name, then renamed): a call cut off mid-row still leaves the previous row's."""
+    import tarfile
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(dest.name + ".tmp")
+    with tarfile.open(tmp, "w:gz") as tar:
+        for f in sorted(work.rglob("*")):
+            skip = {"checkpoints", "data", "edu_fineweb10B"} & set(f.relative_to(work).parts)
+            if f.is_file() and f.suffix in KEPT and not skip and "inductor-" not in str(f):
+                tar.add(f, arcname=str(f.relative_to(work)))
+    os.replace(tmp, dest)
+
 
 def shapes(device: str) -> dict[str, dict]:
     if device == "cuda":
@@ -595,7 +709,7 @@ def shapes(device: str) -> dict[str, dict]:
                             "T": 64}}
 
 
-ROWS = ("micro-batch", "train", "reference", "harness", "guards", "resume", "ranks", "speed")
+ROWS = ("micro-batch", "train", "reference", "harness", "guards", "resume", "ranks", "speed", "profile")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -608,6 +722,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reference", type=Path, help="build-nanogpt's train_gpt2.py (benchmarks/fetch_reference.sh)")
     ap.add_argument("--reference-rounds", type=int, default=2)
     ap.add_argument("--budget-s", type=float, default=330.0, help="start no row after this many seconds")
+    ap.add_argument("--deadline-s", type=float, default=math.inf,
+                    help="kill any run still going this many seconds after the start (its row FAILs, the table "
+                         "goes on): a lease call must end inside its limit")
+    ap.add_argument("--logs", type=Path, help="keep every run's logs and metrics here, as a .tar.gz rewritten "
+                                              "after each row (checkpoints and data left out)")
     ap.add_argument("--speed-steps", type=int, default=20)
     ap.add_argument("--speed-rounds", type=int, default=3)
     ap.add_argument("--fail-row", help="make the named row raise (to test that the table survives it)")
@@ -616,7 +735,7 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_check: no CUDA device is visible on this machine; nothing was checked (run it on the GPU "
               "machine, or --device cpu to try the checks on CPU)")
         return 0
-    chosen = set(ROWS) - {"speed"} if a.rows == "default" else set(ROWS) if a.rows == "all" else set(a.rows.split(","))
+    chosen = set(ROWS) - {"speed", "profile"} if a.rows == "default" else set(ROWS) if a.rows == "all" else set(a.rows.split(","))
     if chosen - set(ROWS):
         ap.error(f"--rows: unknown {', '.join(sorted(chosen - set(ROWS)))}; choose from {', '.join(ROWS)}")
     from gptcore.distributed import select_dtype
@@ -632,33 +751,39 @@ def main(argv: list[str] | None = None) -> int:
     ctx: dict = {}
     all_shapes = shapes(a.device)
     big = list(all_shapes)[-1]
+    if a.deadline_s < math.inf:
+        DEADLINE[0] = table.t0 + a.deadline_s
     with tempfile.TemporaryDirectory(dir=a.work) as tmp:
         work = Path(tmp)
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(work / "inductor-ours"))  # every run of ours
+        if a.logs:
+            table.after_row = lambda: save_logs(work, a.logs)
         dataset = make_dataset(work / "data")
-        if "micro-batch" in chosen:
-            table.run("micro-batch auto", check_auto_micro_batch, device)
+        # by value, so that a lease's deadline cuts the least telling rows: the reference ratio, the preset's
+        # own train run (outside steps, checkpoint blocking), harness parity, then the rest
         if "reference" in chosen:
             table.run("reference", check_reference, work / "reference", dataset, a.device, a.reference,
                       a.reference_rounds, ctx)
-        labels = ([big] if "train" in chosen else []) + (["micro"] if chosen & {"train", "resume", "ranks"} else [])
-        for label in labels:
-            t = Trainer(work / label, dataset, a.device, all_shapes[label], ndev)
-            (work / label).mkdir()
-            table.run(f"train {label}", check_train, t, label, ndev, ctx)
-            if label == big:
-                if f"train {label}" in ctx:
-                    table.run(f"outside steps {label}", check_outside_steps, t, label, a.device == "cuda")
-                else:
-                    table.skip(f"outside steps {label}", f"needs the train {label} row")
-        if "speed" in chosen:
-            table.run(f"speed {big}", check_speed, device, all_shapes[big], dataset, a.speed_steps, a.speed_rounds,
-                      ctx)
+        if "train" in chosen:
+            t = train_row(table, work, dataset, a.device, all_shapes, big, ndev, ctx)
+            if f"train {big}" in ctx:
+                table.run(f"outside steps {big}", check_outside_steps, t, big, a.device == "cuda")
+            else:
+                table.skip(f"outside steps {big}", f"needs the train {big} row")
         if "harness" in chosen:
             from benchmarks.harness_parity import check_harness_parity
 
             table.run("harness parity", check_harness_parity, device)
+        ratio = ctx.get("reference_ratio")
+        slow = a.device == "cuda" and a.rows == "default" and ratio is not None and ratio < REFERENCE_TARGET
+        if "profile" in chosen or slow:
+            table.run("profile", check_profile, device, reference_shape(a.device), ratio)
         if "guards" in chosen:
             table.run(f"guards {big}", check_guards, device, all_shapes[big]["model"], ctx.get("tokens_per_s"))
+        if "micro-batch" in chosen:
+            table.run("micro-batch auto", check_auto_micro_batch, device)
+        if chosen & {"train", "resume", "ranks"}:
+            train_row(table, work, dataset, a.device, all_shapes, "micro", ndev, ctx)
         micro = ctx.get("train micro")
         if "resume" in chosen:
             if micro:
@@ -670,6 +795,9 @@ def main(argv: list[str] | None = None) -> int:
                 table.run(f"{ndev} ranks == 1 rank", check_ranks, micro[0], micro[1], tol)
             else:
                 table.skip(f"{ndev} ranks == 1 rank", "needs the train micro row")
+        if "speed" in chosen:
+            table.run(f"speed {big}", check_speed, device, all_shapes[big], dataset, a.speed_steps, a.speed_rounds,
+                      ctx)
     print(f"gpu_check: {sum(r.status == 'PASS' for r in table.rows)} passed, "
           f"{sum(r.status == 'FAIL' for r in table.rows)} failed, {sum(r.status == 'info' for r in table.rows)} "
           f"informational, {sum(r.status == 'not run' for r in table.rows)} not run in "

@@ -1,27 +1,38 @@
 #!/usr/bin/env bash
-# One GPU lease (15 minutes of device time, starts included): the whole acceptance table in one call, with
-# room to run it again. Prepared for the device machine's bare CUDA image (torch, numpy, psutil, tiktoken,
-# safetensors, transformers; no Prefect, MLflow or lm-eval). Carry reference/ with the working tree
-# (benchmarks/fetch_reference.sh fetches it); ../shared does not travel and is not needed.
+# One GPU lease (15 minutes of device time, starts included): the acceptance table in one call that ends
+# inside DEADLINE_S, with room in the lease to run it again. Prepared for the device machine's bare CUDA image
+# (torch, numpy, psutil, tiktoken, safetensors, transformers; no Prefect, MLflow or lm-eval). Carry reference/
+# with the working tree (benchmarks/fetch_reference.sh fetches it); ../shared does not travel and is not needed.
 #
-#   bash benchmarks/gpu_lease.sh            # writes $OUT/gpu_check/{rows.json,gpu_check.log,env.txt}
+#   bash benchmarks/gpu_lease.sh     # writes $OUT/gpu_check/{rows.json,gpu_check.log,env.txt,logs.tar.gz}
 #
-# BUDGET_S (default 330) is gpu_check's --budget-s: no row starts after it, so the call ends within a
-# few minutes of it even when a row is slow; rows.json is rewritten after each row.
+# Rows run by value (gpu_check.py): the reference ratio (ABBA), the preset's train run and the time outside
+# its steps, harness parity, a profile where the ratio misses its target, then the rest. BUDGET_S (default 400):
+# no row starts after it. DEADLINE_S (default 480): any run still going is killed and its row FAILs, so the
+# call ends by then plus the packing of the logs; rows.json and logs.tar.gz are rewritten after each row.
+# Plan for an H100 (docs/training.md "The GPU lease"): a device call of timeout_s=540 within a 900 s lease.
 set -uo pipefail
+PY=${PYTHON:-python3}  # the GPU image has python3 (the one with torch), not always python
 cd "$(dirname "$0")/.."
 out=${OUT:-var}/gpu_check
 mkdir -p "$out"
+ref=${REFERENCE:-reference/build-nanogpt/train_gpt2.py}
 {
     date -u
+    echo "python $("$PY" -c 'import sys; print(sys.version.split()[0])')"
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1
-    python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
-    python -m gptcore.launch accepts --shutdown-timeout && echo "torchrun has --shutdown-timeout" \
+    "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version())"
+    "$PY" -m gptcore.launch accepts --shutdown-timeout && echo "torchrun has --shutdown-timeout" \
         || echo "torchrun has no --shutdown-timeout (left out)"
+    echo "torchrun's flags: $("$PY" -m torch.distributed.run --help 2>&1 | grep -oE -- '--[a-z][a-z_-]+' | sort -u | tr '\n' ' ')"
+    if [ -f "$ref" ]; then
+        echo "reference $ref sha256 $(sha256sum "$ref" | cut -d' ' -f1) commit $(cat "$(dirname "$ref")/COMMIT" 2>/dev/null || echo unpinned)"
+    else
+        echo "reference: none ($ref missing): the stand-in runs"
+    fi
 } > "$out/env.txt" 2>&1
-ref=reference/build-nanogpt/train_gpt2.py
 refarg=()
 if [ -f "$ref" ]; then refarg=(--reference "$ref"); else echo "no $ref: the reference row runs the stand-in" >&2; fi
-python -m benchmarks.gpu_check "${refarg[@]}" --budget-s "${BUDGET_S:-330}" --out "$out/rows.json" 2>&1 \
-    | tee "$out/gpu_check.log"
+"$PY" -m benchmarks.gpu_check "${refarg[@]}" --budget-s "${BUDGET_S:-400}" --deadline-s "${DEADLINE_S:-480}" \
+    --logs "$out/logs.tar.gz" --out "$out/rows.json" "$@" 2>&1 | tee "$out/gpu_check.log"
 exit "${PIPESTATUS[0]}"

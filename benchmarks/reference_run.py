@@ -90,6 +90,23 @@ def parse_peak_memory(output: str) -> float | None:
     return float(m[1]) if m else None
 
 
+def run_as_main(tree: ast.Module, path: Path) -> None:
+    """Execute the file as Python runs a script: in a real module registered as sys.modules["__main__"],
+    with its `__file__`. A plain dict would do for the steps, but not for the file's last step: it pickles a
+    dataclass defined in the file (torch.save of `raw_model.config`), and pickle finds `__main__.GPTConfig`
+    by looking it up in sys.modules["__main__"], which would otherwise be this harness."""
+    module = types.ModuleType("__main__")
+    module.__file__ = str(path)
+    module.__builtins__ = __builtins__
+    setattr(module, OFFLINE_ENCODING, get_encoding())
+    harness, sys.modules["__main__"] = sys.modules.get("__main__"), module
+    try:
+        exec(compile(tree, str(path), "exec"), module.__dict__)  # noqa: S102 - running the reference is our job
+    finally:
+        if harness is not None:
+            sys.modules["__main__"] = harness
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("file", type=Path)
@@ -109,8 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(path.parent))  # the file's folder first, as when it runs as a script
     stand_in_hellaswag()
     os.chdir(a.workdir)
-    scope = {"__name__": "__main__", "__file__": str(path), OFFLINE_ENCODING: get_encoding()}
-    exec(compile(tree, str(path), "exec"), scope)  # noqa: S102 - running the reference is this module's job
+    run_as_main(tree, path)
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         print(f"reference peak memory: {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB", flush=True)
     return 0

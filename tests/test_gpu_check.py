@@ -3,6 +3,7 @@ go unexercised; on a CUDA machine the `gpu` tests run the real thing."""
 
 import json
 import os
+import tarfile
 import subprocess
 import sys
 from pathlib import Path
@@ -14,8 +15,40 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 
-# what a bare CUDA PyTorch image lacks (it has torch, numpy, tiktoken, safetensors and pyarrow)
-NOT_ON_A_BARE_IMAGE = ("prefect", "mlflow", "datasets", "pandas")
+# what a bare CUDA PyTorch image lacks (it has torch, numpy, tiktoken, safetensors, transformers and pyarrow)
+NOT_ON_A_BARE_IMAGE = ("prefect", "mlflow", "datasets", "lm_eval", "dask", "pandas")
+TORCHRUN_211 = ROOT / "tests" / "fixtures" / "torchrun-2.11.0.json"
+
+# Loaded at every interpreter's start (sitecustomize, first on PYTHONPATH): torchrun answers with torch 2.11's
+# argument list. `python -m torch.distributed.run ...` exits 2 on a flag 2.11 lacks, as 2.11 does, and in
+# every process torchrun's get_args_parser is 2.11's, so `gptcore.launch.accepts` asks 2.11.
+SITECUSTOMIZE = """
+import importlib.abc, importlib.machinery, json, sys
+sys.path.insert(0, {root!r})
+from tests.torchrun_options import parser_from
+OPTIONS = json.load(open({fixture!r}))["options"]
+def parser():
+    return parser_from(OPTIONS)
+if sys.orig_argv[1:3] == ["-m", "torch.distributed.run"]:
+    try:
+        parser().parse_args(sys.orig_argv[3:])  # argparse prints its error and exits 2 on an unknown flag
+    except BaseException as e:  # SystemExit would only be reported here: end the process as torchrun would
+        import os
+        print(f"torchrun (torch 2.11): {{e!r}}", file=sys.stderr, flush=True)
+        os._exit(2)
+class As211(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name != "torch.distributed.run":
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        load = spec.loader.exec_module
+        def exec_module(module):
+            load(module)
+            module.get_args_parser = parser
+        spec.loader.exec_module = exec_module
+        return spec
+sys.meta_path.insert(0, As211())
+"""
 
 
 def gpu_check(*args, timeout=1800, env=None):
@@ -23,42 +56,72 @@ def gpu_check(*args, timeout=1800, env=None):
                           text=True, timeout=timeout, env=env)
 
 
-def without_the_pipeline_packages(tmp_path: Path) -> dict:
-    """An environment in which prefect, mlflow, datasets and pandas cannot be imported: a package of each
-    name, first on PYTHONPATH, that raises ImportError (as a missing one would), for this process and the
-    torchrun ranks it starts."""
+def bare_image(tmp_path: Path) -> dict:
+    """An environment like the GPU machine's bare CUDA image: prefect, mlflow, datasets, lm_eval, dask and
+    pandas cannot be imported (a package of each name, first on PYTHONPATH, raises ImportError as a missing
+    one would), and torchrun is torch 2.11's, in this process and every one it starts."""
     stubs = tmp_path / "stubs"
     for name in NOT_ON_A_BARE_IMAGE:
         (stubs / name).mkdir(parents=True)
         (stubs / name / "__init__.py").write_text(f"raise ImportError('{name} is not on a bare CUDA image')\n")
+    (stubs / "sitecustomize.py").write_text(SITECUSTOMIZE.format(root=str(ROOT), fixture=str(TORCHRUN_211)))
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(stubs), str(ROOT)])}
 
 
-def test_every_row_runs_on_cpu_without_prefect_or_mlflow_and_a_failing_row_leaves_the_table(tmp_path):
-    """The whole default table on CPU, on a bare-image environment, with one row made to raise: that row is
-    a FAIL naming the error, every other row still runs and passes (or informs), each is printed as it
-    completes, and --out holds them all."""
-    env = without_the_pipeline_packages(tmp_path)
-    probe = subprocess.run([sys.executable, "-c", "import prefect"], env=env, capture_output=True, text=True)
-    assert probe.returncode == 1 and "not on a bare CUDA image" in probe.stderr  # the stubs work
+def test_the_bare_image_stand_in_blocks_the_packages_and_answers_as_torch_211(tmp_path):
+    env = bare_image(tmp_path)
+    for name in NOT_ON_A_BARE_IMAGE:
+        probe = subprocess.run([sys.executable, "-c", f"import {name}"], env=env, capture_output=True, text=True)
+        assert probe.returncode == 1 and "not on a bare CUDA image" in probe.stderr, name
+    accepts = subprocess.run([sys.executable, "-m", "gptcore.launch", "accepts", "--shutdown-timeout"], env=env,
+                             cwd=ROOT, capture_output=True, text=True)
+    assert accepts.returncode == 3  # 2.11 has no --shutdown-timeout (the installed torch has it)
+    old = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--shutdown-timeout=5", "--standalone",
+                          "-m", "json.tool", "--help"], env=env, cwd=ROOT, capture_output=True, text=True)
+    assert old.returncode == 2 and "shutdown-timeout" in old.stderr
+
+
+def test_the_lease_script_runs_every_row_on_cpu_on_a_bare_image_and_keeps_everything(tmp_path):
+    """The lease's own command (benchmarks/gpu_lease.sh) on CPU, on the bare-image stand-in, with one row made
+    to raise: that row is a FAIL naming the error, every other row still runs and passes (or informs), each is
+    printed as it completes, and $OUT/gpu_check keeps rows.json, the log, env.txt and every run's logs."""
+    env = {**bare_image(tmp_path), "OUT": str(tmp_path / "out"), "REFERENCE": str(tmp_path / "none.py"),
+           "BUDGET_S": "1500", "DEADLINE_S": "1700", "PYTHON": sys.executable}
     (tmp_path / "work").mkdir()
-    out = tmp_path / "rows.json"
-    r = gpu_check("--device", "cpu", "--work", str(tmp_path / "work"), "--out", str(out),
-                  "--fail-row", "harness parity", env=env)
+    r = subprocess.run(["bash", "benchmarks/gpu_lease.sh", "--device", "cpu", "--work", str(tmp_path / "work"),
+                        "--fail-row", "harness parity"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=1800)
     assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
     table = r.stdout.split("gpu_check on", 1)[1]
     for row in ("info    micro-batch auto", "PASS    train gpt2-shaped", "info    outside steps gpt2-shaped",
                 "PASS    train micro", "info    reference", "FAIL    harness parity", "info    guards gpt2-shaped",
                 "PASS    resume after SIGKILL", "PASS    2 ranks == 1 rank"):
         assert row in table, table
+    # by value: the reference first, then the preset's train run and its time outside steps, then parity
+    order = [line[10:36].strip() for line in table.splitlines() if line.startswith("  ")]
+    assert order[:4] == ["reference", "train gpt2-shaped", "outside steps gpt2-shaped", "harness parity"], order
     assert "RuntimeError: injected failure (--fail-row)" in table
     assert "killed mid-run: True" in table and "auto dtype float32)" in table
     assert "consistency check" in table and "micro: micro_batch 8 of at most 8" in table and "loss=plain" in table
-    assert "over 2 alternated rounds" in table and "reference: our stand-in" in table
-    rows = json.loads(out.read_text())
+    assert "over 2 alternated rounds (ABBA;" in table and "reference: our stand-in" in table
+    assert "micro-batch ours 2 (2) vs reference 2" in table
+    out = tmp_path / "out" / "gpu_check"
+    rows = json.loads((out / "rows.json").read_text())
     assert [x["status"] for x in rows["rows"]].count("FAIL") == 1 and rows["passed"] is False
     assert len(rows["rows"]) == 9 and rows["device"] == "2 x CPU"
     assert json.loads(r.stdout.strip().splitlines()[-1]) == {"passed": False}
+    assert (out / "gpu_check.log").read_text() == r.stdout
+    env_txt = (out / "env.txt").read_text()
+    assert "python 3." in env_txt and "torch 2." in env_txt and "torchrun's flags: " in env_txt
+    assert "torchrun has no --shutdown-timeout" in env_txt and "the stand-in runs" in env_txt
+    with tarfile.open(out / "logs.tar.gz") as tar:
+        kept = tar.getnames()
+    for name in ("reference/ours-0.log", "reference/ours-1.log", "reference/reference-0.log",
+                 "reference/reference-1.log", "reference/reference-cwd/log/log.txt",
+                 "gpt2-shaped/train-gpt2-shaped.log", "gpt2-shaped/train-gpt2-shaped/metrics.jsonl",
+                 "micro/resume2.log"):
+        assert name in kept, kept
+    assert not any("checkpoints" in n or n.endswith((".pt", ".bin", ".npy")) for n in kept)
 
 
 def test_rows_past_the_budget_are_reported_not_run(tmp_path):
@@ -83,3 +146,26 @@ def test_without_cuda_it_says_so_and_checks_nothing():
 def test_gpu_acceptance_run():
     r = gpu_check(timeout=3600)
     assert r.returncode == 0, r.stdout[-5000:]
+
+
+def test_the_reference_runs_to_its_last_step_and_saves_its_checkpoint(tmp_path):
+    """build-nanogpt saves a checkpoint holding a dataclass defined in its own file on its last step; run
+    from a plain dict its pickling failed (`attribute lookup GPTConfig on __main__ failed`, exit 1, issue 51).
+    The stand-in does the same, so the harness runs it to its end: exit 0, every step parsed, validation on
+    the first and last step, log/log.txt, and a checkpoint whose config loads back as the file's class."""
+    from benchmarks.gpu_check import make_dataset, reference_data
+    from benchmarks.reference_run import parse_steps
+
+    cwd = reference_data(make_dataset(tmp_path / "data"), tmp_path / "cwd")
+    r = subprocess.run([sys.executable, "-m", "benchmarks.reference_run", "benchmarks/reference_standin.py",
+                        "--workdir", str(cwd), "--set", "max_steps=4", "--set", "B=2", "--set", "T=32",
+                        "--set", "total_batch_size=128", "--set", "n_embd=32"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert sorted(parse_steps(r.stdout)) == [0, 1, 2, 3] and r.stdout.count("validation loss:") == 2
+    assert (cwd / "log" / "log.txt").read_text().splitlines()[-1].startswith("3 train ")
+    loaded = subprocess.run([sys.executable, "-c", "import torch, sys; from dataclasses import dataclass\n"
+                             "@dataclass\nclass RunConfig:\n n_layer: int\n n_head: int\n n_embd: int\n"
+                             "c = torch.load(sys.argv[1], weights_only=False)['config']; print(c.n_embd)",
+                             str(cwd / "log" / "model_00003.pt")], capture_output=True, text=True, timeout=120)
+    assert loaded.stdout.strip() == "32", loaded.stderr[-2000:]
