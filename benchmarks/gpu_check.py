@@ -324,8 +324,11 @@ def check_outside_steps(t: Trainer, label: str, gate: bool) -> tuple[bool | None
     outside = sum(sum(v) for v in spent.values())  # all of it falls after the warm-up steps
     batch = t.overrides(Path(), 1)["train.total_batch_tokens"]
     per_token_step = statistics.median(r["train/step_time"] for r in train) / batch
-    val_s_per_token = sum(r["time/val_s"] for r in evals) / sum(r["val/tokens"] for r in evals)
-    hs_s_per_example = sum(r["time/hellaswag_s"] for r in evals) / sum(r["hellaswag/n"] for r in evals)
+    # the first evaluation of a process warms up (its kernels, the first read of the shards): once per launch,
+    # not once per interval, so the per-unit costs come from the later ones, as the steps' from the later steps
+    warm = evals[1:] or evals
+    val_s_per_token = sum(r["time/val_s"] for r in warm) / sum(r["val/tokens"] for r in warm)
+    hs_s_per_example = sum(r["time/hellaswag_s"] for r in warm) / sum(r["hellaswag/n"] for r in warm)
     cfg = load_config("gpt2-124m")
     tc, ev = cfg.train, cfg.eval
     step = per_token_step * tc.total_batch_tokens
@@ -344,7 +347,8 @@ def check_outside_steps(t: Trainer, label: str, gate: bool) -> tuple[bool | None
               f"({write:.2f} s each), eval {med['eval']:.2f} s, sample {med['sample']:.2f} s; steps "
               f"{per_token_step * 1e6:.2f} s/Mtok); projected at gpt2-124m's cadence ({step:.2f} s steps; val "
               f"{val_s_per_token * ev.val_tokens:.1f} s per {ev.val_tokens / 1e6:.0f}M tokens, HellaSwag "
-              f"{hs_s_per_example * HELLASWAG_FULL:.1f} s per {HELLASWAG_FULL:,} examples): {projected:.1%} of "
+              f"{hs_s_per_example * HELLASWAG_FULL:.1f} s per {HELLASWAG_FULL:,} examples, from the "
+              f"{len(warm)} evaluations after the first): {projected:.1%} of "
               f"wall time (pass <= {OUTSIDE_TARGET:.0%}, checkpoint blocking <= {BLOCKING_TARGET_S * 1000:.0f} ms)")
     return (projected <= OUTSIDE_TARGET and med["checkpoint"] <= BLOCKING_TARGET_S) if gate else None, detail
 
@@ -661,7 +665,9 @@ def check_profile(device: torch.device, shape: dict, ratio: float | None) -> tup
             if cuda:
                 torch.cuda.synchronize()
         key = "self_device_time_total" if cuda else "self_cpu_time_total"
-        events = [e for e in prof.key_averages() if getattr(e, key) > 0]
+        # on CUDA the kernels alone: an operator's own device time is its kernels' again
+        kernels = [e for e in prof.key_averages() if not cuda or e.device_type == torch.autograd.DeviceType.CUDA]
+        events = [e for e in kernels if getattr(e, key) > 0]
         total = sum(getattr(e, key) for e in events) or 1
         top = sorted(events, key=lambda e: getattr(e, key), reverse=True)[:6]
         lines.append(f"{side} {total / 1000:.1f} ms: " + "; ".join(
@@ -712,6 +718,15 @@ def shapes(device: str) -> dict[str, dict]:
 ROWS = ("micro-batch", "train", "reference", "harness", "guards", "resume", "ranks", "speed", "profile")
 
 
+def markdown(table: dict) -> str:
+    """A lease's rows.json as the table README and docs/training.md carry (the card and torch first)."""
+    lines = [f"{table['device']}, torch {table['torch']}, {table['seconds']:.0f} s in all", "",
+             "| row | status | seconds | measured |", "|---|---|---|---|"]
+    for r in table["rows"]:
+        lines.append(f"| {r['name']} | {r['status']} | {r['seconds']:.0f} | {r['detail'].replace('|', '/')} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -730,7 +745,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--speed-steps", type=int, default=20)
     ap.add_argument("--speed-rounds", type=int, default=3)
     ap.add_argument("--fail-row", help="make the named row raise (to test that the table survives it)")
+    ap.add_argument("--markdown", type=Path, metavar="ROWS_JSON", help="print a lease's rows.json as the "
+                                                                       "README's table and exit")
     a = ap.parse_args(argv)
+    if a.markdown:
+        print(markdown(json.loads(a.markdown.read_text())))
+        return 0
     if a.device == "cuda" and not torch.cuda.is_available():
         print("gpu_check: no CUDA device is visible on this machine; nothing was checked (run it on the GPU "
               "machine, or --device cpu to try the checks on CPU)")

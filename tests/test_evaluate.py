@@ -79,6 +79,45 @@ def test_validation_loss_is_the_mean_over_fixed_batches(tmp_path):
     assert validation_loss(model, cfg, tmp_path, "cpu") == pytest.approx(first.item(), rel=1e-5)
 
 
+@pytest.mark.slow  # Inductor compiles C++ (g++)
+def test_the_trainers_validation_runs_compiled_where_training_compiles_and_falls_back_to_eager(tmp_path):
+    """Validation (one fixed shape) runs through a torch.compile of the plain model where training compiles
+    (eager validation cost 5.7% of gpt2-124m's wall time on an H100, docs/gpu/2026-11-26-h100): the same
+    loss as eager, with the model left in train mode; a compiled forward that fails gives way to eager for
+    the rest of the invocation, with an event, and the same numbers."""
+    from gptcore.distributed import Env
+    from gptcore.metrics import NullLogger
+    from gptcore.training.guard import FaultInjector
+    from gptcore.training.train_eval import Evaluator
+
+    make_dataset(tmp_path)
+    cfg = load_config("micro", OVERRIDES)
+    model = micro_model().train()
+    eager = validation_loss(model, cfg, tmp_path, "cpu")
+    events = []
+    env = Env(0, 0, 1, torch.device("cpu"), torch.float32, compile=True)
+    ev = Evaluator(cfg, env, tmp_path, model, NullLogger(), lambda step, text, who="guard": events.append(text),
+                   FaultInjector("", 0))
+    assert ev.compiled_val is not None and ev.compiled_val._orig_mod is model  # the same weights, compiled
+    compiled = ev.validation(4)
+    assert float(compiled[0] / compiled[1]) == pytest.approx(eager, abs=1e-5) and model.training
+    assert events == []
+
+    def broken(*_, **__):
+        raise RuntimeError("inductor could not compile this")
+    ev.compiled_val = broken
+    fallback = ev.validation(8)
+    assert float(fallback[0] / fallback[1]) == pytest.approx(eager, rel=1e-6)
+    assert ev.compiled_val is None and len(events) == 1
+    assert "compiled forward failed (RuntimeError: inductor could not compile this)" in events[0]
+    assert "eagerly for the rest of this invocation" in events[0]
+    ev.validation(12)
+    assert len(events) == 1  # eager from then on: no second event
+    no_compile = Evaluator(cfg, Env(0, 0, 1, torch.device("cpu"), torch.float32, compile=False), tmp_path, model,
+                           NullLogger(), events.append, FaultInjector("", 0))
+    assert no_compile.compiled_val is None
+
+
 def test_validation_loss_split_across_ranks_sums_to_the_whole(tmp_path):
     make_dataset(tmp_path)
     cfg = load_config("micro", OVERRIDES)

@@ -31,16 +31,18 @@ log = logging.getLogger(__name__)
 
 @torch.no_grad()
 def validation_sums(model: torch.nn.Module, cfg: RunConfig, manifest_dir: Path, device,
-                    autocast_ctx=None, rank: int = 0, world: int = 1) -> torch.Tensor:
+                    autocast_ctx=None, rank: int = 0, world: int = 1, forward=None) -> torch.Tensor:
     """This rank's [sum of batch mean losses, batch count] (float64, on `device`), on the plain model through
-    the loss path (no logits kept); no collective, so a rank that fails here cannot leave others waiting."""
+    the loss path (no logits kept); no collective, so a rank that fails here cannot leave others waiting.
+    `forward`: what runs each batch instead of the plain model (the trainer's compiled validation forward,
+    a torch.compile of the same plain model, called while it is in eval mode)."""
     B, T = cfg.train.resolved_micro_batch(), cfg.train.seq_len
     total = torch.zeros(2, dtype=torch.float64, device=device)
     with evaluating(model) as plain:
         for x, y in val_batches(manifest_dir, B, T, cfg.eval.val_tokens, rank, world):
             x, y = x.to(device), y.to(device)
             with autocast_ctx or nullcontext():
-                _, loss = plain(x, y, return_logits=False)
+                _, loss = (plain if forward is None else forward)(x, y, return_logits=False)
             total[0] += loss.double()
             total[1] += 1
     return total
