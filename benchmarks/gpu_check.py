@@ -6,17 +6,21 @@
 
 Each row is isolated: an exception becomes that row's FAIL with its error, and the other rows still run.
 Each row is printed as it completes, and every row so far is in the JSON of --out (rewritten after each
-row, so a lease that ends mid-run keeps what passed). A row whose start would come after --budget-s is
-reported as not started. Exit 1 when any row failed.
+row, so a lease that ends mid-run keeps what passed), every run's logs in --logs (a .tar.gz, likewise). A
+row whose start would come after --budget-s is reported as not started; a run still going at --deadline-s
+is killed with its workers (its row FAILs, the table goes on). Exit 1 when any row failed.
+`--markdown rows.json` prints a lease's rows as a table (docs/training.md).
 
-Rows, in this order (CUDA's default set is everything but `speed`; first what a new user hits first, then
-the speed target, so a lease's budget cuts the least telling rows):
+Rows run by value, so that a lease's deadline cuts the least telling ones: reference, train <big> and
+outside steps, harness parity, profile (on CUDA when the reference ratio misses its target, or asked for),
+guards, micro-batch auto, train micro, resume, ranks, speed. CUDA's default set is everything but `speed`
+and `profile`:
   micro-batch auto   what train.micro_batch=auto chooses for gpt2-124m here, probed as the trainer probes it
           (the probe that killed the CUDA context on the first H200: it must finish)
-  reference  the project's full trainer (torchrun, gpt2-124m, 64 x 1024 micro-batches, 524,288-token
+  reference  the project's full trainer (torchrun, gpt2-124m, micro_batch=auto (64 x 1024 at most), 524,288-token
           steps, compile, bf16) against build-nanogpt's train_gpt2.py run from its own file
           (benchmarks/reference_run.py; --reference FILE, fetched by benchmarks/fetch_reference.sh), with
-          the same shape and settings, alternated for --reference-rounds rounds: tokens/s (each from its own
+          the same shape and settings, alternated ABBA for --reference-rounds rounds: tokens/s (each from its own
           step timer, after the warm-up steps), MFU against a matmul rate measured in this run, peak memory.
           On CUDA with the real file it must reach 1.03x. Without --reference (and on CPU) it runs our
           stand-in of the same form (benchmarks/reference_standin.py), informational
@@ -40,6 +44,8 @@ the speed target, so a lease's budget cuts the least telling rows):
   resume  a run SIGKILLed after its first checkpoint and started again ends with the losses of the
           uninterrupted run (bf16 tolerance on CUDA, fp32 rounding on CPU)
   ranks   2 ranks equal 1 rank with twice the accumulation (when there are >= 2 devices)
+  profile one compiled micro-step of our model and of the plain build-nanogpt-style model under
+          torch.profiler: the top kernels of each and their shares
   speed   (--rows speed or all) the trainer's train_step against a plain build-nanogpt-style loop in this
           process, compile on, alternated over --speed-rounds rounds: informational since the reference
           row measures the same against the real file

@@ -33,6 +33,8 @@ from tests.hub_standin import standin  # noqa: F401
 from tests.mlflow_server import mlflow_server  # noqa: F401
 from tests.prefect_stack import prefect_stack  # noqa: F401
 
+pytest_plugins = ["tests.suite_report"]  # the time report at the end of every run
+
 # fixture name -> marker: a new fixture that starts a server or spawns processes is added here
 # (tests/test_suite.py checks that each name is one fixture that exists).
 MARKING_FIXTURES = {

@@ -129,10 +129,33 @@ def test_rows_past_the_budget_are_reported_not_run(tmp_path):
     r = gpu_check("--device", "cpu", "--rows", "micro-batch,harness", "--budget-s", "0", "--out", str(out), timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
-    assert [(x["name"], x["status"]) for x in rows] == [("micro-batch auto", "not run"), ("harness parity", "not run")]
+    assert [(x["name"], x["status"]) for x in rows] == [("harness parity", "not run"), ("micro-batch auto", "not run")]
     assert "budget of 0 s was spent" in rows[0]["detail"]
     bad = gpu_check("--device", "cpu", "--rows", "nope", timeout=120)
     assert bad.returncode == 2 and "--rows: unknown nope" in bad.stderr
+
+
+def test_a_run_past_the_deadline_is_killed_and_its_row_fails_without_ending_the_table(tmp_path):
+    """A lease call must end inside its limit: a trainer still running at --deadline-s is killed with its
+    workers (no process of it left), its row FAILs naming the deadline, the rows that need it are reported,
+    and the table and its logs are still written."""
+    import psutil
+
+    out, logs = tmp_path / "rows.json", tmp_path / "logs.tar.gz"
+    before = {p.pid for p in psutil.process_iter()}
+    r = gpu_check("--device", "cpu", "--rows", "resume", "--deadline-s", "4", "--out", str(out), "--logs", str(logs),
+                  timeout=300)
+    assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
+    rows = {x["name"]: x for x in json.loads(out.read_text())["rows"]}
+    assert rows["train micro"]["status"] == "FAIL" and rows["train micro"]["seconds"] < 30
+    assert "TimeoutError: killed after" in rows["train micro"]["detail"]
+    assert "--deadline-s" in rows["train micro"]["detail"]
+    assert rows["resume after SIGKILL"]["status"] == "not run"
+    with tarfile.open(logs) as tar:
+        assert "micro/train-micro.log" in tar.getnames()
+    left = [p for p in psutil.process_iter(["cmdline"]) if p.pid not in before
+            and "gptcore.training.train" in " ".join(p.info["cmdline"] or [])]
+    assert not left, left
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
