@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 export GPTPIPE_HOME ?= $(CURDIR)/var
 
-.PHONY: install demo test test-quick readme-counts stop bench bench-smoke gpu-check lint clean
+.PHONY: install demo test test-durations test-quick readme-counts stop bench bench-smoke gpu-check lint clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,13 +26,21 @@ stop: install
 	$(PY) -m devstack.demo --stop
 
 # everything (CI): real servers, torchrun, the demo's CLI; fails on a skip not listed in tests/conftest.py's
-# EXPECTED_SKIPS; the 30 slowest tests are listed at the end of every log
+# EXPECTED_SKIPS; ends with the 30 slowest tests and the suite's time report (tests/suite_report.py:
+# wall, cores busy, minutes per file). Two pytest-xdist workers, a whole file each at a time
+# (--dist loadfile: a module's fixtures are built once); TEST_WORKERS=0 runs it in one process
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 test: install
-	$(PY) -m pytest -q --fail-on-unexpected-skips --durations=30
+	$(PY) -m pytest -q $(XDIST) --fail-on-unexpected-skips --durations=30
+
+# the whole suite, then each file's seconds into tests/file_durations.json (the longest files start first)
+test-durations: install
+	$(PY) -m pytest -q $(XDIST) --fail-on-unexpected-skips --write-file-durations
 
 # the inner loop: the in-process tests only (no server, no torchrun, no spawned trainer fixtures)
 test-quick: install
-	$(PY) -m pytest -q -m "not slow and not server and not spawns" --durations=10
+	$(PY) -m pytest -q $(XDIST) -m "not slow and not server and not spawns" --durations=10
 
 # README's table of test counts, from collecting the suite (tests/test_suite.py checks it)
 readme-counts: install

@@ -425,8 +425,9 @@ def run_ours(work: Path, dataset: Path, device: str, shape: dict, name: str) -> 
                  "eval.eval_interval": 0, "eval.val_tokens": shape["B"] * shape["T"], "eval.hellaswag.enabled": False,
                  "eval.sample_interval": 0, "eval.sample_tokens": 8,
                  **{f"model.{k}": v for k, v in shape["model"].items()}}
-    proc = subprocess.Popen(torchrun_cmd(shape["preset"], overrides, 1), cwd=ROOT, env=worker_env(compile_cache(work, "ours")),
-                            stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(torchrun_cmd(shape["preset"], overrides, 1), cwd=ROOT,
+                            env=worker_env(compile_cache(work, "ours")), stdout=open(log, "w"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
     rc = wait(proc, 600)
     rows = [r for r in read_metrics(run / "metrics.jsonl", "train") if WARM < r["step"] < REFERENCE_STEPS]
     if rc != 0 or not rows:
@@ -657,7 +658,7 @@ def check_profile(device: torch.device, shape: dict, ratio: float | None) -> tup
              "plain": (torch.compile(theirs), lambda m: m(x, y))}
     lines = []
     for side, (model, loss_of) in steps.items():
-        def micro_step():
+        def micro_step(model=model, loss_of=loss_of):
             with env.autocast():
                 loss = loss_of(model)
             loss.backward()
@@ -761,7 +762,8 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_check: no CUDA device is visible on this machine; nothing was checked (run it on the GPU "
               "machine, or --device cpu to try the checks on CPU)")
         return 0
-    chosen = set(ROWS) - {"speed", "profile"} if a.rows == "default" else set(ROWS) if a.rows == "all" else set(a.rows.split(","))
+    default = set(ROWS) - {"speed", "profile"}
+    chosen = default if a.rows == "default" else set(ROWS) if a.rows == "all" else set(a.rows.split(","))
     if chosen - set(ROWS):
         ap.error(f"--rows: unknown {', '.join(sorted(chosen - set(ROWS)))}; choose from {', '.join(ROWS)}")
     from gptcore.distributed import select_dtype

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 import numpy as np
 import tiktoken
 import torch
+from hellaswag import iterate_examples, render_example  # noqa: F401 - imported, as the real file does
 
 from benchmarks.bench_train import BaseGPT
 from gptcore.config import ModelConfig
-from hellaswag import iterate_examples, render_example  # noqa: F401 - imported, as the real file does
 
 total_batch_size = 4096
 B = 4

@@ -268,6 +268,9 @@ class TrainConfig:
     # run's median step time (5-20 min). Set it above your longest evaluation.
     hang_timeout_s: float = 0.0
     max_restarts: int = 1  # torchrun restarts of every rank after one fails (a hang, a crash), per launch
+    # torch.profiler on every rank for this many steps after each launch's first (0 = off); `touch
+    # <run_dir>/PROFILE` asks for one while the run trains (gptcore/training/profiling.py)
+    profile_steps: int = 0
 
     def resolved_micro_batch(self) -> int:
         """micro_batch, or for "auto" before a trainer chose (an evaluation outside training) micro_batch_max.
@@ -292,6 +295,9 @@ class TrainConfig:
             raise ConfigError("train.max_minutes must be >= 0 (0 = no time budget)")
         if self.system_metrics_interval < 0:
             raise ConfigError("train.system_metrics_interval must be >= 0 seconds (0 = no system metrics)")
+        if self.profile_steps < 0:
+            raise ConfigError(f"train.profile_steps must be >= 0 steps (0 = no profile at launch), got "
+                              f"{self.profile_steps}")
         if self.hang_timeout_s < 0 or self.max_restarts < 0:
             raise ConfigError(f"train.hang_timeout_s (0 = derived from the step time) and train.max_restarts "
                               f"must be >= 0, got {self.hang_timeout_s} and {self.max_restarts}")

@@ -6,8 +6,10 @@ over the workers), slowest first. With pytest-xdist the reports reach the contro
     make test                   # prints "suite time" and the per-file table last
     python -m json.tool var/test-durations.json
 
-A file that grows past its share (docs/testing.md "The time budget") must share a fixture or join a
-group before it lands.
+The files run longest first (tests/file_durations.json, the per-file seconds of a measured run: `make
+test-durations` rewrites it), so that with two workers the long files overlap instead of the last one
+running alone. A file that grows past its share (docs/testing.md "The time budget") must share a fixture
+or be split before it lands.
 """
 
 from __future__ import annotations
@@ -24,6 +26,22 @@ import pytest
 _start: dict = {}
 _by_file: dict[str, float] = defaultdict(float)
 _tests: dict[str, int] = defaultdict(int)
+
+
+FILE_DURATIONS = Path(__file__).with_name("file_durations.json")
+UNMEASURED_S = 60.0  # a file not measured yet: in the middle
+
+
+def pytest_collection_modifyitems(config, items):
+    """Longest files first (a file not measured yet in the middle), each file's tests in their own order.
+    Every xdist worker collects the same order, as xdist requires."""
+    try:
+        seconds = json.loads(FILE_DURATIONS.read_text())
+    except (OSError, ValueError):
+        return
+    unknown = UNMEASURED_S
+    position = {id(item): i for i, item in enumerate(items)}
+    items.sort(key=lambda it: (-seconds.get(it.nodeid.split("::", 1)[0], unknown), position[id(it)]))
 
 
 def _is_worker(config) -> bool:
@@ -50,16 +68,17 @@ def busy_share(before, after, wall: float) -> float:
 
 @pytest.hookimpl(trylast=True)
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    if _is_worker(config) or "wall" not in _start:
-        return
+    if _is_worker(config) or "wall" not in _start or not _tests:
+        return  # a worker, or nothing ran (--collect-only): no report
     wall = time.monotonic() - _start["wall"]
     busy = busy_share(_start["cpu"], psutil.cpu_times(), wall)
     workers = getattr(config.option, "numprocesses", None) or 0
     rows = sorted(_by_file.items(), key=lambda kv: -kv[1])
     tr = terminalreporter
     tr.write_sep("=", "suite time")
+    summed = sum(_by_file.values()) / 60
     tr.write_line(f"wall {wall / 60:.1f} min on {psutil.cpu_count()} cores, {workers or 'no'} xdist workers; "
-                  f"cores busy {busy:.0%} of the wall time; test time summed over workers {sum(_by_file.values()) / 60:.1f} min")
+                  f"cores busy {busy:.0%} of the wall time; test time summed over workers {summed:.1f} min")
     for path, seconds in rows[:25]:
         tr.write_line(f"  {seconds:7.1f} s  {_tests[path]:3d} tests  {path}")
     home = Path(os.environ.get("GPTPIPE_HOME", "var"))
@@ -69,3 +88,11 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
                                "files": {p: {"seconds": round(s, 1), "tests": _tests[p]} for p, s in rows}},
                               indent=1))
     os.replace(tmp, home / "test-durations.json")
+    if config.getoption("--write-file-durations"):  # make test-durations: the order of the next runs
+        FILE_DURATIONS.write_text(json.dumps({p: round(s, 1) for p, s in rows}, indent=1, sort_keys=True) + "\n")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--write-file-durations", action="store_true",
+                     help="after the run, write each file's seconds to tests/file_durations.json (the order "
+                          "in which later runs start the files)")

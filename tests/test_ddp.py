@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks import loss_compare
 from gptcore.checkpoints import checkpoint as C
 from gptcore.checkpoints import run_files as R
 from gptcore.metrics import read_metrics
@@ -54,6 +55,8 @@ def assert_same_run(run, ref, tol):
     assert sorted(got) == sorted(want) == list(range(1, STEPS + 1))
     worst = max(abs(got[s] - want[s]) for s in want)
     assert worst <= tol, f"max loss difference {worst}"
+    # the users' tool agrees, on the losses and the gradient norms (benchmarks/loss_compare.py)
+    assert loss_compare.main([str(run), str(ref), "--tolerance", str(tol)]) == 0
     a, b = final_weights(run, STEPS), final_weights(ref, STEPS)
     for k in b:
         torch.testing.assert_close(a[k], b[k], atol=tol, rtol=0, msg=k)
@@ -92,6 +95,32 @@ def test_two_ranks_accum_k_equal_one_rank_accum_2k(ds, reference, tmp_path):
     assert proc.wait(timeout=300) == 0, (tmp_path / "log").read_text()
     assert "world=1 accum=4" in (tmp_path / "log").read_text()
     assert_same_run(run, reference, 1e-5)
+
+
+def test_loss_compare_names_the_first_step_where_two_runs_part(reference, tmp_path, capsys):
+    """benchmarks/loss_compare on a real run and a copy of it: identical -> exit 0 with --assert-equal; one
+    loss moved by 1e-3 at step 7 -> exit 1 naming step 7, within --tolerance 1e-2 -> 0; a step missing ->
+    exit 1 naming it; without a check it only prints the table (exit 0)."""
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    rows = [json.loads(line) for line in (reference / "metrics.jsonl").read_text().splitlines()]
+    write = lambda rs: (copy / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rs))  # noqa: E731
+    write(rows)
+    assert loss_compare.main([str(reference), str(copy), "--assert-equal"]) == 0
+    assert f"{STEPS} steps agree (bit-identical)" in capsys.readouterr().out
+    moved = [dict(r, **{"train/loss": r["train/loss"] + 1e-3}) if r.get("kind") == "train" and r["step"] == 7 else r
+             for r in rows]
+    write(moved)
+    assert loss_compare.main([str(reference), str(copy), "--assert-equal"]) == 1
+    err = capsys.readouterr().err
+    assert "the runs part at step 7: train/loss" in err and "difference 0.001" in err
+    assert loss_compare.main([str(reference), str(copy), "--tolerance", "1e-2"]) == 0
+    write([r for r in rows if not (r.get("kind") == "train" and r["step"] == STEPS)])
+    assert loss_compare.main([str(reference), str(copy), "--tolerance", "1"]) == 1
+    assert f"step {STEPS} is only in run A" in capsys.readouterr().err
+    assert loss_compare.main([str(reference), str(copy)]) == 0
+    with pytest.raises(SystemExit, match="has no metrics.jsonl"):
+        loss_compare.main([str(reference), str(tmp_path / "nothing")])
 
 
 def test_sigkill_then_same_command_resumes_exactly(ds, reference, tmp_path):
@@ -257,3 +286,40 @@ def test_an_unwritable_checkpoint_stops_both_ranks_without_a_hang(ds, tmp_path):
         (codes, out[-3000:])
     assert out.count("error: checkpoint step 4 could not be written") == 2, out[-3000:]  # both ranks
     assert not list((run / "checkpoints").iterdir())
+
+
+def test_a_profile_at_launch_and_on_demand_on_every_rank_reaches_mlflow(ds, tmp_path, mlflow_server):
+    """`train.profile_steps=2` records steps 2-3 of the launch (after the compile step) and a PROFILE file
+    asking for 2 steps, seen at the next poll (step 5), records steps 5-6: on both ranks, a Chrome trace and
+    a table of the top operators each, the file removed afterwards, one `profile` row and event per
+    recording. The MLflow shipper attaches both recordings to the run as artifacts."""
+    from integrations import tracking
+
+    run = tmp_path / "profiled"
+    run.mkdir()
+    (run / "PROFILE").write_text("2\n")
+    proc = start(torchrun_cmd(args(ds, run, "train.profile_steps=2", "train.max_steps=8")), tmp_path,
+                 tmp_path / "log")
+    assert proc.wait(timeout=300) == 0, (tmp_path / "log").read_text()[-3000:]
+    folders = sorted(p.name for p in (run / "profiles").iterdir())
+    assert folders == ["step_00000002-00000003", "step_00000005-00000006"]
+    for folder in folders:
+        for rank in (0, 1):
+            trace = json.loads((run / "profiles" / folder / f"rank{rank}.trace.json").read_text())
+            names = {e.get("name", "") for e in trace["traceEvents"]}
+            assert any(n.startswith("aten::") for n in names), folder  # the steps' operators are in it
+            top = (run / "profiles" / folder / f"rank{rank}.top.txt").read_text()
+            assert f"rank {rank}" in top and "Self CPU" in top
+    assert not (run / "PROFILE").exists() and not list((run / "profiles").rglob("*.tmp"))
+    rows = read_metrics(run / "metrics.jsonl", "profile")
+    assert [(r["first_step"], r["last_step"], r["dir"]) for r in rows] == [
+        (2, 3, "profiles/step_00000002-00000003"), (5, 6, "profiles/step_00000005-00000006")]
+    assert "profiled steps 5-6: profiles/step_00000005-00000006/" in (tmp_path / "log").read_text()
+    shipper = tracking.Shipper(run, mlflow_server.uri)
+    shipper.ship_once(final=True)
+    from mlflow import MlflowClient
+
+    listed = [f.path for f in MlflowClient(mlflow_server.uri).list_artifacts(shipper.run_id,
+                                                                               "profiles/step_00000005-00000006")]
+    assert sorted(listed) == [f"profiles/step_00000005-00000006/rank{r}.{kind}" for r in (0, 1)
+                              for kind in ("top.txt", "trace.json")]

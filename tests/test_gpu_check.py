@@ -3,9 +3,9 @@ go unexercised; on a CUDA machine the `gpu` tests run the real thing."""
 
 import json
 import os
-import tarfile
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest

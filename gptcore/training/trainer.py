@@ -35,6 +35,7 @@ from gptcore.model.optim import build_optimizer, lr_at, set_lr, skips_on_device
 from gptcore.training import microbatch
 from gptcore.training.damage import DamagedShards
 from gptcore.training.guard import OK, ROLLBACK, SKIP, FaultInjector, Guard
+from gptcore.training.profiling import StepProfiler
 from gptcore.training.replicas import ComputeTimer, Disagreements, Stragglers, weights_checksum
 from gptcore.training.resume import SHARD_HASHES, Prepared, RunError, agreed_checkpoint, restore
 from gptcore.training.train_eval import Evaluator
@@ -163,6 +164,8 @@ class Trainer:
                                      if env.master else [], self.event)
         self.checkpointer = Checkpointer(self.run_dir, tc.keep_last, background=tc.async_checkpoint)
         self.evaluator = Evaluator(cfg, env, prep.data_dir, raw, self.logger, self.event, self.faults)
+        self.profiler = StepProfiler(self.run_dir, env.rank, env.device, tc.profile_steps, self.step,
+                                     self.logger.log, self.event)  # `touch <run_dir>/PROFILE`
         self.pending: list[Pending] = []
         self.unconfirmed: int | None = None  # the step of a checkpoint whose write every rank has not confirmed
         self.saved_step: int | None = None  # the step of the newest checkpoint this invocation saved
@@ -254,6 +257,7 @@ class Trainer:
         vote = self.stop_vote()
         self.faults.before_step(self.raw)
         before = self.loader.state_dict()
+        self.profiler.before(self.step + 1)
         while True:
             try:
                 stats = train_step(self.model, self.optimizer, self.loader, self.loader.accum, self.env,
@@ -263,6 +267,7 @@ class Trainer:
                 microbatch.retry_smaller(e, self.auto_micro, self.run_dir, self.cfg, self.env, self.optimizer,
                                          self.loader, before, self.step + 1, self.event)
         self.step += 1
+        self.profiler.after(self.step)
         self.watchdog.beat("training", step=self.step)
         self.pending.append(Pending(self.step, lr, self.loader.epoch, stats))
 
