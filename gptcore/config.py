@@ -271,6 +271,8 @@ class TrainConfig:
     # torch.profiler on every rank for this many steps after each launch's first (0 = off); `touch
     # <run_dir>/PROFILE` asks for one while the run trains (gptcore/training/profiling.py)
     profile_steps: int = 0
+    # $ per GPU-hour: the run's cost so far and projected (train/cost_usd, gptcore/training/cost.py); 0 = off
+    price_per_gpu_hour: float = 0.0
 
     def resolved_micro_batch(self) -> int:
         """micro_batch, or for "auto" before a trainer chose (an evaluation outside training) micro_batch_max.
@@ -295,6 +297,9 @@ class TrainConfig:
             raise ConfigError("train.max_minutes must be >= 0 (0 = no time budget)")
         if self.system_metrics_interval < 0:
             raise ConfigError("train.system_metrics_interval must be >= 0 seconds (0 = no system metrics)")
+        if not self.price_per_gpu_hour >= 0:
+            raise ConfigError(f"train.price_per_gpu_hour must be >= 0 dollars (0 = no cost shown), got "
+                              f"{self.price_per_gpu_hour}")
         if self.profile_steps < 0:
             raise ConfigError(f"train.profile_steps must be >= 0 steps (0 = no profile at launch), got "
                               f"{self.profile_steps}")

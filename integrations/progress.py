@@ -5,7 +5,9 @@ updated in place from <run_dir>/metrics.jsonl (at most every few seconds, from t
 trainer never waits on it), whose description reads
 
     step 4,210 / 19,073 · loss 3.41 · val 3.52 · 3.6M tok/s · MFU 41% · this run: ETA 1 h 10 min ·
-    whole run: ETA 5 h 10 min · MLflow run <link>
+    whole run: ETA 5 h 10 min · cost $61.20 so far, $277.40 projected · MLflow run <link>
+
+(the cost where train.price_per_gpu_hour is set: gptcore/training/cost.py)
 
 plus warnings in the flow run's log when metrics shipping to MLflow stalls, and an info line once it
 has caught up. Tokenizing: a progress artifact `<dataset>-tokenize` for the pieces done (PieceProgress).
@@ -20,14 +22,9 @@ import time
 from pathlib import Path
 
 from gptcore.metrics import METRICS_FILE, read_new_lines
+from gptcore.training.cost import duration
 
 HEALTH_WARN_SECONDS = 30.0  # tracking unreachable this long: say so in the flow run's log
-
-
-def _duration(seconds: float) -> str:
-    seconds = max(0, int(seconds))
-    h, m = divmod(seconds // 60, 60)
-    return f"{h} h {m} min" if h else f"{m} min {seconds % 60} s" if m else f"{seconds} s"
 
 
 def artifact_key(*parts: str) -> str:
@@ -67,6 +64,7 @@ class TrainProgress:
         self.t0, self.last_publish = time.time(), 0.0
         self.first: tuple[float, int] | None = None  # (time, step) of the first step of this invocation
         self.step, self.loss, self.val, self.tok_s, self.mfu = 0, None, None, None, None
+        self.cost: tuple[float, float] | None = None  # $ so far, $ projected (train.price_per_gpu_hour)
         self.artifact = ProgressArtifact(artifact_key(run_name, "training"), log)
         self.down_since: float | None = None  # tracking unreachable since
         self.shipped_then = 0  # rows the shipper had sent when the outage began
@@ -83,6 +81,8 @@ class TrainProgress:
                 if row.get("kind", "train") == "train":
                     self.step, self.loss = row["step"], row.get("train/loss")
                     self.tok_s, self.mfu = row.get("train/tokens_per_s"), row.get("train/mfu")
+                    if "train/cost_usd" in row:
+                        self.cost = (row["train/cost_usd"], row["train/cost_projected_usd"])
                     if self.first is None:
                         self.first = (time.time(), self.step - 1)
                 elif "val/loss" in row:
@@ -102,11 +102,13 @@ class TrainProgress:
             rate = (self.step - self.first[1]) / max(time.time() - self.first[0], 1e-6)  # steps/s
             to_end = (self.max_steps - self.step) / rate
             here = min(to_end, self.budget_s - (time.time() - self.t0)) if self.budget_s else to_end
-            parts += [f"this run: ETA {_duration(here)}", f"whole run: ETA {_duration(to_end)}"]
+            parts += [f"this run: ETA {duration(here)}", f"whole run: ETA {duration(to_end)}"]
+        if self.cost is not None:
+            parts.append(f"cost ${self.cost[0]:,.2f} so far, ${self.cost[1]:,.2f} projected")
         if self.shipper is not None and self.shipper.run_id:
             parts.append(f"MLflow run {self.shipper.run_id}")
         if self.down_since is not None:
-            parts.append(f"tracking delayed {_duration(time.time() - self.down_since)}")
+            parts.append(f"tracking delayed {duration(time.time() - self.down_since)}")
         return " · ".join(parts)
 
     def tick(self, final: bool = False) -> None:
@@ -131,12 +133,12 @@ class TrainProgress:
                 self.down_since, self.shipped_then, self.warned = now, s.shipped, False
             elif now - self.down_since >= HEALTH_WARN_SECONDS and not self.warned:
                 self.log.warning("metrics are not reaching MLflow for %s (%s); they stay in %s and are sent "
-                                 "when it is back", _duration(now - self.down_since), s.last_error, self.path)
+                                 "when it is back", duration(now - self.down_since), s.last_error, self.path)
                 self.warned = True  # once per outage
         elif self.down_since is not None:
             if self.warned:
                 self.log.info("MLflow shipping caught up after %s: %s rows were sent late",
-                              _duration(now - self.down_since), f"{s.shipped - self.shipped_then:,}")
+                              duration(now - self.down_since), f"{s.shipped - self.shipped_then:,}")
             self.down_since = None
 
 

@@ -107,8 +107,9 @@ def task_run_states(flow_run_id) -> dict[str, tuple[str, str, str]]:
     return {tr.name: (tr.state.type.value, tr.state.name, tr.state.message or "") for tr in trs if tr.state}
 
 
-def artifacts(flow_run_id) -> dict[str, object]:
-    """artifact key -> data (tables decoded) for one flow run."""
+def artifacts(flow_run_id, descriptions: dict | None = None) -> dict[str, object]:
+    """artifact key -> data (tables decoded) for one flow run; each one's description into `descriptions`
+    when given (what the UI shows beside a progress bar)."""
     import json
 
     from prefect.client.orchestration import get_client
@@ -123,4 +124,6 @@ def artifacts(flow_run_id) -> dict[str, object]:
         if a.type == "table" and isinstance(data, str):
             data = json.loads(data)
         out[a.key] = data
+        if descriptions is not None:
+            descriptions[a.key] = a.description or ""
     return out

@@ -207,7 +207,8 @@ def test_killed_flow_run_resumes_from_its_checkpoint(prefect_stack):
     # the unresponsive-run automation for this deployment (heartbeats every 30 s here: prefect_stack)
     r = automations_script(prefect_stack, "--deployment", "tiny", "--silence-seconds", "60")
     assert r.returncode == 0, r.stderr[-2000:]
-    params = micro("killed", 2000, **{"eval.eval_interval": 1000, "eval.sample_interval": 1000})
+    params = micro("killed", 2000, **{"eval.eval_interval": 1000, "eval.sample_interval": 1000,
+                                      "train.price_per_gpu_hour": 3.0})
     params.update(register=False, evaluate=False)
     fr_id = run_deployment("pretrain/tiny", parameters=params, timeout=0)
     run_dir = prefect_stack.home / "runs" / "killed"
@@ -221,14 +222,17 @@ def test_killed_flow_run_resumes_from_its_checkpoint(prefect_stack):
         except Exception:  # noqa: BLE001 -- pruned between listing and reading: look again
             return 0
 
-    seen = []  # the live progress artifact while it trains
-    while newest_step() < 8 or len(seen) < 2:
-        assert time.monotonic() < end, f"no checkpoint appeared (progress seen: {seen})"
-        p = artifacts(fr_id.id).get("killed-training")
+    seen, described = [], {}  # the live progress artifact while it trains, and what the UI shows beside it
+    while newest_step() < 8 or len(seen) < 2 or "cost $" not in described.get("killed-training", ""):
+        assert time.monotonic() < end, f"no checkpoint appeared (progress seen: {seen}, {described})"
+        p = artifacts(fr_id.id, described).get("killed-training")
         if p is not None and (not seen or p != seen[-1]):
             seen.append(p)
         time.sleep(0.3)
     assert all(0 <= p < 100 for p in seen) and seen == sorted(seen) and seen[-1] > 0, seen
+    # ETA and cost, where an operator looks (train.price_per_gpu_hour=3.0)
+    text = described["killed-training"]
+    assert "whole run: ETA " in text and " so far, $" in text and " projected" in text, text
     # a crash of the worker machine: SIGKILL the worker's process group and the flow run's process
     # (Prefect starts flow runs in their own session, so killing the worker alone would not stop it)
     holder = json.loads((run_dir / "train.lock").read_text())  # the trainer's lock names its launcher

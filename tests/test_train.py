@@ -352,3 +352,36 @@ def test_an_evaluation_with_its_own_switch_interval_and_settings_is_one_class_an
     finally:
         evals.unregister("scaled")
     assert "scaled" not in load_config("micro").to_dict()["eval"]
+
+
+def test_eta_gpu_hours_and_cost_agree_with_the_runs_own_clock_and_carry_across_invocations(ds, tmp_path, capsys):
+    """train.price_per_gpu_hour=2.5: every train row has the ETA, the GPU-hours and the cost so far and
+    projected. The GPU-hours grow as the rows' own timestamps (1 device: hours x 3600 = seconds, within
+    10%), the ETA at the halfway step is the time the second half then took (within 50%: the 2-core machine
+    shares its cores with the suite's other worker; an ETA of the whole run instead of what is left would be
+    2x off), the cost is the hours times the price. Stopped and
+    continued, the second invocation starts from the hours its checkpoint recorded."""
+    run = tmp_path / "priced"
+    extra = ("train.price_per_gpu_hour=2.5", "train.max_steps=24", "train.checkpoint_interval=12",
+             "train.log_interval=1")
+    assert main(args(ds, run, *extra, "train.max_minutes=0.000001")) == 0  # stops after its first step
+    first = R.latest_checkpoint(run)
+    recorded = C.load_trainer_state(first)["gpu_hours"]
+    assert recorded > 0
+    assert main(args(ds, run, *extra)) == 0
+    assert "ETA " in capsys.readouterr().out
+    rows = {r["step"]: r for r in read_metrics(run / "metrics.jsonl", "train")}
+    assert sorted(rows) == list(range(1, 25))
+    for r in rows.values():
+        assert r["train/cost_usd"] == pytest.approx(r["train/gpu_hours"] * 2.5)
+        assert r["train/cost_projected_usd"] == pytest.approx((r["train/gpu_hours"] + r["train/eta_s"] / 3600) * 2.5)
+    assert rows[2]["train/gpu_hours"] >= recorded  # the second invocation continues the first's hours
+    a, b = rows[4], rows[24]
+    assert (b["train/gpu_hours"] - a["train/gpu_hours"]) * 3600 == pytest.approx(b["time"] - a["time"], rel=0.1)
+    half = rows[12]
+    assert half["train/eta_s"] == pytest.approx(rows[24]["time"] - half["time"], rel=0.5)
+    assert rows[24]["train/eta_s"] == 0
+    plain = tmp_path / "unpriced"
+    assert main(args(ds, plain)) == 0
+    last = read_metrics(plain / "metrics.jsonl", "train")[-1]
+    assert "train/eta_s" in last and "train/cost_usd" not in last  # no price: no cost

@@ -33,6 +33,7 @@ from gptcore.model.gpt import peak_flops_guess
 from gptcore.model.loss import make_loss
 from gptcore.model.optim import build_optimizer, lr_at, set_lr, skips_on_device
 from gptcore.training import microbatch
+from gptcore.training.cost import RunClock, duration
 from gptcore.training.damage import DamagedShards
 from gptcore.training.guard import OK, ROLLBACK, SKIP, FaultInjector, Guard
 from gptcore.training.profiling import StepProfiler
@@ -137,6 +138,9 @@ class Trainer:
                                   verify_reads=env.local_rank == 0)  # one hashing loader per node
         torch.manual_seed(tc.seed + env.rank)  # per-rank randomness (dropout) from here on
         self.step = 0  # steps done; tokens seen = step * train.total_batch_tokens (part of the run identity)
+        # ETA and GPU-hours (cost): the hours the resumed checkpoint had recorded carry on
+        self.clock = RunClock(env.world, tc.price_per_gpu_hour, self.t_start,
+                              float((prep.trainer_state or {}).get("gpu_hours", 0.0)))
         if prep.trainer_state is not None:
             self.step = restore(prep.trainer_state, self.optimizer, self.loader, self.scaler, env)
             # the optimizer holds its own copy now: the loaded one (~1 GB per rank at 124M) goes
@@ -296,7 +300,7 @@ class Trainer:
         self.damaged.report(self.pending[-1].step, [d for _, d in heard])
         batch = cfg.train.total_batch_tokens
         tok_s = batch / dt
-        rates = {}
+        rates = self.clock.row(self.pending[-1].step, cfg.train.max_steps, dt, now)
         if self.peak_flops:
             rates["train/mfu"] = self.raw.estimate_mfu(tok_s, self.peak_flops, cfg.train.seq_len)
         if env.device.type == "cuda":  # the allocator's own count: no device sync
@@ -316,8 +320,11 @@ class Trainer:
                                f"update applied ({guard.nonfinite}/{cfg.guard.max_nonfinite} before a rollback)")
         if env.master:
             p, s = self.pending[-1], rows[-1]
+            cost = f" | ${rates['train/cost_usd']:,.2f} of ${rates['train/cost_projected_usd']:,.2f}" \
+                if "train/cost_usd" in rates else ""
             print(f"step {p.step:6d}/{cfg.train.max_steps} | loss {read.loss:.6f} | lr {p.lr:.3e} | norm "
-                  f"{s.grad_norm:.4f} | {dt * 1000:.1f} ms | {tok_s:,.0f} tok/s", flush=True)
+                  f"{s.grad_norm:.4f} | {dt * 1000:.1f} ms | {tok_s:,.0f} tok/s | ETA "
+                  f"{duration(rates['train/eta_s'])}{cost}", flush=True)
         self.pending.clear()
         self.t_read = now
         self.confirm_checkpoint(wait=False)
@@ -353,7 +360,7 @@ class Trainer:
         if env.master:
             state = {"optimizer": self.optimizer.state_dict(), "loader": self.loader.state_dict(), "rng": rngs,
                      "scaler": self.scaler.state_dict() if self.scaler is not None else {},
-                     "step": self.step, "world": env.world}
+                     "step": self.step, "world": env.world, "gpu_hours": self.clock.gpu_hours()}
             self.checkpointer.save(self.step, self.raw, state, {
                 **self.meta, "tokens_seen": self.step * self.cfg.train.total_batch_tokens,
                 "train_loss": train_loss, "reason": reason})
