@@ -476,6 +476,32 @@ def _gpt2_124m_muon() -> RunConfig:
     return cfg
 
 
+def _gpt2_family(preset: str, model: str, micro_batch_max: int, total_batch_tokens: int, max_lr: float,
+                 min_lr: float, max_steps: int) -> RunConfig:
+    # The larger GPT-2s as llm.c trained them (karpathy/llm.c scripts/run_gpt2_{350M,774M,1558M}.sh): AdamW
+    # (0.9, 0.95), weight decay 0.1, clip 1.0, cosine after 700 warmup steps, FineWeb-Edu's 100B-token sample
+    # (their runs take 31-150B tokens). micro_batch auto, at most llm.c's per-GPU size on an 80 GB card.
+    cfg = _gpt2_124m()
+    cfg.preset, cfg.model = preset, model_preset(model)
+    cfg.data.hub.config = "sample-100BT"
+    cfg.optim = OptimConfig(max_lr=max_lr, min_lr=min_lr, warmup_steps=700, weight_decay=0.1)
+    cfg.train = TrainConfig(micro_batch="auto", micro_batch_max=micro_batch_max,
+                            total_batch_tokens=total_batch_tokens, max_steps=max_steps)
+    return cfg
+
+
+def _gpt2_350m() -> RunConfig:  # llm.c: -b 64 -d 524288 -l 3e-4 -q 0.0 -x 60000 (31.5B tokens)
+    return _gpt2_family("gpt2-350m", "gpt2-medium", 64, 524_288, 3e-4, 0.0, 60_000)
+
+
+def _gpt2_774m() -> RunConfig:  # llm.c: -b 32 -d 524288 -l 2.5e-4 -q 0.0 -x 286102 (150B tokens)
+    return _gpt2_family("gpt2-774m", "gpt2-large", 32, 524_288, 2.5e-4, 0.0, 286_102)
+
+
+def _gpt2_1558m() -> RunConfig:  # llm.c: -b 16 -d 1048576 -l 6e-4 -q 0.1 -x 32000 (33.6B tokens)
+    return _gpt2_family("gpt2-1558m", "gpt2-xl", 16, 1_048_576, 6e-4, 6e-5, 32_000)
+
+
 def _tiny_cpu() -> RunConfig:
     # Learns visibly on a 2-core CPU in a few minutes on the built-in corpus: the demo's recipe (the `tiny`
     # deployment runs it as is), 120 steps of 2,048 tokens, so the whole demo stays well under 10 minutes.
@@ -503,7 +529,8 @@ def _micro() -> RunConfig:
                         sections={"hellaswag": {"enabled": False}}))
 
 
-PRESETS = {"gpt2-124m": _gpt2_124m, "gpt2-124m-muon": _gpt2_124m_muon, "tiny-cpu": _tiny_cpu, "micro": _micro}
+PRESETS = {"gpt2-124m": _gpt2_124m, "gpt2-124m-muon": _gpt2_124m_muon, "gpt2-350m": _gpt2_350m,
+           "gpt2-774m": _gpt2_774m, "gpt2-1558m": _gpt2_1558m, "tiny-cpu": _tiny_cpu, "micro": _micro}
 
 
 # --- loading and overrides ----------------------------------------------------------------------

@@ -385,3 +385,25 @@ def test_eta_gpu_hours_and_cost_agree_with_the_runs_own_clock_and_carry_across_i
     assert main(args(ds, plain)) == 0
     last = read_metrics(plain / "metrics.jsonl", "train")[-1]
     assert "train/eta_s" in last and "train/cost_usd" not in last  # no price: no cost
+
+
+def test_a_model_whose_states_exceed_the_machine_is_refused_before_anything_is_built(tmp_path, monkeypatch, capsys):
+    """gpt2-1558m's width at 80 layers (2.3B parameters: ~35 GiB of weights, gradients and AdamW state) is
+    refused at once with exit 2 where the machine has less memory available (this 24 GiB kind), naming what
+    it needs, what the machine has and the smoke-test widths; nothing is written. At the documented smoke
+    width the same preset passes the check (and stops at the next one: no dataset here)."""
+    import psutil
+
+    monkeypatch.setenv("GPTPIPE_HOME", str(tmp_path / "home"))
+    deep = ["gpt2-1558m", "model.n_layer=80", "model.n_embd=1536", "model.n_head=16", "train.device=cpu"]
+    assert main(deep) == 2
+    err = capsys.readouterr().err
+    if psutil.virtual_memory().available < 35 * 2**30:  # every machine of this project's kind (24 GiB)
+        assert "gpt2-1558m: 2.3" in err and "B parameters need 3" in err and "this machine has" in err, err
+        assert "model.n_embd=64 model.n_head=4" in err
+    else:  # a bigger machine: the check lets it through to the next one
+        assert "parameters need" not in err and "dataset directory" in err, err
+    assert not list(tmp_path.rglob("*.json"))
+    assert main(["gpt2-1558m", "model.n_embd=64", "model.n_head=4", "train.device=cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "parameters need" not in err and "dataset directory" in err, err

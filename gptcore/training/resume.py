@@ -15,6 +15,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import psutil
 import torch
 
 from gptcore import distributed
@@ -53,6 +54,7 @@ def prepare(cfg: RunConfig, rank: int) -> Prepared | None:
     the run's lock before it writes anything. Returns None (after printing RUN_DONE) when the run has
     already finished."""
     run_dir, data_dir = run_dir_for(cfg), dataset_dir(cfg)
+    check_states_fit(cfg, distributed.select(cfg.train))
     manifest = open_dataset(data_dir)
     check_run(run_dir, cfg, manifest)
     if (run_dir / DONE_FILE).is_file():
@@ -75,6 +77,29 @@ def prepare(cfg: RunConfig, rank: int) -> Prepared | None:
             lock.release()
         raise
     return Prepared(cfg, run_dir, data_dir, manifest, env, model, ckpt, trainer_state, lock)
+
+
+STATE_BYTES_PER_PARAM = 16  # fp32 weights 4 + gradients 4 + AdamW's two moments 8 (DDP: every rank all of it)
+
+
+def check_states_fit(cfg: RunConfig, env: distributed.Env) -> None:
+    """Refuse (bad input, exit 2) a model whose weights, gradients and optimizer state alone exceed this
+    device's memory (the host's available RAM on CPU, the card's total on CUDA), before anything is built:
+    `gpt2-1558m` on a 24 GB CPU would otherwise swap for hours or be killed. Activations come on top (the
+    micro-batch probe sizes those)."""
+    with torch.device("meta"):  # counts the parameters without allocating them
+        params = sum(p.numel() for p in GPT(cfg.model).parameters())
+    need = params * STATE_BYTES_PER_PARAM
+    if env.device.type == "cuda":
+        have, where = torch.cuda.get_device_properties(env.device).total_memory, f"{env.device} has"
+    else:
+        have, where = psutil.virtual_memory().available, "this machine has"
+    if need > have:
+        raise RunError(
+            f"{cfg.preset}: {params / 1e9:.2f}B parameters need {need / 2**30:.1f} GiB for their weights, "
+            f"gradients and AdamW state ({STATE_BYTES_PER_PARAM} bytes each) before any activation; {where} "
+            f"{have / 2**30:.1f} GiB. Train it on GPUs with more memory, or smoke-test the pipeline at a tiny "
+            f"width of the same depth: model.n_embd=64 model.n_head=4 (docs/training.md \"The GPT-2 family\")")
 
 
 def verify_or_rebuild(cfg: RunConfig, data_dir: Path, manifest: Manifest, cache: Path) -> None:
