@@ -4,8 +4,11 @@
     python -m benchmarks.loss_compare RUN_A RUN_B --assert-equal   # exit 1 at the first step they part
     python -m benchmarks.loss_compare RUN_A RUN_B --tolerance 1e-4 # ... by more than 1e-4 (x max(1, |B|))
 
-RUN_A and RUN_B are run directories (their metrics.jsonl). Each step's loss, gradient norm and tokens/s are
-printed for both, with the loss and norm differences. A step run twice (a resume from an earlier
+    python -m benchmarks.loss_compare runs:/<mlflow run id> RUN_B --tracking-uri http://127.0.0.1:5000
+
+RUN_A and RUN_B are run directories (their metrics.jsonl) or MLflow runs (`runs:/<run id>`: the metric
+histories the shipper logged, from --tracking-uri or MLFLOW_TRACKING_URI). Each step's loss, gradient norm
+and tokens/s are printed for both, with the loss and norm differences. A step run twice (a resume from an earlier
 checkpoint re-runs the steps after it) counts as its last run, the one the weights continued from. With
 --assert-equal or --tolerance, the losses and gradient norms must agree on every step both runs have, and
 both must have the same steps; the first disagreement is named and the exit code is 1. Tokens/s are never
@@ -24,12 +27,38 @@ from gptcore.metrics import read_metrics
 COMPARED = ("train/loss", "train/grad_norm")
 
 
-def steps_of(run: Path) -> dict[int, dict]:
-    """{step: its last train row} of a run directory."""
+MLFLOW_RUN = "runs:/"
+
+
+def steps_of(run: str, tracking_uri: str | None = None) -> dict[int, dict]:
+    """{step: its last train row} of a run directory, or of an MLflow run (`runs:/<id>`)."""
+    if run.startswith(MLFLOW_RUN):
+        return mlflow_steps(run.removeprefix(MLFLOW_RUN).strip("/"), tracking_uri)
     metrics = Path(run) / "metrics.jsonl"
     if not metrics.is_file():
         raise SystemExit(f"loss_compare: {run} has no metrics.jsonl: pass a run directory (train.run_dir)")
     return {r["step"]: r for r in read_metrics(metrics, "train")}
+
+
+def mlflow_steps(run_id: str, tracking_uri: str | None) -> dict[int, dict]:
+    """The same rows from an MLflow run's metric histories (the latest value logged at each step wins, as a
+    resumed run's last row does in its metrics.jsonl)."""
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    client = MlflowClient(tracking_uri)
+    steps: dict[int, dict] = {}
+    try:
+        for key in (*COMPARED, "train/tokens_per_s"):
+            for m in sorted(client.get_metric_history(run_id, key), key=lambda m: (m.step, m.timestamp)):
+                steps.setdefault(m.step, {"step": m.step})[key] = m.value
+    except MlflowException as e:
+        raise SystemExit(f"loss_compare: MLflow run {run_id!r} could not be read ({e.message}); check the run id "
+                         "and --tracking-uri") from None
+    if not steps:
+        raise SystemExit(f"loss_compare: MLflow run {run_id!r} has no train/loss metrics on this server; check "
+                         "the run id and --tracking-uri")
+    return steps
 
 
 def first_parting(a: dict[int, dict], b: dict[int, dict], tolerance: float) -> str | None:
@@ -68,8 +97,9 @@ def table(a: dict[int, dict], b: dict[int, dict]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("run_a", type=Path)
-    ap.add_argument("run_b", type=Path)
+    ap.add_argument("run_a", help="a run directory, or runs:/<mlflow run id>")
+    ap.add_argument("run_b", help="a run directory, or runs:/<mlflow run id>")
+    ap.add_argument("--tracking-uri", help="the MLflow server of runs:/ arguments (default: MLFLOW_TRACKING_URI)")
     check = ap.add_mutually_exclusive_group()
     check.add_argument("--assert-equal", action="store_true", help="losses and norms bit-identical")
     check.add_argument("--tolerance", type=float, help="losses and norms within this difference (absolute below "
@@ -77,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.tolerance is not None and not a.tolerance >= 0:
         ap.error(f"--tolerance must be a number >= 0, got {a.tolerance}")
-    runs = steps_of(a.run_a), steps_of(a.run_b)
+    runs = steps_of(a.run_a, a.tracking_uri), steps_of(a.run_b, a.tracking_uri)
     print(f"A: {a.run_a}\nB: {a.run_b}")
     print("\n".join(table(*runs)))
     if not a.assert_equal and a.tolerance is None:

@@ -292,7 +292,8 @@ def test_a_profile_at_launch_and_on_demand_on_every_rank_reaches_mlflow(ds, tmp_
     """`train.profile_steps=2` records steps 2-3 of the launch (after the compile step) and a PROFILE file
     asking for 2 steps, seen at the next poll (step 5), records steps 5-6: on both ranks, a Chrome trace and
     a table of the top operators each, the file removed afterwards, one `profile` row and event per
-    recording. The MLflow shipper attaches both recordings to the run as artifacts."""
+    recording. The MLflow shipper attaches both recordings to the run as artifacts, and the MLflow run
+    compares equal to its run directory, step by step (benchmarks/loss_compare with runs:/<id>)."""
     from integrations import tracking
 
     run = tmp_path / "profiled"
@@ -323,3 +324,8 @@ def test_a_profile_at_launch_and_on_demand_on_every_rank_reaches_mlflow(ds, tmp_
                                                                                "profiles/step_00000005-00000006")]
     assert sorted(listed) == [f"profiles/step_00000005-00000006/rank{r}.{kind}" for r in (0, 1)
                               for kind in ("top.txt", "trace.json")]
+    # the MLflow run is the same run, step for step: loss_compare reads it back from the server
+    uri = ["--tracking-uri", mlflow_server.uri]
+    assert loss_compare.main([f"runs:/{shipper.run_id}", str(run), *uri, "--assert-equal"]) == 0
+    with pytest.raises(SystemExit, match="has no train/loss metrics on this server; check the run id"):
+        loss_compare.main(["runs:/0123456789abcdef0123456789abcdef", str(run), *uri])
