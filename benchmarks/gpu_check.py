@@ -462,7 +462,8 @@ def run_reference(file: Path, folder: Path, shape: dict, name: str) -> tuple[flo
 
 def check_reference(work: Path, dataset: Path, device: str, file: Path | None, rounds: int,
                     ctx: dict) -> tuple[bool | None, str]:
-    """Ours against the reference, alternated `rounds` times in this run; the median ratio counts."""
+    """Ours against the reference in `rounds` ABBA rounds in this run; the median of the per-round ratios
+    counts (with two rounds, their mean: the row says which)."""
     from gptcore.config import ModelConfig, load_config
     from gptcore.model.gpt import GPT
 
