@@ -703,8 +703,10 @@ def save_logs(work: Path, dest: Path) -> None:
     temporary name, then renamed): a call cut off mid-row still leaves the previous row's."""
     import tarfile
 
+    from gptcore.files import temp_name
+
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(dest.name + ".tmp")
+    tmp = temp_name(dest)
     with tarfile.open(tmp, "w:gz") as tar:
         for f in sorted(work.rglob("*")):
             skip = {"checkpoints", "data", "edu_fineweb10B"} & set(f.relative_to(work).parts)

@@ -23,6 +23,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from gptcore.files import write_json
+
 _start: dict = {}
 _by_file: dict[str, float] = defaultdict(float)
 _tests: dict[str, int] = defaultdict(int)
@@ -82,14 +84,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     for path, seconds in rows[:25]:
         tr.write_line(f"  {seconds:7.1f} s  {_tests[path]:3d} tests  {path}")
     home = Path(os.environ.get("GPTPIPE_HOME", "var"))
-    home.mkdir(parents=True, exist_ok=True)
-    tmp = home / "test-durations.json.tmp"
-    tmp.write_text(json.dumps({"wall_s": round(wall, 1), "busy": round(busy, 3), "workers": workers,
-                               "files": {p: {"seconds": round(s, 1), "tests": _tests[p]} for p, s in rows}},
-                              indent=1))
-    os.replace(tmp, home / "test-durations.json")
+    write_json(home / "test-durations.json", {"wall_s": round(wall, 1), "busy": round(busy, 3), "workers": workers,
+               "files": {p: {"seconds": round(s, 1), "tests": _tests[p]} for p, s in rows}})
     if config.getoption("--write-file-durations"):  # make test-durations: the order of the next runs
-        FILE_DURATIONS.write_text(json.dumps({p: round(s, 1) for p, s in rows}, indent=1, sort_keys=True) + "\n")
+        write_json(FILE_DURATIONS, {p: round(s, 1) for p, s in sorted(rows)})
 
 
 def pytest_addoption(parser):

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from gptcore.files import atomic_write_bytes, temp_name
+
 PROFILE_FILE = "PROFILE"
 PROFILES_DIR = "profiles"
 POLL_STEPS = 5
@@ -127,12 +129,11 @@ class StepProfiler:
         folder = self.run_dir / PROFILES_DIR / f"step_{self.first:08d}-{self.last:08d}"
         folder.mkdir(parents=True, exist_ok=True)
         trace, top = folder / f"rank{self.rank}.trace.json", folder / f"rank{self.rank}.top.txt"
-        tmp = trace.with_name(f".{trace.name}.{os.getpid()}.tmp")
+        tmp = temp_name(trace)  # the profiler writes the file itself: to the project's temp name, then renamed
         prof.export_chrome_trace(str(tmp))
         os.replace(tmp, trace)
         sort = "self_cuda_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
         table = prof.key_averages().table(sort_by=sort, row_limit=TOP_ROWS)
-        tmp = top.with_name(f".{top.name}.{os.getpid()}.tmp")
-        tmp.write_text(f"steps {self.first}-{self.last}, rank {self.rank}, recorded {time.ctime()}\n{table}\n")
-        os.replace(tmp, top)
+        text = f"steps {self.first}-{self.last}, rank {self.rank}, recorded {time.ctime()}\n{table}\n"
+        atomic_write_bytes(top, [text.encode()], durable=False)
         return folder
