@@ -87,8 +87,7 @@ def check_states_fit(cfg: RunConfig, env: distributed.Env) -> None:
     device's memory (the host's available RAM on CPU, the card's total on CUDA), before anything is built:
     `gpt2-1558m` on a 24 GB CPU would otherwise swap for hours or be killed. Activations come on top (the
     micro-batch probe sizes those)."""
-    with torch.device("meta"):  # counts the parameters without allocating them
-        params = sum(p.numel() for p in GPT(cfg.model).parameters())
+    params = cfg.model.approx_params()  # GPT's count from the shape: nothing built at start-up
     need = params * STATE_BYTES_PER_PARAM
     if env.device.type == "cuda":
         have, where = torch.cuda.get_device_properties(env.device).total_memory, f"{env.device} has"
