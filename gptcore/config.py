@@ -261,6 +261,13 @@ class TrainConfig:
     compile: str = "auto"  # auto (on for CUDA) | true | false
     loss: str = "auto"  # auto (fused on CPU, plain on CUDA) | fused | plain: gptcore/model/loss.py
     ddp_bf16_grads: bool = False  # DDP all-reduces gradients in bf16 (halves traffic across nodes)
+    # how the model spreads over the ranks (gptcore/training/parallel.py): ddp (a whole replica per rank),
+    # fsdp (FSDP2: each rank a shard of weights, gradients and optimizer state; HSDP across nodes), or auto
+    # (DDP while the weights and their AdamW state fit a rank comfortably, FSDP2 otherwise)
+    parallel: str = "auto"
+    # recompute activations in backward instead of keeping them (gptcore/model/recompute.py): none, selective
+    # (keep the matmul and attention outputs, recompute the cheap ops between them) or full (every block)
+    activation_checkpointing: str = "none"
     run_dir: str = ""  # where the run lives; "" = <home>/runs/<run_name>
     system_metrics_interval: float = 10.0  # s between MLflow system-metric samples (CPU, memory, GPU); 0 = off
     # a rank with no step, evaluation or checkpoint progress this long writes its stacks and exits (5), for
@@ -281,7 +288,8 @@ class TrainConfig:
 
     def validate(self) -> None:
         choices = {"device": ("auto", "cpu", "cuda"), "dtype": ("auto", "float32", "bfloat16", "float16"),
-                   "compile": ("auto", "true", "false"), "loss": ("auto", "fused", "plain")}
+                   "compile": ("auto", "true", "false"), "loss": ("auto", "fused", "plain"),
+                   "parallel": ("auto", "ddp", "fsdp"), "activation_checkpointing": ("none", "selective", "full")}
         for name, allowed in choices.items():
             value = getattr(self, name)
             if value not in allowed:  # e.g. "train.loss='x'; use auto, fused or plain"
@@ -418,6 +426,13 @@ class RunConfig:
                 f"train.total_batch_tokens={t.total_batch_tokens} is not divisible by micro_batch*seq_len*"
                 f"world_size = {micro}*{t.seq_len}*{world_size} = {per_micro}; adjust "
                 "train.micro_batch or train.total_batch_tokens")
+        if t.parallel == "fsdp" and self.optim.name == "muon":
+            raise ConfigError("train.parallel=fsdp with optim.name=muon: Muon orthogonalizes whole matrices, and "
+                              "under FSDP2 each rank holds a shard of each; use optim.name=adamw with fsdp, or "
+                              "train.parallel=ddp (auto picks DDP for Muon)")
+        if t.parallel == "fsdp" and t.dtype == "float16":
+            raise ConfigError("train.parallel=fsdp with train.dtype=float16: fp16 needs a gradient scaler that "
+                              "knows the shards; use bfloat16 (or auto) with fsdp, or train.parallel=ddp")
         if self.optim.warmup_steps > t.max_steps:
             raise ConfigError(f"optim.warmup_steps={self.optim.warmup_steps} exceeds "
                               f"train.max_steps={t.max_steps}")

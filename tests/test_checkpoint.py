@@ -192,7 +192,7 @@ def test_background_saves_stage_into_one_buffer_allocated_once(tmp_path):
     ck = Checkpointer(tmp_path, keep_last=3)
     state = lambda: {"optimizer": opt.state_dict(), "step": 1, "loader": {}, "scaler": {},  # noqa: E731
                      "rng": [{"torch": torch.get_rng_state()}, {"torch": torch.get_rng_state()}]}
-    ck.save(1, m, state(), {"run_name": "t"})
+    ck.save(1, C.weights_of(m), state(), {"run_name": "t"})
     ck.close()
     out = ck.outcome(wait=True)
     assert out.status == "written", out.text
@@ -205,7 +205,7 @@ def test_background_saves_stage_into_one_buffer_allocated_once(tmp_path):
     x = torch.randint(0, 50257, (2, 16))
     m(x, x)[1].backward()
     opt.step()  # the weights move on between the two saves
-    ck.save(2, m, state(), {"run_name": "t"})
+    ck.save(2, C.weights_of(m), state(), {"run_name": "t"})
     ck.close()
     assert ck._weights.flats[torch.float32].data_ptr() == flat.data_ptr()  # reused, not allocated again
     first, second = (load_file(str(R.step_dir(tmp_path, s) / C.MODEL_FILE)) for s in (1, 2))

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from gptcore.checkpoints import run_files
-from gptcore.checkpoints.checkpoint import weights_of, write_checkpoint
+from gptcore.checkpoints.checkpoint import portable, write_checkpoint
 from gptcore.checkpoints.run_files import CheckpointError, step_dir
 from gptcore.files import write_json
 
@@ -57,10 +57,11 @@ class Checkpointer:
         self._writing: int | None = None  # the step whose directory is not on disk yet
         self._attachments: list[tuple[str, dict]] = []
 
-    def save(self, step: int, model: torch.nn.Module, trainer_state: dict, meta: dict) -> None:
-        """Copy the state off the device (the only part the ranks wait for), then write it."""
+    def save(self, step: int, weights: dict[str, torch.Tensor], trainer_state: dict, meta: dict) -> None:
+        """Copy the state off the device (the only part the ranks wait for), then write it. `weights`: the
+        model's portable state dict (checkpoint.weights_of, or a sharded model's gathered one)."""
         self.wait()
-        weights, state = self._weights.copy(weights_of(model)), self._state.copy(trainer_state)
+        weights, state = self._weights.copy(portable(weights)), self._state.copy(trainer_state)
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()  # the non-blocking device-to-host copies have landed
         with self._lock:

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.fsdp import FSDPModule
 
 from gptcore.checkpoints.run_files import (
     META_FILE,
@@ -59,15 +61,22 @@ def non_finite(tensors: dict[str, torch.Tensor]) -> list[str]:
 
 def weights_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's clean state dict (live tensors, wherever they are), the tied head weight left out:
-    what model.safetensors holds."""
-    sd = clean_state_dict(unwrap(model).state_dict())
+    what model.safetensors holds. (A sharded model's: gptcore.training.parallel.full_state, then portable.)"""
+    return portable(unwrap(model).state_dict())
+
+
+def portable(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A state dict as model.safetensors holds it: no wrapper prefixes, the tied head weight left out."""
+    sd = clean_state_dict(state)
     sd.pop(TIED[0], None)
     return {k: v.detach() for k, v in sd.items()}
 
 
-def load_weights(model: torch.nn.Module, path: Path) -> None:
-    """Load model.safetensors into `model` (plain, compiled or DDP-wrapped); a shape or key mismatch
-    raises CheckpointError naming the tensors, before anything is changed."""
+def load_weights(model: torch.nn.Module, path: Path, load: bool = True) -> dict[str, torch.Tensor]:
+    """Load model.safetensors into `model` (plain, compiled, DDP-wrapped or sharded by FSDP2: each rank
+    keeps its shard); a shape or key mismatch raises CheckpointError naming the tensors, before anything
+    is changed. Returns the file's tensors. `load=False`: only the checks (loading into a sharded model
+    is a collective, which one rank choosing a checkpoint must not start alone)."""
     try:
         sd = load_file(str(path))
     except READ_ERRORS as e:
@@ -86,7 +95,11 @@ def load_weights(model: torch.nn.Module, path: Path) -> None:
             f"{path} does not fit this model (a checkpoint from another model shape?): "
             f"missing {missing[:5]}, unexpected {unexpected[:5]}, shape mismatch {wrong[:5]}; "
             "use the model config the checkpoint was trained with, or start a new run name")
-    target.load_state_dict(sd, strict=True)
+    if load and isinstance(target, FSDPModule):  # the whole tensors in, each rank's shard of them kept
+        set_model_state_dict(target, sd, options=StateDictOptions(full_state_dict=True, strict=True))
+    elif load:
+        target.load_state_dict(sd, strict=True)
+    return sd
 
 
 # --- writing ------------------------------------------------------------------------------------
@@ -163,17 +176,17 @@ def _same_hash(path: Path, expected, what: str) -> None:
         raise CheckpointError(f"{what} does not match the sha256 in {META_FILE} (damaged or half-copied)")
 
 
-def load_for_resume(ckpt_dir: Path, model: torch.nn.Module) -> tuple[dict, dict]:
+def load_for_resume(ckpt_dir: Path, model: torch.nn.Module, load: bool = True) -> tuple[dict, dict]:
     """Check `ckpt_dir` whole and load its weights into `model`; returns (meta, trainer state).
     CheckpointError says what is wrong: a file missing, a hash mismatch, unreadable, non-finite weights.
     An OSError while reading is one too (e.g. rank 0 moved the directory to rejected/ meanwhile)."""
     try:
-        return _load_for_resume(ckpt_dir, model)
+        return _load_for_resume(ckpt_dir, model, load)
     except OSError as e:
         raise CheckpointError(f"cannot be read: {type(e).__name__}: {e}") from e
 
 
-def _load_for_resume(ckpt_dir: Path, model: torch.nn.Module) -> tuple[dict, dict]:
+def _load_for_resume(ckpt_dir: Path, model: torch.nn.Module, load: bool) -> tuple[dict, dict]:
     meta = read_meta(ckpt_dir)
     for name in (MODEL_FILE, TRAINER_FILE):
         if not (ckpt_dir / name).is_file():
@@ -181,8 +194,7 @@ def _load_for_resume(ckpt_dir: Path, model: torch.nn.Module) -> tuple[dict, dict
     _same_hash(ckpt_dir / MODEL_FILE, meta.get("model_sha256"), MODEL_FILE)
     if "trainer_sha256" in meta:  # checkpoints written before it was recorded have only the model hash
         _same_hash(ckpt_dir / TRAINER_FILE, meta["trainer_sha256"], TRAINER_FILE)
-    load_weights(model, ckpt_dir / MODEL_FILE)
-    bad = non_finite(unwrap(model).state_dict())
+    bad = non_finite(load_weights(model, ckpt_dir / MODEL_FILE, load))  # the file's tensors: what the model holds now
     if bad:
         raise CheckpointError(f"non-finite weights in {bad[:5]}")
     return meta, load_trainer_state(ckpt_dir)

@@ -18,6 +18,7 @@ from torch.nn import functional as F
 
 from gptcore.config import ModelConfig
 from gptcore.model.loss import PlainLoss, eval_loss
+from gptcore.model.recompute import run_block
 from gptcore.model.tokenizer import N_VOCAB
 
 
@@ -83,6 +84,7 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying, as in GPT-2
         self.head_loss = PlainLoss()  # the training loss; the trainer sets the one train.loss chooses
+        self.recompute = "none"  # activation checkpointing (gptcore/model/recompute.py); the trainer sets it
         self.apply(self._init_weights)
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -113,7 +115,7 @@ class GPT(nn.Module):
         pos = torch.arange(T, dtype=torch.long, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         for block in self.transformer.h:
-            x = block(x)
+            x = run_block(block, x, self.recompute)
         x = self.transformer.ln_f(x)
         if targets is not None and not return_logits:  # no gradient wanted (evaluation): no gradient work
             head = self.head_loss if torch.is_grad_enabled() else eval_loss

@@ -32,6 +32,7 @@ from gptcore.checkpoints.run_files import MICRO_BATCH_FILE
 from gptcore.config import RunConfig
 from gptcore.files import read_json, write_json
 from gptcore.model.tokenizer import N_VOCAB
+from gptcore.training import parallel
 from gptcore.training.resume import RunError
 
 AUTO = "auto"
@@ -68,7 +69,8 @@ def fingerprint(cfg: RunConfig, env: distributed.Env) -> dict:
         device = f"{props.name} ({props.total_memory} bytes)"
     return {"device": device, "world": env.world, "model": asdict(cfg.model), "seq_len": cfg.train.seq_len,
             "share": share(cfg, env.world), "max": cfg.train.micro_batch_max, "dtype": str(env.dtype),
-            "compile": env.compile, "loss": env.loss, "optimizer": cfg.optim.name}
+            "compile": env.compile, "loss": env.loss, "optimizer": cfg.optim.name,
+            "parallel": cfg.train.parallel, "activation_checkpointing": cfg.train.activation_checkpointing}
 
 
 def memory_text(env: distributed.Env) -> str:
@@ -138,8 +140,10 @@ def fits(model: torch.nn.Module, optimizer, micro: int, cfg: RunConfig, env: dis
 
 
 def no_sync(model: torch.nn.Module):
-    """DDP's no_sync (through torch.compile's wrapper), else nothing: the probe's backward must not all-reduce."""
-    return model.no_sync() if hasattr(model, "no_sync") else contextlib.nullcontext()
+    """The probe's backward communicates no gradients: DDP's no_sync (through torch.compile's wrapper), FSDP2's
+    unsharded accumulation (a little more memory than the real step: on the safe side). Under FSDP2 the forward
+    still all-gathers, so there every rank probes in step (identical cards run out at the same size)."""
+    return parallel.gradient_sync(model, False)
 
 
 @contextlib.contextmanager
@@ -175,7 +179,8 @@ def probe(model: torch.nn.Module, optimizer, cfg: RunConfig, env: distributed.En
     (what trains, before torch.compile: DDP-wrapped under DDP) and `optimizer`. `beat(micro)` before each
     candidate: progress for the hang watchdog (each candidate compiles afresh: minutes on a large model)."""
     # static shapes, as the trainer's step has: one compile per size tried, not a dynamic-shape kernel
-    stepped = torch.compile(model, dynamic=False) if env.compile else model
+    # (a sharded model compiles per block in the trainer; probed eagerly, on the safe side of its memory)
+    stepped = torch.compile(model, dynamic=False) if env.compile and not parallel.is_sharded(model) else model
     sizes, failed = candidates(share(cfg, env.world), cfg.train.micro_batch_max), []
     try:
         with held_state(optimizer):

@@ -29,6 +29,7 @@ from gptcore.data.shard_format import Manifest
 from gptcore.files import read_json
 from gptcore.model.gpt import GPT
 from gptcore.runlock import RunLock
+from gptcore.training import parallel
 
 
 class RunError(RuntimeError):
@@ -79,26 +80,28 @@ def prepare(cfg: RunConfig, rank: int) -> Prepared | None:
     return Prepared(cfg, run_dir, data_dir, manifest, env, model, ckpt, trainer_state, lock)
 
 
-STATE_BYTES_PER_PARAM = 16  # fp32 weights 4 + gradients 4 + AdamW's two moments 8 (DDP: every rank all of it)
-
-
 def check_states_fit(cfg: RunConfig, env: distributed.Env) -> None:
     """Refuse (bad input, exit 2) a model whose weights, gradients and optimizer state alone exceed this
     device's memory (the host's available RAM on CPU, the card's total on CUDA), before anything is built:
     `gpt2-1558m` on a 24 GB CPU would otherwise swap for hours or be killed. Activations come on top (the
     micro-batch probe sizes those)."""
     params = cfg.model.approx_params()  # GPT's count from the shape: nothing built at start-up
-    need = params * STATE_BYTES_PER_PARAM
+    # per card under FSDP2; on CPU the ranks share one host's memory, so sharding saves nothing there
+    sharded = env.device.type == "cuda" and parallel.plan(cfg, env).kind == "fsdp"
+    need = params * parallel.STATE_BYTES_PER_PARAM // (env.world if sharded else 1)
     if env.device.type == "cuda":
         have, where = torch.cuda.get_device_properties(env.device).total_memory, f"{env.device} has"
     else:
         have, where = psutil.virtual_memory().available, "this machine has"
     if need > have:
         raise RunError(
-            f"{cfg.preset}: {params / 1e9:.2f}B parameters need {need / 2**30:.1f} GiB for their weights, "
-            f"gradients and AdamW state ({STATE_BYTES_PER_PARAM} bytes each) before any activation; {where} "
-            f"{have / 2**30:.1f} GiB. Train it on GPUs with more memory, or smoke-test the pipeline at a tiny "
-            f"width of the same depth: model.n_embd=64 model.n_head=4 (docs/training.md \"The GPT-2 family\")")
+            f"{cfg.preset}: {params / 1e9:.2f}B parameters need {need / 2**30:.1f} GiB "
+            f"{'per card ' if env.device.type == 'cuda' else ''}for their "
+            f"weights, gradients and AdamW state ({parallel.STATE_BYTES_PER_PARAM} bytes each"
+            f"{f', sharded over {env.world} ranks' if sharded else ''}) before any activation; {where} "
+            f"{have / 2**30:.1f} GiB. Train it on GPUs with more memory or shard it over more of them "
+            f"(train.parallel=fsdp), or smoke-test the pipeline at a tiny width of the same depth: "
+            f"model.n_embd=64 model.n_head=4 (docs/training.md \"The GPT-2 family\")")
 
 
 def verify_or_rebuild(cfg: RunConfig, data_dir: Path, manifest: Manifest, cache: Path) -> None:
@@ -150,7 +153,7 @@ def check_checkpoints_fit(run_dir: Path, cfg: RunConfig, manifest: Manifest) -> 
                        f"shards now are {manifest.id}); use the original dataset or a new train.run_name")
 
 
-def newest_intact(run_dir: Path, model: GPT, master: bool, healthy_only: bool = False
+def newest_intact(run_dir: Path, model: GPT, master: bool, healthy_only: bool = False, load: bool = True
                   ) -> tuple[Path | None, dict | None, list[str]]:
     """Load the newest checkpoint that verifies whole (with `healthy_only`, also written from a finite train
     loss) into `model`: (its directory, its trainer state, stuck). Rank 0 moves each one that fails to
@@ -159,7 +162,7 @@ def newest_intact(run_dir: Path, model: GPT, master: bool, healthy_only: bool = 
     stuck = []
     for ck in reversed(run_files.step_dirs(run_dir)):
         try:
-            meta, state = checkpoint.load_for_resume(ck, model)
+            meta, state = checkpoint.load_for_resume(ck, model, load)
         except run_files.CheckpointError as e:
             if master:  # the other ranks only pass over it
                 dest = checkpoint.reject(ck, str(e))
@@ -180,21 +183,25 @@ def agreed_checkpoint(run_dir: Path, model: GPT, master: bool, healthy_only: boo
     rank 0 is moving, or, when one node reads a file differently, train from different weights (DDP
     copies weights only when it is built). A rank that cannot load rank 0's choice is a RunError on every
     rank."""
-    choice = newest_intact(run_dir, model, master, healthy_only)[:2] if master else (None, None)
+    # a sharded model is loaded by every rank together (a collective): rank 0 only checks its choice
+    sharded = parallel.is_sharded(model)
+    choice = newest_intact(run_dir, model, master, healthy_only, load=not sharded)[:2] if master else (None, None)
     name = distributed.broadcast_object(choice[0].name if choice[0] is not None else None)
     if name is None:
         return None, None
     ck, state, error = *choice, None
-    if not master:
+    if not master or sharded:
         ck = run_files.checkpoints_dir(run_dir) / name
         try:
-            state = checkpoint.load_for_resume(ck, model)[1]
+            state = checkpoint.load_for_resume(ck, model, load=not sharded)[1]
         except run_files.CheckpointError as e:
             error = f"{ck}: {e}"
     failed = [f"rank {r}: {e}" for r, e in enumerate(distributed.all_gather_object(error)) if e]
     if failed:
         raise RunError(f"rank 0 chose checkpoint {name}, which other ranks cannot load ({'; '.join(failed)}); "
                        "the run directory must be the same shared filesystem on every node")
+    if sharded:  # every rank has checked the files: now they load them together
+        checkpoint.load_weights(model, ck / checkpoint.MODEL_FILE)
     return ck, state
 
 
@@ -222,10 +229,14 @@ def _why(rejected_dir: Path) -> str:
         return "no why.txt"
 
 
-def restore(ts: dict, optimizer, loader: ShardLoader, scaler, env: distributed.Env, data: bool = True) -> int:
+def restore(ts: dict, optimizer, loader: ShardLoader, scaler, env: distributed.Env, data: bool = True,
+            model: torch.nn.Module | None = None) -> int:
     """Put a checkpoint's trainer state back (optimizer, RNG, scaler, and the data position if `data`);
-    returns its step."""
-    optimizer.load_state_dict(ts["optimizer"])
+    returns its step. `model`: the one the optimizer steps (a sharded one takes its shard of each moment)."""
+    if model is not None and parallel.is_sharded(model):
+        parallel.load_optimizer(model, optimizer, ts["optimizer"])
+    else:
+        optimizer.load_state_dict(ts["optimizer"])
     if data:
         loader.load_state_dict(ts["loader"])
     if env.rank < len(ts["rng"]):  # a new world size: extra ranks keep their fresh seed

@@ -21,10 +21,11 @@ from dataclasses import asdict, dataclass
 from typing import NamedTuple
 
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.distributed.tensor import DTensor
 
 from gptcore import distributed
 from gptcore.checkpoints.background import FAILED, SKIPPED, Checkpointer
+from gptcore.checkpoints.checkpoint import weights_of
 from gptcore.checkpoints.run_files import DONE_FILE, EVAL_FILE, RUN_FILE, step_dir
 from gptcore.data.loader import ShardLoader
 from gptcore.files import write_json
@@ -32,7 +33,7 @@ from gptcore.metrics import METRICS_FILE, JsonlLogger, NullLogger
 from gptcore.model.gpt import peak_flops_guess
 from gptcore.model.loss import make_loss
 from gptcore.model.optim import build_optimizer, lr_at, set_lr, skips_on_device
-from gptcore.training import microbatch
+from gptcore.training import microbatch, parallel
 from gptcore.training.cost import RunClock, duration
 from gptcore.training.damage import DamagedShards
 from gptcore.training.guard import OK, ROLLBACK, SKIP, FaultInjector, Guard
@@ -124,11 +125,15 @@ class Trainer:
         self.faults = FaultInjector(env.rank, env.world)  # test-only trouble (GPTPIPE_TEST_FAULT)
         self.faults.install(raw)
         raw.head_loss = make_loss(env.loss)  # train.loss; the trainer owns the fused loss's reusable buffers
+        raw.recompute = tc.activation_checkpointing
+        self.plan = parallel.plan(cfg, env)  # single, ddp or fsdp, and why
+        self.replicated = self.plan.kind == "ddp"  # whole replicas whose weights can be compared
+        # after sharding: FSDP2 replaces the parameters by DTensors, which the optimizer must hold
+        distributed_model = parallel.wrap(raw, self.plan.kind, env, tc.ddp_bf16_grads)
         self.optimizer = build_optimizer(raw, cfg.optim, env.device.type)
         self.scaler = torch.amp.GradScaler(env.device.type) if env.dtype == torch.float16 else None
         self.auto_micro = tc.micro_batch == microbatch.AUTO
         self.micro_how = "set"
-        distributed_model = self.distribute(raw)
         if self.auto_micro:  # from here on this invocation's config holds the choice (eval, records)
             tc.micro_batch, self.micro_how = microbatch.choose(
                 prep.run_dir, distributed_model, self.optimizer, cfg, env,
@@ -142,7 +147,7 @@ class Trainer:
         self.clock = RunClock(env.world, tc.price_per_gpu_hour, self.t_start,
                               float((prep.trainer_state or {}).get("gpu_hours", 0.0)))
         if prep.trainer_state is not None:
-            self.step = restore(prep.trainer_state, self.optimizer, self.loader, self.scaler, env)
+            self.step = restore(prep.trainer_state, self.optimizer, self.loader, self.scaler, env, model=raw)
             # the optimizer holds its own copy now: the loaded one (~1 GB per rank at 124M) goes
             prep.trainer_state = None
         self.hosts = distributed.all_gather_object(socket.gethostname())  # names events use for ranks
@@ -153,7 +158,7 @@ class Trainer:
         self.model = self.compiled(distributed_model)
         self.logger = JsonlLogger(self.run_dir / METRICS_FILE) if env.master else NullLogger()
         if env.master:
-            write_records(prep, self.step, self.micro_how)
+            write_records(prep, self.step, self.micro_how, self.plan)
         peak_one = float(os.environ.get(PEAK_ENV) or 0) or peak_flops_guess(env.device)  # None: unknown GPU
         self.peak_flops = peak_one * env.world if peak_one else None  # all devices together, for MFU
         self.meta = {"config": cfg.to_dict(), "model_config": asdict(cfg.model), "manifest_id": prep.manifest.id,
@@ -167,7 +172,11 @@ class Trainer:
         self.damaged = DamagedShards(self.hosts, [prep.data_dir / SHARD_HASHES, self.run_dir / SHARD_HASHES]
                                      if env.master else [], self.event)
         self.checkpointer = Checkpointer(self.run_dir, tc.keep_last, background=tc.async_checkpoint)
-        self.evaluator = Evaluator(cfg, env, prep.data_dir, raw, self.logger, self.event, self.faults)
+        # under FSDP a whole copy on every rank, refreshed before each evaluation: evaluations and samples run
+        # on it as they run on the plain model under DDP
+        self.replica = parallel.EvalReplica(raw, env.device) if self.plan.kind == "fsdp" else None
+        self.evaluator = Evaluator(cfg, env, prep.data_dir, self.replica.model if self.replica else raw,
+                                   self.logger, self.event, self.faults)
         self.profiler = StepProfiler(self.run_dir, env.rank, env.device, tc.profile_steps, self.step,
                                      self.logger.log, self.event)  # `touch <run_dir>/PROFILE`
         self.pending: list[Pending] = []
@@ -177,19 +186,14 @@ class Trainer:
         self.stop_file = False  # rank 0 saw a STOP file
         self.t_read = time.time()
 
-    def distribute(self, raw: torch.nn.Module) -> torch.nn.Module:
-        """The plain model, wrapped in DDP under DDP (its gradient buckets are allocated here: the micro-batch
-        probe steps this, so they count)."""
-        if not self.env.ddp:
-            return raw
-        model = DDP(raw, device_ids=[self.env.local_rank] if self.env.device.type == "cuda" else None)
-        if self.cfg.train.ddp_bf16_grads:  # halves the all-reduce bytes (multi-node); gradients summed in bf16
-            model.register_comm_hook(None, distributed.allreduce_in_bf16)
-        return model
-
     def compiled(self, model: torch.nn.Module) -> torch.nn.Module:
-        """What trains: `distribute`'s model, through torch.compile when the run compiles."""
-        if self.env.compile:
+        """What trains: parallel.wrap's model, through torch.compile when the run compiles."""
+        if self.env.compile and parallel.is_sharded(model):
+            # per block, in place (the state dict's names stay): FSDP2's all-gathers and reduce-scatters run
+            # between the compiled blocks
+            for block in model.transformer.h:
+                block.compile()
+        elif self.env.compile:
             # DDP first, then compile: dynamo's DDPOptimizer splits the graph at DDP's bucket boundaries, so
             # each bucket's all-reduce starts while the rest of backward still runs (compiled-then-wrapped,
             # the hooks would fire only after the whole compiled backward)
@@ -213,7 +217,8 @@ class Trainer:
                 stopping = read.stop and not due.last  # checkpoint and go: the flow evaluates that checkpoint
                 # a stop checkpoint is checked too: rank 0 alone writes it, and the next start broadcasts
                 # rank 0's weights, so drift on rank 0 would become permanent
-                checked = due.consistency or (stopping and self.env.ddp and bool(self.cfg.guard.consistency_interval))
+                every = self.cfg.guard.consistency_interval
+                checked = due.consistency or (stopping and self.replicated and bool(every))
                 if checked and self.replicas_differ():
                     continue
                 spent: dict[str, float] = {}
@@ -225,6 +230,9 @@ class Trainer:
                         self.confirm_checkpoint(wait=True)
                     with timed(spent, "checkpoint", self.watchdog):
                         self.checkpoint("end" if due.last else "stop" if stopping else "interval", read.loss)
+                if self.replica is not None and (due.eval or due.sample) and not stopping:
+                    with timed(spent, "eval_replica", self.watchdog):
+                        self.replica.refresh()  # collective: the current weights, whole, on every rank
                 if due.eval and not stopping:
                     # evaluations are not paced by steps (harness tasks run on rank 0 while the others wait)
                     with timed(spent, "eval", self.watchdog, patience=EVAL_PATIENCE_S):
@@ -249,7 +257,7 @@ class Trainer:
         sample = last or bool(ev.sample_interval and step % ev.sample_interval == 0)
         every = self.cfg.guard.consistency_interval
         # and before every checkpoint: rank 0 alone writes it, and its replica may be the odd one
-        consistency = self.env.ddp and bool(every) and (last or checkpoint or step % every == 0)
+        consistency = self.replicated and bool(every) and (last or checkpoint or step % every == 0)
         read = last or checkpoint or evaluate or sample or consistency or step == 1 or step % tc.log_interval == 0
         return Due(last, checkpoint, evaluate, sample, consistency, read)
 
@@ -357,11 +365,15 @@ class Trainer:
         if env.device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(env.device)
         rngs = distributed.all_gather_object(rng)
+        if parallel.is_sharded(self.raw):  # collective: rank 0 gathers the shards (its copy off the device)
+            weights, optimizer_state = parallel.full_state(self.raw, self.optimizer)
+        elif env.master:
+            weights, optimizer_state = weights_of(self.raw), self.optimizer.state_dict()
         if env.master:
-            state = {"optimizer": self.optimizer.state_dict(), "loader": self.loader.state_dict(), "rng": rngs,
+            state = {"optimizer": optimizer_state, "loader": self.loader.state_dict(), "rng": rngs,
                      "scaler": self.scaler.state_dict() if self.scaler is not None else {},
                      "step": self.step, "world": env.world, "gpu_hours": self.clock.gpu_hours()}
-            self.checkpointer.save(self.step, self.raw, state, {
+            self.checkpointer.save(self.step, weights, state, {
                 **self.meta, "tokens_seen": self.step * self.cfg.train.total_batch_tokens,
                 "train_loss": train_loss, "reason": reason})
         self.unconfirmed = self.saved_step = self.step
@@ -422,7 +434,8 @@ class Trainer:
                            "train.checkpoint_interval so a rollback has somewhere to go")
         skipped = loader.position - int(ts["loader"]["position"])
         self.optimizer.zero_grad(set_to_none=True)
-        self.step = restore(ts, self.optimizer, loader, self.scaler, self.env, data=False)  # the checkpoint's step
+        # the checkpoint's step
+        self.step = restore(ts, self.optimizer, loader, self.scaler, self.env, data=False, model=self.raw)
         self.event(step, f"{why}: rolled back to {ck.name}; the {skipped} sequences since it are "
                    f"skipped (rollback {guard.rollbacks}/{cfg.guard.max_rollbacks})",
                    **{"guard/rollback_from": step, "guard/rollback_to": self.step, "guard/skipped_sequences": skipped})
@@ -481,7 +494,7 @@ class timed:
             self.watchdog.beat("training")
 
 
-def write_records(prep: Prepared, step: int, micro_how: str = "set") -> None:
+def write_records(prep: Prepared, step: int, micro_how: str = "set", plan: parallel.Plan | None = None) -> None:
     """run.json (the run's identity, once), config.json (this invocation's) and the start line (rank 0)."""
     cfg, run_dir, env = prep.cfg, prep.run_dir, prep.env
     if not (run_dir / RUN_FILE).is_file():  # a new run (check_run accepted an existing one)
@@ -494,6 +507,8 @@ def write_records(prep: Prepared, step: int, micro_how: str = "set") -> None:
     print(f"run {cfg.run_name} ({run_dir}): {how} at step {step}/{cfg.train.max_steps}; world={env.world} "
           f"accum={cfg.grad_accum_steps(env.world)} micro_batch={cfg.train.micro_batch} ({micro_how}) "
           f"device={env.device} dtype={env.dtype} compile={env.compile} loss={env.loss} "
+          f"parallel={plan.kind if plan else 'single'} ({plan.why if plan else 'one rank'}) "
+          f"activation_checkpointing={cfg.train.activation_checkpointing} "
           f"params={prep.model.num_params():,} dataset={prep.data_dir} ({prep.manifest.id})",
           flush=True)
 
@@ -508,10 +523,9 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loader:
     loss_sum = torch.zeros((), device=env.device)
     for micro in range(accum):
         x, y = loader.next_batch()
-        # under DDP, gradients are all-reduced only on the last micro-step
+        # gradients are all-reduced (DDP) or reduce-scattered (FSDP2) only on the last micro-step
         all_reduces = env.ddp and micro == accum - 1
-        sync = model.no_sync() if env.ddp and not all_reduces else nullcontext()
-        with sync:
+        with parallel.gradient_sync(model, all_reduces) if env.ddp else nullcontext():
             # `timer`: this rank's own work, where no collective waits for another rank: every forward, and
             # every backward but the one whose gradient all-reduce waits for the slowest rank
             with timer or nullcontext():
@@ -530,6 +544,8 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loader:
     # inf: measure the norm without clipping
     params = [p for g in optimizer.param_groups for p in g["params"]]
     norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
+    if isinstance(norm, DTensor):  # sharded gradients (an HSDP mesh): the norm over all of them
+        norm = norm.full_tensor()
     # one all-reduce, before the update: the loss, whether any rank's step is non-finite (fp16's GradScaler
     # handles overflowing gradients itself, so there only the loss counts) and the stop vote
     bad = ~torch.isfinite(loss_sum) if scaler is not None else ~(torch.isfinite(loss_sum) & torch.isfinite(norm))

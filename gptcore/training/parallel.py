@@ -1,0 +1,156 @@
+"""How the model spreads over the ranks: the trainer's one strategy object.
+
+    single  one rank: the plain model
+    ddp     every rank a whole replica; gradients all-reduced (gpt2-124m, and what fits a rank comfortably)
+    fsdp    FSDP2 (`fully_shard` per transformer block, then the root): each rank holds 1/world of the weights,
+            gradients and AdamW state, all-gathers a block's weights just before it runs and reduce-scatters
+            its gradients after. Across nodes an HSDP mesh: shard within a node, replicate across nodes.
+
+`auto` picks DDP while weights, gradients and AdamW state (16 bytes a parameter) take at most
+DDP_SHARE of a rank's memory, FSDP2 otherwise, and says why. The loop does not care which: it calls
+`gradient_sync` around micro-steps, `full_state` to checkpoint and `load_optimizer` to resume. Checkpoints
+are whole (rank 0 gathers the shards, then writes in the background as under DDP), so a run continues on
+any world size and either engine, and the registry always gets one consolidated model. Evaluation runs
+on `EvalReplica`: a whole copy of the model on every rank, refreshed from the shards, so evaluations and
+samples run exactly as under DDP.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+
+import psutil
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from gptcore import distributed
+from gptcore.config import RunConfig
+from gptcore.model.gpt import GPT
+
+STATE_BYTES_PER_PARAM = 16  # fp32 weights 4 + gradients 4 + AdamW's two moments 8
+DDP_SHARE = 0.4  # auto: DDP while the states take at most this share of a rank's memory (activations need the rest)
+
+
+@dataclass
+class Plan:
+    kind: str  # single | ddp | fsdp
+    why: str  # one line for the start-up log
+
+
+def device_memory(device: torch.device) -> int:
+    """Bytes a rank may hold: the card's total on CUDA, the host's available RAM shared by the local ranks on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return psutil.virtual_memory().available // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def plan(cfg: RunConfig, env: distributed.Env) -> Plan:
+    """Which engine this invocation trains with, from train.parallel (and for auto, from memory)."""
+    asked = cfg.train.parallel
+    if env.world == 1:
+        return Plan("single", "one rank" + (f" (train.parallel={asked}: nothing to spread)" if asked != "auto" else ""))
+    if asked != "auto":
+        return Plan(asked, f"train.parallel={asked}")
+    need = cfg.model.approx_params() * STATE_BYTES_PER_PARAM
+    have = device_memory(env.device)
+    states = f"weights, gradients and AdamW state {need / 2**30:.1f} GiB of {have / 2**30:.1f} GiB per rank"
+    if need <= DDP_SHARE * have:
+        return Plan("ddp", f"auto: {states} fit a replica")
+    if cfg.optim.name == "muon" or env.dtype == torch.float16:  # config.validate refuses these with fsdp
+        return Plan("ddp", f"auto: {states}, but optim.name=muon / float16 train with DDP only")
+    return Plan("fsdp", f"auto: {states} (over {DDP_SHARE:.0%}): sharded")
+
+
+def wrap(raw: GPT, kind: str, env: distributed.Env, bf16_grads: bool = False) -> torch.nn.Module:
+    """The model the training step runs: raw itself (single), DDP around it, or raw sharded in place (fsdp;
+    its parameters become DTensors, so the optimizer is built after this)."""
+    if kind == "single":
+        return raw
+    if kind == "ddp":
+        model = DDP(raw, device_ids=[env.local_rank] if env.device.type == "cuda" else None)
+        if bf16_grads:  # halves the all-reduce bytes (multi-node); gradients summed in bf16
+            model.register_comm_hook(None, distributed.allreduce_in_bf16)
+        return model
+    # bf16 compute with fp32 master weights and fp32 gradient reduction; fp32 runs stay fp32 throughout
+    mp = MixedPrecisionPolicy(param_dtype=env.dtype, reduce_dtype=torch.float32) \
+        if env.dtype == torch.bfloat16 else MixedPrecisionPolicy()
+    mesh = device_mesh(env)
+    for block in raw.transformer.h:
+        # reshard after forward (all-gather again in backward): the memory of one unsharded block at a time
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    # the root (embeddings, tied head, final norm) is used again at once by backward: keep it gathered
+    fully_shard(raw, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    return raw
+
+
+def device_mesh(env: distributed.Env):
+    """1-D over all ranks on one node; (nodes, ranks per node) across nodes: HSDP shards within a node (fast
+    links) and replicates across nodes (one gradient all-reduce between them)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", env.world))
+    if 1 < local < env.world and env.world % local == 0:
+        return init_device_mesh(env.device.type, (env.world // local, local), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(env.device.type, (env.world,), mesh_dim_names=("shard",))
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    return isinstance(model, FSDPModule)
+
+
+@contextmanager
+def gradient_sync(model: torch.nn.Module, on: bool):
+    """A micro-step whose backward communicates gradients (`on`: the step's last) or only accumulates them:
+    DDP's no_sync, FSDP2's requires_gradient_sync (gradients stay unsharded until the last micro-step)."""
+    if is_sharded(model):
+        model.set_requires_gradient_sync(on)
+        yield
+    else:
+        with model.no_sync() if not on and hasattr(model, "no_sync") else nullcontext():
+            yield
+
+
+def full_state(model: torch.nn.Module, optimizer) -> tuple[dict[str, torch.Tensor], dict]:
+    """(weights, optimizer state) of a sharded model, whole and on the CPU, on rank 0 (the others get
+    empty dicts): the format a plain model's checkpoint has (optimizer state keyed by parameter index, as
+    `optimizer.state_dict()` keys it). Collective."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    weights = get_model_state_dict(model, options=options)
+    named = get_optimizer_state_dict(model, optimizer, options=options)
+    if not weights:
+        return {}, {}
+    index = {name: i for i, name in enumerate(n for g in named["param_groups"] for n in g["params"])}
+    groups = [{**g, "params": [index[n] for n in g["params"]]} for g in named["param_groups"]]
+    return weights, {"state": {index[n]: s for n, s in named["state"].items()}, "param_groups": groups}
+
+
+def load_optimizer(model: torch.nn.Module, optimizer, state: dict) -> None:
+    """Put a checkpoint's whole optimizer state (keyed by parameter index) into a sharded model's optimizer:
+    each rank keeps its own shard of every moment."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+    named = {"state": {order[i]: s for i, s in state["state"].items()},
+             "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in state["param_groups"]]}
+    set_optimizer_state_dict(model, optimizer, named, options=StateDictOptions(full_state_dict=True))
+
+
+class EvalReplica:
+    """A whole, plain copy of a sharded model on every rank, for evaluation and samples: they run on it
+    exactly as on an unsharded model (one rank may sample while the others wait; ranks may evaluate
+    different numbers of batches). `refresh` (collective) copies the current weights into it."""
+
+    def __init__(self, sharded: GPT, device: torch.device):
+        self.sharded = sharded
+        self.model = GPT(sharded.config).to(device)
+
+    def refresh(self) -> None:
+        full = get_model_state_dict(self.sharded, options=StateDictOptions(full_state_dict=True))
+        self.model.load_state_dict(full)

@@ -1,0 +1,154 @@
+"""FSDP2 (train.parallel=fsdp) with real torchrun + gloo on CPU, against the plain model on one rank.
+
+The reference is one rank with accumulation 4 (test_ddp proves 2 DDP ranks equal it). FSDP on 2 ranks
+(accumulation 2, gradients kept unsharded until the last micro-step) must train the same losses and
+weights, and evaluate the same validation loss and HellaSwag on its whole-model replica; with activation
+checkpointing too. Its checkpoints are whole: a killed FSDP run continues exactly on one rank, on DDP and
+on FSDP past a rotted checkpoint; the guard rolls a sharded model back; the final checkpoint is one
+consolidated model that exports to Hugging Face and generates.
+"""
+
+import json
+import shutil
+import time
+
+import pytest
+import torch
+
+from benchmarks import loss_compare
+from gptcore.checkpoints import checkpoint as C
+from gptcore.checkpoints import run_files as R
+from gptcore.metrics import read_metrics
+from tests.test_ddp import EVALS, STEPS, args, evals_of
+from tests.test_train_utils import final_weights, kill_tree, losses, python_cmd, start, torchrun_cmd, wait_for_step
+
+pytestmark = pytest.mark.slow
+FSDP = "train.parallel=fsdp"
+
+
+def train(cmd, tmp, name, timeout=300, **extra_env) -> str:
+    proc = start(cmd, tmp, tmp / f"{name}.log", **extra_env)
+    code = proc.wait(timeout=timeout)
+    log = (tmp / f"{name}.log").read_text()
+    assert code == 0, log[-3000:]
+    return log
+
+
+def assert_same_training(run, ref, tol=1e-5):
+    """The losses and final weights within `tol`; gradient norms within 1e-4 (FSDP2 sums each norm from its
+    shards' partial norms: a different rounding, ~1e-5 relative, that Adam's update does not see)."""
+    got, want = losses(run / "metrics.jsonl"), losses(ref / "metrics.jsonl")
+    assert sorted(got) == sorted(want) == list(range(1, STEPS + 1))
+    worst = max(abs(got[s] - want[s]) for s in want)
+    assert worst <= tol, f"max loss difference {worst}"
+    assert loss_compare.main([str(run), str(ref), "--tolerance", "1e-4"]) == 0
+    a, b = final_weights(run, STEPS), final_weights(ref, STEPS)
+    for k in b:
+        torch.testing.assert_close(a[k], b[k], atol=tol, rtol=0, msg=k)
+    assert (run / "DONE").is_file()
+
+
+@pytest.fixture(scope="module")
+def one_rank(ds, tmp_path_factory):
+    """The plain model on one rank, with the GPU job's evaluations (validation, HellaSwag, samples)."""
+    tmp = tmp_path_factory.mktemp("onerank")
+    log = train(python_cmd(args(ds, tmp / "run", *EVALS)), tmp, "one")
+    assert "world=1 accum=4" in log and "parallel=single" in log
+    return tmp / "run"
+
+
+@pytest.fixture(scope="module")
+def sharded(ds, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fsdp")
+    log = train(torchrun_cmd(args(ds, tmp / "run", *EVALS, FSDP)), tmp, "fsdp")
+    assert "world=2 accum=2" in log and "parallel=fsdp (train.parallel=fsdp)" in log
+    return tmp / "run"
+
+
+def test_fsdp_on_two_ranks_trains_and_evaluates_like_one_rank(one_rank, sharded):
+    assert_same_training(sharded, one_rank)
+    got, want = evals_of(sharded), evals_of(one_rank)
+    assert sorted(got) == sorted(want) == [4, 8, 12, 14]
+    for s in want:  # evaluated on the whole-model replica: the unsharded model's numbers
+        assert got[s]["val/loss"] == pytest.approx(want[s]["val/loss"], abs=1e-5), s
+        assert got[s]["hellaswag/n"] == 7
+        assert (got[s]["hellaswag/acc"], got[s]["hellaswag/acc_norm"]) == \
+            (want[s]["hellaswag/acc"], want[s]["hellaswag/acc_norm"]), s
+        ev = json.loads((R.step_dir(sharded, s) / R.EVAL_FILE).read_text())
+        assert ev["val_loss"] == got[s]["val/loss"]
+    assert sorted(r["step"] for r in read_metrics(sharded / "metrics.jsonl", "sample")) == [4, 8, 12, 14]
+    overhead = read_metrics(sharded / "metrics.jsonl", "overhead")
+    assert any("time/eval_replica_s" in r for r in overhead)  # the replica's refresh is timed apart
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_activation_checkpointing_under_fsdp_trains_the_same_losses(ds, one_rank, tmp_path, mode):
+    log = train(torchrun_cmd(args(ds, tmp_path / "run", FSDP, f"train.activation_checkpointing={mode}")),
+                tmp_path, "ac")
+    assert f"activation_checkpointing={mode}" in log
+    assert_same_training(tmp_path / "run", one_rank)
+
+
+def test_a_killed_fsdp_run_continues_exactly_on_one_rank_on_ddp_and_past_a_rotted_checkpoint(ds, one_rank, tmp_path):
+    """SIGKILL a 2-rank FSDP run once its step-8 checkpoint is on disk. Its checkpoints are whole, so three
+    copies of it continue: on one rank, on 2 DDP ranks, and on FSDP with step 8's weights rotted (that
+    step goes to rejected/ with its why, step 4 is used); each ends where the uninterrupted run did."""
+    killed = tmp_path / "killed"
+    # both ranks a little slower (test-only fault), so the kill lands well before the run ends
+    proc = start(torchrun_cmd(args(ds, killed, FSDP)), tmp_path, tmp_path / "killed.log",
+                 GPTPIPE_TEST_FAULT="slow@0,slow@1")
+    wait_for_step(proc, killed / "metrics.jsonl", 9)
+    deadline = time.monotonic() + 120
+    while R.latest_checkpoint(killed) is None or R.read_meta(R.latest_checkpoint(killed))["step"] < 8:
+        assert time.monotonic() < deadline and proc.poll() is None, "no step-8 checkpoint landed"
+        time.sleep(0.02)
+    kill_tree(proc)
+    assert not (killed / "DONE").exists()
+    state = C.load_trainer_state(R.latest_checkpoint(killed))
+    assert state["world"] == 2 and isinstance(next(iter(state["optimizer"]["state"])), int)  # a plain optimizer's
+    runs = {name: tmp_path / name for name in ("one", "ddp", "rotted")}
+    for run in runs.values():
+        shutil.copytree(killed, run)
+    weights = R.step_dir(runs["rotted"], 8) / C.MODEL_FILE
+    data = bytearray(weights.read_bytes())
+    data[-100] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    logs = {"one": train(python_cmd(args(ds, runs["one"])), tmp_path, "one"),
+            "ddp": train(torchrun_cmd(args(ds, runs["ddp"], "train.parallel=ddp")), tmp_path, "ddp"),
+            "rotted": train(torchrun_cmd(args(ds, runs["rotted"], FSDP)), tmp_path, "rotted")}
+    assert "resuming from step_00000008" in logs["one"] and "parallel=single" in logs["one"]
+    assert "resuming from step_00000008" in logs["ddp"] and "parallel=ddp" in logs["ddp"]
+    assert "resuming from step_00000004" in logs["rotted"] and "parallel=fsdp" in logs["rotted"]
+    why = (R.checkpoints_dir(runs["rotted"]) / R.REJECTED_DIR / "step_00000008" / "why.txt").read_text()
+    assert "sha256" in why
+    for run in runs.values():
+        assert_same_training(run, one_rank)
+
+
+def test_the_guard_rolls_a_sharded_model_back(ds, tmp_path):
+    """A loss spike under FSDP: the newest good checkpoint's whole weights and optimizer state go back into
+    every rank's shards, the run skips the bad batches and finishes."""
+    guard = ["guard.spike_window=3", "guard.spike_steps=2", "guard.spike_min_delta=0.5"]
+    train(torchrun_cmd(args(ds, tmp_path / "run", FSDP, *guard)), tmp_path, "spike", GPTPIPE_TEST_FAULT="spike@7")
+    ev = read_metrics(tmp_path / "run" / "metrics.jsonl", "event")
+    assert [e["guard/rollback_to"] for e in ev if "guard/rollback_to" in e] == [4], ev
+    assert (tmp_path / "run" / "DONE").is_file()
+    final = read_metrics(tmp_path / "run" / "metrics.jsonl", "train")[-1]["train/loss"]
+    assert final < 10.6  # trained on from the rolled-back weights, not from the spiked ones (~30x off)
+
+
+def test_the_consolidated_model_of_an_fsdp_run_exports_to_hf_and_generates(sharded, tmp_path):
+    from transformers import GPT2LMHeadModel  # a heavy import, only for this test
+
+    from gptcore.model.hf import export_hf
+
+    ck = R.latest_checkpoint(sharded)
+    model, meta = C.load_model(ck)
+    assert meta["step"] == STEPS
+    out = export_hf(model, tmp_path / "hf")
+    hf = GPT2LMHeadModel.from_pretrained(out).eval()
+    prompt = torch.tensor([[15496, 11, 314, 1101]])
+    mine = model.generate(prompt, max_new_tokens=8, temperature=0.0)
+    theirs = hf.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=50256,
+                         attention_mask=torch.ones_like(prompt))
+    assert torch.equal(mine, theirs)
