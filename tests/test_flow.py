@@ -465,26 +465,29 @@ def test_failure_automation_for_the_nightly_deployment_is_created(prefect_stack,
     assert r.returncode == 2 and "too short" in r.stderr
 
 
-@pytest.mark.parametrize("nproc, world", [(2, 2), (0, 1)])
-def test_a_flow_run_trains_on_the_processes_it_is_given(prefect_stack, nproc, world):
-    """nproc=2: the deployment's trainer is a 2-rank gloo DDP job under torchrun (DDP is otherwise tested
-    through raw torchrun only); nproc=0 ("one per GPU", the nightly deployments' value) is one process on a
-    machine without CUDA. Both train every step once and evaluate the final checkpoint."""
-    run = f"procs{nproc}"
-    params = micro(run, 4)
-    params.update(register=False, nproc=nproc)
+@pytest.mark.parametrize("nproc, world, engine", [(2, 2, "ddp"), (2, 2, "fsdp"), (0, 1, "single")])
+def test_a_flow_run_trains_on_the_processes_it_is_given(prefect_stack, nproc, world, engine):
+    """nproc=2: the deployment's trainer is a 2-rank gloo job under torchrun, DDP or FSDP2 (train.parallel;
+    the engines are otherwise tested through raw torchrun only); nproc=0 ("one per GPU", the nightly
+    deployments' value) is one process on a machine without CUDA. Each trains every step once and evaluates
+    the final checkpoint; the FSDP run registers its consolidated model as a version."""
+    run = f"procs{nproc}{engine}"
+    params = micro(run, 4, **({"train.parallel": engine} if world > 1 else {}))
+    params.update(register=engine == "fsdp", nproc=nproc)
     fr = run_deployment_and_wait(params)
     assert fr.state.is_completed(), fr.state.message
     logs = "\n".join(flow_logs(fr.id))
     assert f"run {run}: starting on {world} process(es)" in logs, logs[-3000:]
     assert f"--nproc_per_node={world}" in logs, logs[-3000:]  # the launch line
     train_log = (prefect_stack.home / "runs" / run / "train.log").read_text()
-    assert f"world={world} " in train_log, train_log[-2000:]
+    assert f"world={world} " in train_log and f"parallel={engine} " in train_log, train_log[-2000:]
     steps = [json.loads(line)["step"] for line in (prefect_stack.home / "runs" / run / "metrics.jsonl")
              .read_text().splitlines() if '"kind": "train"' in line]
     assert steps == [1, 2, 3, 4]
     summary = {r["key"]: json.loads(r["value"]) for r in artifacts(fr.id)["pretrain-summary"]}
     assert summary["step"] == 4 and summary["done"] is True and summary["val_loss"] > 0
+    if engine == "fsdp":  # the consolidated model of a sharded run, as a registry version
+        assert summary["stages"]["register"] == "ran" and summary["model_version"] == f"models:/micro-{run}/1"
 
 
 def test_cancelling_a_flow_run_in_prefect_stops_the_trainer_with_a_checkpoint(prefect_stack):

@@ -10,6 +10,7 @@ consolidated model that exports to Hugging Face and generates.
 
 import json
 import shutil
+import sys
 import time
 
 import pytest
@@ -20,7 +21,16 @@ from gptcore.checkpoints import checkpoint as C
 from gptcore.checkpoints import run_files as R
 from gptcore.metrics import read_metrics
 from tests.test_ddp import EVALS, STEPS, args, evals_of
-from tests.test_train_utils import final_weights, kill_tree, losses, python_cmd, start, torchrun_cmd, wait_for_step
+from tests.test_train_utils import (
+    final_weights,
+    free_port,
+    kill_tree,
+    losses,
+    python_cmd,
+    start,
+    torchrun_cmd,
+    wait_for_step,
+)
 
 pytestmark = pytest.mark.slow
 FSDP = "train.parallel=fsdp"
@@ -152,3 +162,22 @@ def test_the_consolidated_model_of_an_fsdp_run_exports_to_hf_and_generates(shard
     theirs = hf.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=50256,
                          attention_mask=torch.ones_like(prompt))
     assert torch.equal(mine, theirs)
+
+
+def test_hsdp_across_two_nodes_replicates_shards_and_trains_the_same_losses(ds, one_rank, tmp_path):
+    """Two torchrun agents (--nnodes=2, c10d on 127.0.0.1) with 2 ranks each: FSDP2 on a (2 replicas x 2
+    shards) mesh, gradients reduce-scattered within a node and all-reduced across nodes."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2",
+           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=test-hsdp",
+           "--max-restarts=0", "-m", "gptcore.training.train", *args(ds, tmp_path / "run", FSDP)]
+    agents = [start(cmd, tmp_path, tmp_path / f"agent{i}.log") for i in range(2)]
+    try:
+        codes = [a.wait(timeout=300) for a in agents]
+    finally:
+        for a in agents:
+            kill_tree(a)
+    logs = "".join((tmp_path / f"agent{i}.log").read_text() for i in range(2))
+    assert codes == [0, 0], logs[-3000:]
+    assert "world=4 accum=1" in logs and "HSDP: 2 replicas x 2 shards" in logs
+    assert_same_training(tmp_path / "run", one_rank)

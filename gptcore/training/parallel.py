@@ -60,7 +60,7 @@ def plan(cfg: RunConfig, env: distributed.Env) -> Plan:
     if env.world == 1:
         return Plan("single", "one rank" + (f" (train.parallel={asked}: nothing to spread)" if asked != "auto" else ""))
     if asked != "auto":
-        return Plan(asked, f"train.parallel={asked}")
+        return Plan(asked, f"train.parallel={asked}{mesh_text(asked, env)}")
     need = cfg.model.approx_params() * STATE_BYTES_PER_PARAM
     have = device_memory(env.device)
     states = f"weights, gradients and AdamW state {need / 2**30:.1f} GiB of {have / 2**30:.1f} GiB per rank"
@@ -68,7 +68,7 @@ def plan(cfg: RunConfig, env: distributed.Env) -> Plan:
         return Plan("ddp", f"auto: {states} fit a replica")
     if cfg.optim.name == "muon" or env.dtype == torch.float16:  # config.validate refuses these with fsdp
         return Plan("ddp", f"auto: {states}, but optim.name=muon / float16 train with DDP only")
-    return Plan("fsdp", f"auto: {states} (over {DDP_SHARE:.0%}): sharded")
+    return Plan("fsdp", f"auto: {states} (over {DDP_SHARE:.0%}): sharded{mesh_text('fsdp', env)}")
 
 
 def wrap(raw: GPT, kind: str, env: distributed.Env, bf16_grads: bool = False) -> torch.nn.Module:
@@ -93,13 +93,22 @@ def wrap(raw: GPT, kind: str, env: distributed.Env, bf16_grads: bool = False) ->
     return raw
 
 
-def device_mesh(env: distributed.Env):
-    """1-D over all ranks on one node; (nodes, ranks per node) across nodes: HSDP shards within a node (fast
-    links) and replicates across nodes (one gradient all-reduce between them)."""
+def mesh_shape(env: distributed.Env) -> tuple[int, ...]:
+    """(world,) on one node; (nodes, ranks per node) across nodes: HSDP shards within a node (fast links)
+    and replicates across nodes (one gradient all-reduce between them)."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", env.world))
-    if 1 < local < env.world and env.world % local == 0:
-        return init_device_mesh(env.device.type, (env.world // local, local), mesh_dim_names=("replicate", "shard"))
-    return init_device_mesh(env.device.type, (env.world,), mesh_dim_names=("shard",))
+    return (env.world // local, local) if 1 < local < env.world and env.world % local == 0 else (env.world,)
+
+
+def mesh_text(kind: str, env: distributed.Env) -> str:
+    shape = mesh_shape(env)
+    return f", HSDP: {shape[0]} replicas x {shape[1]} shards" if kind == "fsdp" and len(shape) == 2 else ""
+
+
+def device_mesh(env: distributed.Env):
+    shape = mesh_shape(env)
+    names = ("replicate", "shard") if len(shape) == 2 else ("shard",)
+    return init_device_mesh(env.device.type, shape, mesh_dim_names=names)
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
