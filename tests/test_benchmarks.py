@@ -68,6 +68,10 @@ LINES = {
         rf"^  at gpt2-124m on one 8-GPU node \([\d.]+ s steps\): {N}% of step time with {N} hashing ranks, {N}% "
         r"with one",
     ],
+    "bench_memory": [
+        *(rf"^  {mode} +activations {N} MiB \({N}x\) \| step {N} s \({N}x\) \| loss the same \| spread "
+          for mode in ("none", "selective", "full")),
+    ],
     "bench_eval": [
         rf"^  eager \(trainer\) +first +{N} s, later median {N} s",
         rf"^  compiled +first +{N} s, later median {N} s",

@@ -124,6 +124,18 @@ def test_the_lease_script_runs_every_row_on_cpu_on_a_bare_image_and_keeps_everyt
     assert not any("checkpoints" in n or n.endswith((".pt", ".bin", ".npy")) for n in kept)
 
 
+def test_the_family_row_trains_350m_and_1558m_depths_with_the_probe_and_checkpointing(tmp_path):
+    """A lease's second call (--rows family): gpt2-350m and gpt2-1558m through the trainer with
+    micro_batch=auto, 1558m with selective activation checkpointing; on CPU at width 64 (the path only)."""
+    out = tmp_path / "rows.json"
+    r = gpu_check("--device", "cpu", "--rows", "family", "--out", str(out), timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["status"] == "info", row
+    assert "gpt2-350m (none): micro_batch 4 of 4" in row["detail"], row
+    assert "gpt2-1558m (selective): micro_batch 4 of 4" in row["detail"], row
+
+
 def test_rows_past_the_budget_are_reported_not_run(tmp_path):
     out = tmp_path / "rows.json"
     r = gpu_check("--device", "cpu", "--rows", "micro-batch,harness", "--budget-s", "0", "--out", str(out), timeout=300)
