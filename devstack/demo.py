@@ -119,6 +119,21 @@ def mlflow_ui(uri: str) -> str:
     return links.experiment_link(uri, exp_id) if exp_id else links.ui_link(uri, "experiments")
 
 
+def cost_line(s: dict) -> str:
+    """The run's device-hours so far, its cost and the ETA (gptcore/training/cost.py): what a long run's
+    operator asks first. Device-hours count CPU processes too, so the demo shows the same line a GPU run has."""
+    from gptcore.training.cost import duration
+
+    hours = s.get("gpu_hours")
+    if hours is None:
+        return "not recorded (a checkpoint written before cost tracking)"
+    cost = (f"${s['cost_usd']:,.2f} so far, ${s['cost_projected_usd']:,.2f} projected"
+            if s.get("cost_usd") is not None and s.get("cost_projected_usd") is not None
+            else "no price set (train.price_per_gpu_hour)")
+    eta = "done" if s.get("done") else f"ETA {duration(s['eta_s'])}" if s.get("eta_s") is not None else "ETA unknown"
+    return f"{hours:.4f} ({cost}; {eta})"
+
+
 def report(s: dict, stack: Stack, seconds: float) -> str:
     val = s.get("val_loss")
     stages = ", ".join(f"{k} {v}" for k, v in (s.get("stages") or {}).items())
@@ -130,6 +145,7 @@ def report(s: dict, stack: Stack, seconds: float) -> str:
         f"{s.get('val_tokens_in_dataset', 0):,} val tokens",
         f"tokens trained     {s.get('tokens_seen') or 0:,}",
         f"final val loss     {val:.4f}" if isinstance(val, float) else f"final val loss     {val}",
+        f"GPU-hours          {cost_line(s)}",
         *[f"{'evaluations' if i == 0 else '':19}{line}" for i, line in enumerate(s.get("evaluation_summary") or [])],
         f"MLflow model       {s.get('model_version')}",
         f"stages             {stages}",

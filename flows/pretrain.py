@@ -45,6 +45,7 @@ from gptcore.checkpoints.run_files import EVAL_FILE, RUN_FILE, read_meta, run_di
 from gptcore.config import ConfigError, RunConfig, check_name, load_config, pipeline_home
 from gptcore.evals.record import result_metrics
 from gptcore.files import read_json
+from gptcore.metrics import METRICS_FILE, read_metrics
 from integrations.progress import artifact_key, step_label
 from integrations.secrets import mlflow_credentials_from_prefect
 from tasks import generate
@@ -394,11 +395,18 @@ def summarize(run: FlowRun) -> dict:
     result = run.result or {}
     evaluated = {ev.name: ev.summary(result.get(ev.name) or {"skipped": "evaluation disabled"})
                  for ev in evals.enabled(run.cfg)}
+    meta = read_meta(Path(run.ckpt))
+    rows = read_metrics(Path(run.state["run_dir"]) / METRICS_FILE, "train")
+    last_train = rows[-1] if rows else {}
     return {
         "run_name": run.cfg.run_name, "run_dir": run.state["run_dir"], "dataset_dir": run.dataset_dir,
         "train_tokens": run.tokens["train"], "val_tokens_in_dataset": run.tokens["val"],
         "step": run.state["step"], "done": run.state["done"], "checkpoint": run.ckpt,
-        "tokens_seen": read_meta(Path(run.ckpt)).get("tokens_seen"),
+        "tokens_seen": meta.get("tokens_seen"),
+        # what the run has cost (gptcore/training/cost.py): at its newest checkpoint, and when it will finish
+        "gpu_hours": meta.get("gpu_hours"), "cost_usd": meta.get("cost_usd"),
+        "eta_s": 0.0 if run.state["done"] else last_train.get("train/eta_s"),
+        "cost_projected_usd": meta.get("cost_usd") if run.state["done"] else last_train.get("train/cost_projected_usd"),
         "val_loss": result.get("val_loss"),
         "evaluations": {name: result.get(name) for name in evaluated},
         "evaluation_summary": list(evaluated.values()),

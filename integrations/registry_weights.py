@@ -103,6 +103,16 @@ def fetch_verified(model_uri: str, dst: Path, tracking_uri: str | None = None) -
 
     uri = tracking_uri or store.tracking_uri()
     store.use_store(uri)  # mlflow-artifacts: locations resolve through this server
+    name, alias, version = _parse_models_uri(model_uri)
+    # on a shared server any user may create a name a person might type: the pipeline reads only its own
+    # models, as it registers only into them (mlflow_store.own_model); a model id names one logged model
+    if (alias or version) and store.signed_in() and store.model_owned_over_rest(uri, name) is False:
+        raise UntrustedWeights(
+            f"registered model {name!r} is not the pipeline's: experiment {store.EXPERIMENT!r} records no model "
+            "of that name created by the pipeline's admin or worker (another user created it); refusing to load "
+            "its weights. Give one of the pipeline's models, or a checkpoint directory you trust; if it is a "
+            "model the pipeline made before it recorded its models, the MLflow admin checks it and runs "
+            "mlflow_store.adopt_model")
     src = _registry_source(store.client(uri), model_uri)
     if not src.expected:
         raise UntrustedWeights(f"{src.label} ({model_uri}) has no {SHA_TAG} tag, so its weights cannot be "

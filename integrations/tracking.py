@@ -197,7 +197,7 @@ class Shipper:
             try:
                 rec = json.loads(line)
                 kind = rec.get("kind", "train")
-                metrics = to_metrics(rec) if kind not in ("sample", "profile") else []
+                metrics = to_metrics(rec) if kind not in ("sample", "profile", "memory") else []
             except (ValueError, KeyError, TypeError):
                 log.warning("skipping a malformed line in %s at byte %d: %.80r", METRICS_FILE, end, line)
                 end = line_end
@@ -207,8 +207,9 @@ class Shipper:
             if kind == "sample" and isinstance(rec.get("text"), str):
                 flush()  # keep acknowledgements in file order
                 mlc.log_text(self.run_id, rec["text"], f"samples/step_{int(rec['step']):08d}.txt")
-            if kind == "profile" and rec.get("dir") and (self.run_dir / str(rec["dir"])).is_dir():
-                flush()  # the traces of a profile the trainer recorded (gptcore/training/profiling.py)
+            if kind in ("profile", "memory") and rec.get("dir") and (self.run_dir / str(rec["dir"])).is_dir():
+                # the traces of a profile (gptcore/training/profiling.py), an out-of-memory record (memory.py)
+                flush()
                 mlc.log_artifacts(self.run_id, str(self.run_dir / rec["dir"]), artifact_path=rec["dir"])
             batch += metrics
             end, n = line_end, n + 1

@@ -82,7 +82,9 @@ def checkpoint_metrics(ckpt_dir: Path, meta: dict) -> dict[str, float]:
 
     ev = read_json(ckpt_dir / EVAL_FILE, {})
     values = {"val/loss": val_loss_of(ckpt_dir, meta), "train/step": meta["step"],
-              "train/tokens_seen": meta.get("tokens_seen")}
+              "train/tokens_seen": meta.get("tokens_seen"),
+              # what the run had cost at this step (gptcore/training/cost.py); absent in older checkpoints
+              "train/gpu_hours": meta.get("gpu_hours"), "train/cost_usd": meta.get("cost_usd")}
     for name in EVALUATIONS:
         result = ev.get(name)
         if not isinstance(result, dict) or "skipped" in result:  # none here: what an older meta.json recorded

@@ -299,6 +299,14 @@ def test_a_squatted_model_name_is_refused_and_the_pipeline_models_are_out_of_her
     assert register.registered_version(ckpt, "squatted", secured.mlflow_uri) is None  # the flow does not skip
     code, body = call(f"{api}/model-versions/search?filter=name%3D%27squatted%27", user=ADMIN)
     assert code == 200 and json.loads(body).get("model_versions", []) == [], body
+    # ... and reading her model by name is refused as writing into it is: generate, evaluate and the sample
+    # stage load no weights from a name the pipeline does not own, before any version is resolved
+    from integrations.registry_weights import UntrustedWeights
+    from tasks import generate
+
+    for uri in ("models:/squatted@best", "models:/squatted/1", "models:/squatted/latest"):
+        with pytest.raises(UntrustedWeights, match="'squatted' is not the pipeline's"):
+            generate.load(uri, secured.mlflow_uri)
 
     # A preset's model: the admin made it at the stack's start (ensure_user), so Eve cannot take the name,
     # and the worker registers into it (the admin granted it MANAGE)
@@ -306,6 +314,7 @@ def test_a_squatted_model_name_is_refused_and_the_pipeline_models_are_out_of_her
     out = register.register_checkpoint(micro_checkpoint(tmp_path / "owned", seed=2), tracking_uri=secured.mlflow_uri,
                                        hf=False)
     assert out["name"] == "micro" and "best" in out["aliases"], out
+    assert generate.load("models:/micro@best", secured.mlflow_uri).version == str(out["version"])  # its own: read
     # Eve cannot move `best`, delete the version or write its tags
     alias = {"name": "micro", "alias": "best", "version": out["version"]}
     assert status(f"{api}/registered-models/alias", alias, eve) == 403

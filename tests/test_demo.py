@@ -49,6 +49,9 @@ def test_make_demo_runs_the_shipped_deployment_then_reuses_and_stops(tmp_path):
         assert field(out, "stages") == "data ran, train ran, evaluate skipped, register ran, sample ran"
         assert field(out, "evaluations").startswith("hellaswag: ")  # each evaluation's own summary line
         val = float(field(out, "final val loss"))
+        hours = field(out, "GPU-hours")  # the run's device-hours, its cost (no price set) and its ETA (done)
+        assert re.fullmatch(r"\d+\.\d{4} \(no price set \(train.price_per_gpu_hour\); done\)", hours), hours
+        assert float(hours.split()[0]) > 0
         assert val < 8.0, val  # an untrained model scores ~10.8; the tiny run ends near 6.3
         assert field(out, "MLflow model") == "models:/tiny-cpu/1"
         assert "Hello, I'm a language model," in out

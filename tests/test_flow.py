@@ -106,6 +106,9 @@ def test_end_to_end_then_rerun_is_a_no_op(prefect_stack):
     assert arts["e2e-training"] == 100  # the train task's progress artifact reached the end
     board = arts["leaderboard-micro-e2e"]  # the registered versions, side by side (tasks/leaderboard.py)
     assert [(r["version"], r["aliases"], r["step"]) for r in board] == [(1, "best,latest", 8)]
+    # what the run had cost at the registered step (no price set: hours only)
+    assert summary["gpu_hours"] > 0 and summary["eta_s"] == 0 and summary["cost_usd"] is None
+    assert board[0]["train_gpu_hours"] == pytest.approx(summary["gpu_hours"])
     assert board[0]["val_loss"] == pytest.approx(summary["val_loss"], rel=1e-6)
     assert board[0]["hellaswag_acc_norm"] == pytest.approx(hs["acc_norm"])
     assert (board[0]["harness_arc_easy_acc"], board[0]["harness_arc_easy_acc_stderr"]) == \
@@ -244,7 +247,8 @@ def test_killed_flow_run_resumes_from_its_checkpoint(prefect_stack):
         assert time.monotonic() < end, "the trainer outlived its flow run (orphan)"
         time.sleep(0.5)
     step = read_meta(latest_checkpoint(run_dir))["step"]
-    assert 8 <= step < 2000
+    hours_then = read_meta(latest_checkpoint(run_dir))["gpu_hours"]  # the killed invocation's, at its checkpoint
+    assert 8 <= step < 2000 and hours_then > 0
     # the whole machine went down: the Prefect server too. Its concurrency leases (the run's train slot,
     # held by the killed flow run) must outlive the restart, or the slot stays taken for ever
     prefect_stack.prefect.stop()
@@ -272,6 +276,13 @@ def test_killed_flow_run_resumes_from_its_checkpoint(prefect_stack):
     assert "starting at step 0" not in logs
     assert f"step {step + 1:6d}/2000" in logs  # the first step trained is the one after the checkpoint
     assert read_meta(latest_checkpoint(run_dir))["step"] > step
+    # the flow's summary (what the demo prints): the hours so far, carried across both invocations, their cost
+    # at $3 an hour, and what is left of a run this night's budget did not finish
+    s2 = {r["key"]: json.loads(r["value"]) for r in artifacts(fr2.id)["pretrain-summary"]}
+    assert s2["done"] is False and s2["eta_s"] > 0, s2
+    assert s2["gpu_hours"] > hours_then, s2
+    assert s2["cost_usd"] == pytest.approx(3.0 * s2["gpu_hours"], abs=1e-3)
+    assert s2["cost_projected_usd"] > s2["cost_usd"]
 
 
 def wait_for(what: str, check, timeout: float = 240.0, every: float = 0.3):

@@ -155,7 +155,14 @@ def test_a_step_that_runs_out_of_memory_is_retried_with_the_same_data(ds, tmp_pa
     assert q.wait(timeout=300) == 0, (tmp_path / "ref.log").read_text()[-3000:]
     events = [r for r in read_metrics(oom / "metrics.jsonl", "event")]
     assert [e["event"] for e in events] == [
-        "out of memory at micro-batch 4 (step 6): the step is retried with the same data at micro-batch 2"]
+        "out of memory at micro-batch 4 (step 6): the step is retried with the same data at micro-batch 2; "
+        "memory record in memory/oom-step6-rank0"]
+    # what the user reads to see why (gptcore/training/memory.py): written before the retry
+    record = json.loads((oom / "memory" / "oom-step6-rank0" / "record.json").read_text())
+    assert record["error"].startswith("OutOfMemoryError: injected out of memory") and record["step"] == 6
+    assert (record["micro_batch"], record["retry_at"]) == (4, 2) and record["rss_bytes"] > 50 * 2**20
+    assert record["probe"] == [{"micro_batch": 4, "fits": True}]  # the probe's table of tried sizes
+    assert [r["dir"] for r in read_metrics(oom / "metrics.jsonl", "memory")] == ["memory/oom-step6-rank0"]
     rows = read_metrics(oom / "metrics.jsonl", "train")
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))  # none lost, none doubled
     assert [r["train/micro_batch"] for r in rows] == [4] * 5 + [2] * 5
@@ -185,6 +192,8 @@ def test_nothing_fits_is_a_clear_exit_2(ds, tmp_path):
         in out, out[-2000:]
     assert "Traceback" not in out
     assert not list((run_dir / "checkpoints").glob("step_*")) if (run_dir / "checkpoints").exists() else True
+    record = json.loads((run_dir / "memory" / "oom-step0-rank0" / "record.json").read_text())
+    assert record["probe"] == [{"micro_batch": m, "fits": False} for m in (8, 4, 2, 1)], record
 
 
 @pytest.mark.slow

@@ -41,6 +41,12 @@ class RunClock:
         return out
 
 
+def checkpoint_cost(hours: float, price: float) -> dict:
+    """What a checkpoint's meta.json records of the run's cost at its step (the registry's and the flow's
+    summary read it): the GPU-hours, and their cost when a price is set."""
+    return {"gpu_hours": round(hours, 6), **({"cost_usd": round(hours * price, 4)} if price > 0 else {})}
+
+
 def duration(seconds: float) -> str:
     """12 s, 4 min 10 s, 3 h 5 min."""
     seconds = max(0, int(seconds))

@@ -199,14 +199,15 @@ def probe(model: torch.nn.Module, optimizer, cfg: RunConfig, env: distributed.En
 
 
 def choose(run_dir, model: torch.nn.Module, optimizer, cfg: RunConfig, env: distributed.Env,
-           beat: Callable[[int], None] | None = None) -> tuple[int, str]:
-    """The micro-batch every rank uses (collective), and how it was found (for the start line). Reuses
+           beat: Callable[[int], None] | None = None) -> tuple[int, str, list[int]]:
+    """The micro-batch every rank uses (collective), how it was found (for the start line) and the sizes that
+    ran out of memory on this rank (the probe's table, gptcore/training/memory.py). Reuses
     <run_dir>/micro_batch.json when this hardware and these settings made it. NothingFits when some rank
     cannot fit a single sequence."""
     fp = fingerprint(cfg, env)
     kept = read_json(run_dir / CHOICE_FILE) or {}
     if all(distributed.all_gather_object(kept.get("fingerprint") == fp)):
-        return int(kept["micro_batch"]), f"auto, kept from {CHOICE_FILE}"
+        return int(kept["micro_batch"]), f"auto, kept from {CHOICE_FILE}", []
     mine, failed = probe(model, optimizer, cfg, env, beat)
     answers = distributed.all_gather_object((mine, failed[-1] if failed else None, memory_text(env)))
     if any(a is None for a, _, _ in answers):
@@ -219,7 +220,7 @@ def choose(run_dir, model: torch.nn.Module, optimizer, cfg: RunConfig, env: dist
         write_json(run_dir / CHOICE_FILE, {"micro_batch": chosen, "fingerprint": fp,
                                            "out_of_memory_at": sorted({f for _, f, _ in answers if f})})
     tried = ", ".join(str(f) for f in failed)
-    return chosen, f"auto: {chosen} fits" + (f", {tried} ran out of memory" if failed else "")
+    return chosen, f"auto: {chosen} fits" + (f", {tried} ran out of memory" if failed else ""), failed
 
 
 def remember(run_dir, cfg: RunConfig, env: distributed.Env, micro: int) -> None:
@@ -229,7 +230,7 @@ def remember(run_dir, cfg: RunConfig, env: distributed.Env, micro: int) -> None:
 
 
 def retry_smaller(error: torch.OutOfMemoryError, auto: bool, run_dir, cfg: RunConfig, env: distributed.Env,
-                  optimizer, loader, before: dict, step: int, event: Callable[..., None]) -> None:
+                  optimizer, loader, before: dict, step: int, event: Callable[..., None], record: str = "") -> None:
     """Training step `step` ran out of memory with train.micro_batch=auto (`auto`): drop its partial
     gradients, rewind the data to the step's start (`before`, the loader's state then) and split it into
     smaller micro-batches, so the retry takes the same data and no update is lost or doubled. Under DDP the
@@ -251,4 +252,5 @@ def retry_smaller(error: torch.OutOfMemoryError, auto: bool, run_dir, cfg: RunCo
                        f"collective; {CHOICE_FILE} keeps micro-batch {micro} for it") from error
     loader.load_state_dict(before)
     loader.set_micro_batch(micro)
-    event(step, text, who="micro-batch", **{"train/micro_batch": micro})
+    event(step, text + (f"; memory record in {record}" if record else ""), who="micro-batch",
+          **{"train/micro_batch": micro})

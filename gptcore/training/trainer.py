@@ -34,9 +34,10 @@ from gptcore.model.gpt import peak_flops_guess
 from gptcore.model.loss import make_loss
 from gptcore.model.optim import build_optimizer, lr_at, set_lr, skips_on_device
 from gptcore.training import microbatch, parallel
-from gptcore.training.cost import RunClock, duration
+from gptcore.training.cost import RunClock, checkpoint_cost, duration
 from gptcore.training.damage import DamagedShards
 from gptcore.training.guard import OK, ROLLBACK, SKIP, FaultInjector, Guard
+from gptcore.training.memory import MemoryRecorder
 from gptcore.training.profiling import StepProfiler
 from gptcore.training.replicas import ComputeTimer, Disagreements, Stragglers, weights_checksum
 from gptcore.training.resume import SHARD_HASHES, Prepared, RunError, agreed_checkpoint, restore
@@ -134,10 +135,19 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(env.device.type) if env.dtype == torch.float16 else None
         self.auto_micro = tc.micro_batch == microbatch.AUTO
         self.micro_how = "set"
+        # the allocator's history (CUDA) from before the probe; a record at every out-of-memory error
+        self.memory = MemoryRecorder(prep.run_dir, env.rank, env.device)
         if self.auto_micro:  # from here on this invocation's config holds the choice (eval, records)
-            tc.micro_batch, self.micro_how = microbatch.choose(
-                prep.run_dir, distributed_model, self.optimizer, cfg, env,
-                beat=lambda micro: self.watchdog.beat(f"probing micro-batch {micro}", patience=PROBE_PATIENCE_S))
+            try:
+                tc.micro_batch, self.micro_how, failed = microbatch.choose(
+                    prep.run_dir, distributed_model, self.optimizer, cfg, env,
+                    beat=lambda micro: self.watchdog.beat(f"probing micro-batch {micro}", patience=PROBE_PATIENCE_S))
+            except microbatch.NothingFits as e:
+                self.memory.probed(None, microbatch.candidates(microbatch.share(cfg, env.world), tc.micro_batch_max),
+                                   "probed")
+                self.memory.out_of_memory(0, e, tc.micro_batch)
+                raise
+            self.memory.probed(tc.micro_batch, failed, self.micro_how)
         self.loader = ShardLoader(prep.data_dir, tc.micro_batch, tc.seq_len, tc.total_batch_tokens, tc.seed,
                                   env.rank, env.world, env.device, manifest=prep.manifest,
                                   verify_reads=env.local_rank == 0)  # one hashing loader per node
@@ -276,10 +286,17 @@ class Trainer:
                                    self.scaler, self.cfg.optim.grad_clip, vote, self.timer)
                 break
             except torch.OutOfMemoryError as e:  # train.micro_batch=auto: the same data at a smaller size
+                share = microbatch.share(self.cfg, self.env.world)
+                retry = microbatch.smaller(self.cfg.train.micro_batch, share) if self.auto_micro else None
+                # first, while the failed step's memory is still as it was: the record (and CUDA snapshot)
+                folder = self.memory.out_of_memory(self.step + 1, e, self.cfg.train.micro_batch, retry)
+                self.logger.log(self.step + 1, {"dir": str(folder.relative_to(self.run_dir))}, kind="memory")
                 microbatch.retry_smaller(e, self.auto_micro, self.run_dir, self.cfg, self.env, self.optimizer,
-                                         self.loader, before, self.step + 1, self.event)
+                                         self.loader, before, self.step + 1, self.event,
+                                         record=str(folder.relative_to(self.run_dir)))
         self.step += 1
         self.profiler.after(self.step)
+        self.memory.after_step(self.step)
         self.watchdog.beat("training", step=self.step)
         self.pending.append(Pending(self.step, lr, self.loader.epoch, stats))
 
@@ -375,7 +392,8 @@ class Trainer:
                      "step": self.step, "world": env.world, "gpu_hours": self.clock.gpu_hours()}
             self.checkpointer.save(self.step, weights, state, {
                 **self.meta, "tokens_seen": self.step * self.cfg.train.total_batch_tokens,
-                "train_loss": train_loss, "reason": reason})
+                "train_loss": train_loss, "reason": reason,
+                **checkpoint_cost(self.clock.gpu_hours(), self.cfg.train.price_per_gpu_hour)})
         self.unconfirmed = self.saved_step = self.step
         if not self.cfg.train.async_checkpoint:
             self.confirm_checkpoint(wait=True)
