@@ -242,7 +242,9 @@ def data_stage(run: FlowRun) -> None:
         from tasks.download import download_task
 
         download_task(cfg.to_dict())
-        dataset_dir = tokenize.tokenize_dataset(cfg.to_dict(), task_runner=dask_runner(run.dask_address))
+        from flows.tokenize import tokenize_dataset
+
+        dataset_dir = tokenize_dataset(cfg.to_dict(), task_runner=dask_runner(run.dask_address))
     rows = [{"shard": s.name, "split": s.split, "tokens": s.tokens, "sha256": s.sha256[:12]}
             for s in Manifest.load(Path(dataset_dir)).shards]
     tokens = {split: sum(r["tokens"] for r in rows if r["split"] == split) for split in ("train", "val")}

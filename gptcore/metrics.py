@@ -1,7 +1,7 @@
 """Where training metrics go: one JSON object per line in `<run_dir>/metrics.jsonl`, written by rank 0.
 
 The file is append-only (a resumed run keeps its history) and flushed per line, so anything can tail it:
-tasks/tracking.py ships it to MLflow from outside the training process, and training never waits on
+integrations/tracking.py ships it to MLflow from outside the training process, and training never waits on
 a tracking server. Metric keys: train/loss, train/lr, train/grad_norm, train/step_time,
 train/tokens_per_s, train/mfu, train/tokens_seen, val/loss, hellaswag/acc, hellaswag/acc_norm,
 hellaswag/n; text samples are kind "sample" with key "text".

@@ -47,7 +47,7 @@ def headline_columns() -> list[str]:
     out = []
     for ev in EVALUATIONS.values():
         if ev.headline:
-            column = column_of(f"{ev.name}/{ev.headline}")
+            column = column_of(ev.headline_key)
             out += [column, f"{column}_stderr", f"{column}_vs_best"]
     return out
 
@@ -130,7 +130,7 @@ def leaderboard(name: str, tracking_uri: str | None = None, mlc=None) -> pd.Data
     df = df.astype({"step": "Int64", "tokens_seen": "Int64",
                     **{c: "Float64" for c in measured if not c.endswith("_vs_best")}})
     for ev in EVALUATIONS.values():  # each evaluation's headline metric, against the `best` version's
-        column = column_of(f"{ev.name}/{ev.headline}") if ev.headline else None
+        column = column_of(ev.headline_key) if ev.headline_key else None
         if column:
             df[f"{column}_vs_best"] = compared_with_best(df, column)
     return df.sort_values("version", ignore_index=True)

@@ -47,7 +47,6 @@ from gptcore.config import ConfigError, check_name
 from gptcore.evals.record import result_metrics
 from gptcore.files import file_sha256, read_json
 from integrations import mlflow_store as store
-from integrations.mlflow_store import resolve_model_uri  # noqa: F401 -- re-exported: tasks.register.resolve_model_uri
 from tasks.leaderboard import best_version, leaderboard
 
 log = logging.getLogger("gptpipe.register")
@@ -100,8 +99,8 @@ def headlines(metrics: dict[str, float]) -> dict[str, str]:
 
     out = {}
     for ev in EVALUATIONS.values():
-        key = f"{ev.name}/{ev.headline}"
-        if ev.headline and key in metrics:
+        key = ev.headline_key
+        if key and key in metrics:
             se = metrics.get(f"{key}_stderr")
             out[key] = f"{metrics[key]:.4f}" + (f" ± {se:.4f}" if se is not None else "")
     return out

@@ -1,52 +1,21 @@
-"""Prefect stage: tokenize-and-shard, with the tokenize work mapped over source pieces.
-
-    dataset_dir = tokenize_dataset(cfg)      # cfg: RunConfig or cfg.to_dict()
-
-The `tokenize` flow plans the pieces (gptcore.data.planning.plan_pieces), maps `tokenize-piece` tasks over
-the ones not yet done on the task runner (by default a ProcessPoolTaskRunner with data.num_workers
-processes; pass a DaskTaskRunner / RayTaskRunner from prefect-dask / prefect-ray to spread pieces over
-machines sharing GPTPIPE_HOME), and cuts the shards in order in the flow's own process as the pieces
-before each shard's end complete (gptcore.data.cutting.ShardCutter). The result does not depend on how many
-workers ran or in which order pieces finished. A finished dataset is verified and skipped. While it
-works, the progress artifact `<dataset>-tokenize` counts the pieces done (integrations/progress.py).
+"""Prefect stage: tokenize-and-shard. The `tokenize-piece` task (one source piece, skipped when already
+verified) and the stage's one decision (`done`); flows/tokenize.py maps the task over the pieces and cuts
+the shards.
 """
 
 from __future__ import annotations
 
-import os
-
-from prefect import flow, get_run_logger, task
+from prefect import task
 from prefect.cache_policies import NO_CACHE
-from prefect.futures import as_completed
-from prefect.task_runners import ProcessPoolTaskRunner, TaskRunner
-from prefect.utilities.annotations import unmapped
 
 from gptcore.config import RunConfig, as_config
-from gptcore.data import build, location, planning, tokenizing
-from integrations.progress import PieceProgress
+from gptcore.data import location, planning, tokenizing
 
 
 @task(name="tokenize-piece", retries=1, cache_policy=NO_CACHE)
 def tokenize_piece_task(cfg: dict, piece: planning.Piece) -> tuple[int, int]:
     """Tokenize one piece (skips if already verified); returns its index and token count."""
     return piece.index, tokenizing.tokenize_piece(as_config(cfg), piece)
-
-
-def _piece_tasks(cfg: RunConfig, pieces: list, todo: list, piece_done) -> None:
-    """build.build's workers: one tokenize-piece task per piece on the flow's task runner, handed to the
-    shard cutter (here, in the flow's process) as they complete."""
-    progress = PieceProgress(location.dataset_dir(cfg).name, len(todo), len(pieces), get_run_logger())
-    for future in as_completed(tokenize_piece_task.map(unmapped(cfg.to_dict()), todo)):
-        index, tokens = future.result()  # a failed piece raises here
-        piece_done(index, tokens)
-        progress.piece_done(tokens)
-
-
-@flow(name="tokenize", task_runner=ProcessPoolTaskRunner(), log_prints=True)
-def tokenize_flow(cfg: dict) -> str:
-    c = as_config(cfg)
-    build.build(c, _piece_tasks, say=get_run_logger().info)
-    return str(location.dataset_dir(c))
 
 
 def done(cfg: RunConfig | dict) -> str | None:
@@ -56,14 +25,3 @@ def done(cfg: RunConfig | dict) -> str | None:
     if location.why_incomplete(c) is not None:
         return None
     return f"{location.dataset_dir(c)} is complete (checked: {location.CHECKED})"
-
-
-def tokenize_dataset(cfg: RunConfig | dict, task_runner: TaskRunner | None = None) -> str:
-    """Run the `tokenize` flow (as a subflow when called inside a flow); returns the dataset directory.
-    Returns at once when the dataset is already complete (`done`)."""
-    c = as_config(cfg)
-    if done(c) is not None:
-        return str(location.dataset_dir(c))
-    workers = c.data.num_workers or os.cpu_count() or 1
-    runner = task_runner or ProcessPoolTaskRunner(max_workers=workers)
-    return tokenize_flow.with_options(task_runner=runner)(c.to_dict())

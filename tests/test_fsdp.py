@@ -93,10 +93,16 @@ def test_fsdp_on_two_ranks_trains_and_evaluates_like_one_rank(one_rank, sharded)
 
 @pytest.mark.parametrize("mode, compiled", [("selective", True), ("full", False)])
 def test_activation_checkpointing_under_fsdp_trains_the_same_losses(ds, one_rank, tmp_path, mode, compiled):
-    """Also torch.compile per block under FSDP2 (as GPUs run it): within 1e-4 of the eager single rank."""
+    """Also torch.compile per block under FSDP2 (as GPUs run it): within 1e-4 of the eager single rank. The
+    eager one sizes its micro-batch with the probe (micro_batch=auto) on a 'card' where more than 2
+    sequences run out of memory (test-only fault): both ranks probe the sharded model in step and choose 2."""
+    auto = [] if compiled else ["train.micro_batch=auto", "train.micro_batch_max=4"]
     log = train(torchrun_cmd(args(ds, tmp_path / "run", FSDP, f"train.activation_checkpointing={mode}",
-                                  f"train.compile={str(compiled).lower()}")), tmp_path, "ac", timeout=600)
+                                  f"train.compile={str(compiled).lower()}", *auto)), tmp_path, "ac", timeout=600,
+                **({} if compiled else {"GPTPIPE_TEST_FAULT": "oomabove@2"}))
     assert f"activation_checkpointing={mode}" in log and f"compile={compiled}" in log
+    if not compiled:
+        assert "micro_batch=2 (auto: 2 fits, 4 ran out of memory)" in log, log[-2000:]
     assert_same_training(tmp_path / "run", one_rank, tol=1e-4 if compiled else 1e-5)
 
 

@@ -21,6 +21,7 @@ from gptcore.config import load_config
 from gptcore.model.gpt import GPT
 from gptcore.model.hf import load_hf_dir
 from gptcore.model.tokenizer import decode, encode
+from integrations.mlflow_store import resolve_model_uri
 from tasks import register
 from tasks.generate import load
 from tests.test_hf import assert_same, tokens
@@ -109,7 +110,7 @@ def test_register_versions_tags_aliases_idempotent(mlflow_server, ckpts, monkeyp
     r2 = register.register_checkpoint(b, tracking_uri=uri, hf=True)
     assert (r2["name"], r2["version"], r2["aliases"]) == ("micro", "2", ["latest"])
     assert mlc.get_model_version_by_alias("micro", "best").version == "1"
-    assert register.resolve_model_uri("models:/micro@latest") == "models:/micro/latest"
+    assert resolve_model_uri("models:/micro@latest") == "models:/micro/latest"
 
     # better val loss: best moves
     r3 = register.register_checkpoint(c, tracking_uri=uri, hf=True)

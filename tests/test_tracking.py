@@ -1,4 +1,4 @@
-"""Metric shipping (tasks/tracking.py) against a real `mlflow server` with a SQLite backend."""
+"""Metric shipping (integrations/tracking.py) against a real `mlflow server` with a SQLite backend."""
 
 from __future__ import annotations
 

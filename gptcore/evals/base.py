@@ -74,6 +74,11 @@ class Evaluation:
     has_documents = False  # whether `documents` gives its examples (the contamination scan reads them)
     headline: str | None = None  # its metric that says most ("acc_norm"): the leaderboard compares versions on it
 
+    @property
+    def headline_key(self) -> str | None:
+        """The headline's metric key, as eval.json's metrics and the registry name it ("hellaswag/acc_norm")."""
+        return f"{self.name}/{self.headline}" if self.headline else None
+
     def documents(self, ctx: Context) -> dict[str, list[list[int]] | str]:
         """Its evaluation documents as token lists, by part ("<name>", or "<name>/<task>" for several),
         for the contamination scan; a str instead of a part's documents says why it has none. Set

@@ -118,9 +118,12 @@ def is_sharded(model: torch.nn.Module) -> bool:
 @contextmanager
 def gradient_sync(model: torch.nn.Module, on: bool):
     """A micro-step whose backward communicates gradients (`on`: the step's last) or only accumulates them:
-    DDP's no_sync, FSDP2's requires_gradient_sync (gradients stay unsharded until the last micro-step)."""
+    DDP's no_sync; under FSDP2 the gradients stay unsharded until the last micro-step, and so do the weights
+    after each backward but the last (the next micro-step's forward all-gathers nothing: half the all-gathers
+    of an accumulating step, for one unsharded copy of the weights held meanwhile)."""
     if is_sharded(model):
         model.set_requires_gradient_sync(on)
+        model.set_reshard_after_backward(on)
         yield
     else:
         with model.no_sync() if not on and hasattr(model, "no_sync") else nullcontext():
