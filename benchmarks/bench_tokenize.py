@@ -169,7 +169,7 @@ def m_stage(corpus: Path, out: Path, workers: int):
 
 def m_prefect(corpus: Path, out: Path, workers: int):
     os.environ["GPTPIPE_HOME"] = str(out)
-    from flows.tokenize import tokenize_dataset
+    from flows.dataset import tokenize_dataset
     from gptcore.data import location
     cfg = _stage_cfg(corpus, workers)
     t0 = time.perf_counter()

@@ -242,7 +242,7 @@ def data_stage(run: FlowRun) -> None:
         from tasks.download import download_task
 
         download_task(cfg.to_dict())
-        from flows.tokenize import tokenize_dataset
+        from flows.dataset import tokenize_dataset
 
         dataset_dir = tokenize_dataset(cfg.to_dict(), task_runner=dask_runner(run.dask_address))
     rows = [{"shard": s.name, "split": s.split, "tokens": s.tokens, "sha256": s.sha256[:12]}

@@ -1,5 +1,5 @@
 """Prefect stage: tokenize-and-shard. The `tokenize-piece` task (one source piece, skipped when already
-verified) and the stage's one decision (`done`); flows/tokenize.py maps the task over the pieces and cuts
+verified) and the stage's one decision (`done`); flows/dataset.py maps the task over the pieces and cuts
 the shards.
 """
 

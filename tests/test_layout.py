@@ -188,3 +188,20 @@ def test_every_stage_follows_one_protocol():
         assert callable(done), f"tasks.{module} has no done()"
     for stage, _ in pretrain.STAGES:
         assert ".done(" in inspect.getsource(stage), f"{stage.__name__} does not ask its module's done()"
+
+
+def test_no_module_of_an_entrypoint_folder_shadows_the_standard_library():
+    """A deployment's entrypoint folder (flows/: deployments/prefect.yaml names flows/<file>.py:<flow>) is on
+    sys.path in the flow run's process: a flows/tokenize.py there made `import tokenize` (linecache, inspect)
+    load it, and every process the flow run started died (BrokenProcessPool). Packages imported by name
+    (tasks.tokenize, integrations.secrets) shadow nothing."""
+    import re
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    folders = set(re.findall(r"entrypoint: *(\w+)/", (root / "deployments" / "prefect.yaml").read_text()))
+    assert folders == {"flows"}, folders
+    shadows = [str(p.relative_to(root)) for folder in folders for p in (root / folder).glob("*.py")
+               if p.stem in sys.stdlib_module_names]
+    assert not shadows, shadows

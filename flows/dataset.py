@@ -1,4 +1,6 @@
-"""The `tokenize` flow: tokenize-and-shard, with the tokenize work mapped over source pieces.
+"""The `tokenize` flow: tokenize-and-shard, with the tokenize work mapped over source pieces. (Not named
+tokenize.py: the deployment's entrypoint folder is on sys.path, where that name would shadow the standard
+library's `tokenize` and break every process the flow run starts.)
 
     dataset_dir = tokenize_dataset(cfg)      # cfg: RunConfig or cfg.to_dict()
 
