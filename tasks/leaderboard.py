@@ -5,7 +5,8 @@
         version, aliases, step, tokens_seen, val_loss, then each evaluation's headline metric (gptcore/evals)
         with its _stderr and _vs_best ("best", "within 2 SE": not told apart at this sample size, "better",
         "worse"): hellaswag_acc_norm(_stderr, _vs_best); then every other metric the versions have, one column
-        each (hellaswag_acc, harness_<task>_<metric>, ...); optimizer, schedule, run_name, run_id,
+        each (cost_usd, gpu_hours: what the run had cost at that step; hellaswag_acc, harness_<task>_<metric>,
+        ...); optimizer, schedule, run_name, run_id,
         manifest_id, model_id, created
 
 Measurements (val loss, every evaluation's numbers, step, tokens) are the metrics of each version's LoggedModel
@@ -36,7 +37,9 @@ from integrations.progress import artifact_key
 
 # metric of the logged model -> leaderboard column (every evaluation's metrics add columns of their own:
 # hellaswag/acc_norm -> hellaswag_acc_norm, harness/arc_easy/acc -> harness_arc_easy_acc)
-METRICS = {"val/loss": "val_loss", "train/step": "step", "train/tokens_seen": "tokens_seen"}
+METRICS = {"val/loss": "val_loss", "train/step": "step", "train/tokens_seen": "tokens_seen",
+           # what the run had cost at the version's step (gptcore/training/cost.py; cost only with a price)
+           "train/gpu_hours": "gpu_hours", "train/cost_usd": "cost_usd"}
 TAGS = ("optimizer", "schedule", "run_name", "manifest_id")
 FIRST = ["version", "aliases", "step", "tokens_seen", "val_loss"]  # then each headline with its stderr and vs_best
 LAST = ["optimizer", "schedule", "run_name", "run_id", "manifest_id", "model_id", "created"]

@@ -108,7 +108,7 @@ def test_end_to_end_then_rerun_is_a_no_op(prefect_stack):
     assert [(r["version"], r["aliases"], r["step"]) for r in board] == [(1, "best,latest", 8)]
     # what the run had cost at the registered step (no price set: hours only)
     assert summary["gpu_hours"] > 0 and summary["eta_s"] == 0 and summary["cost_usd"] is None
-    assert board[0]["train_gpu_hours"] == pytest.approx(summary["gpu_hours"])
+    assert board[0]["gpu_hours"] == pytest.approx(summary["gpu_hours"]) and board[0]["cost_usd"] is None
     assert board[0]["val_loss"] == pytest.approx(summary["val_loss"], rel=1e-6)
     assert board[0]["hellaswag_acc_norm"] == pytest.approx(hs["acc_norm"])
     assert (board[0]["harness_arc_easy_acc"], board[0]["harness_arc_easy_acc_stderr"]) == \

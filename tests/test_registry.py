@@ -316,7 +316,9 @@ def test_models_compare_by_their_metrics_and_the_leaderboard(mlflow_server, tmp_
     board = leaderboard.leaderboard("board", uri)
     assert list(board["version"]) == [1, 2, 3]
     assert list(board.columns) == [*leaderboard.FIRST, "hellaswag_acc_norm", "hellaswag_acc_norm_stderr",
-                                   "hellaswag_acc_norm_vs_best", "hellaswag_acc", *leaderboard.LAST]
+                                   "hellaswag_acc_norm_vs_best", "cost_usd", "gpu_hours", "hellaswag_acc",
+                                   *leaderboard.LAST]
+    assert board["gpu_hours"].isna().all()  # checkpoints made by hand record no hours (a trainer's do)
     assert list(board["val_loss"]) == [7.5, 7.25, 7.25] and list(board["step"]) == [10, 20, 30]
     assert list(board["aliases"]) == ["", "best", "latest"]
     assert board.loc[0, "hellaswag_acc"] == 0.3 and pd.isna(board.loc[1, "hellaswag_acc"])
