@@ -1,9 +1,10 @@
 """Memory when it runs out: what a user needs to see why a step did not fit, kept before the smaller retry.
 
-On CUDA the allocator records its history (every allocation with its stack) from before the micro-batch
-probe through the first HISTORY_STEPS steps, where a run that does not fit usually fails; then it stops,
-since recording costs a little per allocation. An out-of-memory step (or a probe where nothing fits)
-writes `<run_dir>/memory/oom-step<N>-rank<R>/`:
+On CUDA the allocator records its history (every allocation with its Python stack) from before the
+micro-batch probe through the first HISTORY_STEPS steps (the compile, the first allocations of every
+buffer: where a run that does not fit fails); then it stops, since recording costs a little per
+allocation and the speed measured after the warm-up steps (benchmarks/gpu_check.py) must not pay it.
+An out-of-memory step (or a probe where nothing fits) writes `<run_dir>/memory/oom-step<N>-rank<R>/`:
 
     record.json       the error, the micro-batch and the size it retries at, the probe's table of tried
                       sizes, the process's resident memory, and on CUDA the allocator's counters
@@ -24,7 +25,7 @@ import torch
 from gptcore.files import write_json
 
 MEMORY_DIR = "memory"
-HISTORY_STEPS = 20  # steps after the probe that the CUDA allocator's history still covers
+HISTORY_STEPS = 3  # steps after the probe that the CUDA allocator's history still covers
 HISTORY_ENTRIES = 100_000  # allocations kept (a ring): enough for a few steps of a GPT-2 size
 
 
@@ -34,7 +35,7 @@ class MemoryRecorder:
         self.recording = device.type == "cuda"
         self.probe_table: list[dict] = []  # [{"micro_batch": 8, "fits": False}, ...] in the order tried
         if self.recording:
-            torch.cuda.memory._record_memory_history(max_entries=HISTORY_ENTRIES)
+            torch.cuda.memory._record_memory_history(stacks="python", max_entries=HISTORY_ENTRIES)
 
     def probed(self, chosen: int | None, failed: list[int], how: str) -> None:
         """The probe's answer: the sizes that ran out of memory, then the one that fit (none kept: reused)."""

@@ -131,6 +131,9 @@ class Trainer:
         self.replicated = self.plan.kind == "ddp"  # whole replicas whose weights can be compared
         # after sharding: FSDP2 replaces the parameters by DTensors, which the optimizer must hold
         distributed_model = parallel.wrap(raw, self.plan.kind, env, tc.ddp_bf16_grads)
+        # under FSDP a whole copy on every rank, refreshed before each evaluation: evaluations and samples run
+        # on it as they run on the plain model under DDP. Made before the probe, which must count its memory.
+        self.replica = parallel.EvalReplica(raw, env.device) if self.plan.kind == "fsdp" else None
         self.optimizer = build_optimizer(raw, cfg.optim, env.device.type)
         self.scaler = torch.amp.GradScaler(env.device.type) if env.dtype == torch.float16 else None
         self.auto_micro = tc.micro_batch == microbatch.AUTO
@@ -182,9 +185,6 @@ class Trainer:
         self.damaged = DamagedShards(self.hosts, [prep.data_dir / SHARD_HASHES, self.run_dir / SHARD_HASHES]
                                      if env.master else [], self.event)
         self.checkpointer = Checkpointer(self.run_dir, tc.keep_last, background=tc.async_checkpoint)
-        # under FSDP a whole copy on every rank, refreshed before each evaluation: evaluations and samples run
-        # on it as they run on the plain model under DDP
-        self.replica = parallel.EvalReplica(raw, env.device) if self.plan.kind == "fsdp" else None
         self.evaluator = Evaluator(cfg, env, prep.data_dir, self.replica.model if self.replica else raw,
                                    self.logger, self.event, self.faults)
         self.profiler = StepProfiler(self.run_dir, env.rank, env.device, tc.profile_steps, self.step,
