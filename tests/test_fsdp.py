@@ -16,16 +16,13 @@ import time
 import pytest
 import torch
 
-from benchmarks import loss_compare
 from gptcore.checkpoints import checkpoint as C
 from gptcore.checkpoints import run_files as R
 from gptcore.metrics import read_metrics
-from tests.test_ddp import EVALS, STEPS, args, evals_of
+from tests.test_ddp import EVALS, STEPS, args, assert_same_run, evals_of
 from tests.test_train_utils import (
-    final_weights,
     free_port,
     kill_tree,
-    losses,
     python_cmd,
     start,
     torchrun_cmd,
@@ -45,17 +42,9 @@ def train(cmd, tmp, name, timeout=300, **extra_env) -> str:
 
 
 def assert_same_training(run, ref, tol=1e-5):
-    """The losses and final weights within `tol`; gradient norms within 1e-4 (FSDP2 sums each norm from its
-    shards' partial norms: a different rounding, ~1e-5 relative, that Adam's update does not see)."""
-    got, want = losses(run / "metrics.jsonl"), losses(ref / "metrics.jsonl")
-    assert sorted(got) == sorted(want) == list(range(1, STEPS + 1))
-    worst = max(abs(got[s] - want[s]) for s in want)
-    assert worst <= tol, f"max loss difference {worst}"
-    assert loss_compare.main([str(run), str(ref), "--tolerance", "1e-4"]) == 0
-    a, b = final_weights(run, STEPS), final_weights(ref, STEPS)
-    for k in b:
-        torch.testing.assert_close(a[k], b[k], atol=tol, rtol=0, msg=k)
-    assert (run / "DONE").is_file()
+    """test_ddp's check: the losses and final weights within `tol`; gradient norms within 1e-4 (FSDP2 sums
+    each norm from its shards' partial norms: a different rounding, ~1e-5 relative, that Adam does not see)."""
+    assert_same_run(run, ref, tol, norm_tol=1e-4)
 
 
 @pytest.fixture(scope="module")
