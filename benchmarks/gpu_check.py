@@ -618,6 +618,7 @@ def check_family(work: Path, dataset: Path, device: torch.device) -> tuple[bool 
     from gptcore.files import read_json
     from gptcore.launch import torchrun_cmd
     from gptcore.metrics import read_metrics
+    from gptcore.model.gpt import flops_per_token
     from gptcore.training.microbatch import CHOICE_FILE
 
     work.mkdir(parents=True, exist_ok=True)
@@ -645,7 +646,7 @@ def check_family(work: Path, dataset: Path, device: torch.device) -> tuple[bool 
             parts.append(f"{preset}: exit {rc}: {log.read_text()[-300:]}")
             continue
         tok_s = statistics.median(r["train/tokens_per_s"] for r in rows)
-        mfu = cfg_flops(cfg, seq) * tok_s / rate
+        mfu = flops_per_token(cfg.model, seq) * tok_s / rate
         peak = max((r.get("train/peak_memory_gib", 0.0) for r in rows), default=0.0)
         micro = (read_json(run / CHOICE_FILE) or {}).get("micro_batch")
         target = 0.44 if preset == "gpt2-1558m" else 0.349
@@ -654,14 +655,6 @@ def check_family(work: Path, dataset: Path, device: torch.device) -> tuple[bool 
         parts.append(f"{preset} ({recompute}): micro_batch {micro} of {cap}, {tok_s:,.0f} tok/s{measured}")
     head = f"matmul {rate / 1e12:.1f} TFLOP/s" if cuda else "CPU, width 64: the path only, no speed or MFU"
     return (ok if cuda else None), f"{head}; " + "; ".join(parts)
-
-
-def cfg_flops(cfg, seq: int) -> float:
-    """Training FLOPs per token of cfg's model without building it (1.5B parameters on the host): PaLM's 6N +
-    12LHQT, N from the shape (gptcore.model.gpt.GPT.flops_per_token's count)."""
-    m = cfg.model
-    n = m.approx_params() - m.block_size * m.n_embd  # the position embedding is a lookup
-    return 6 * n + 12 * m.n_layer * m.n_embd * seq
 
 
 def check_auto_micro_batch(device: torch.device) -> tuple[None, str]:

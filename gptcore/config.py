@@ -120,9 +120,12 @@ class ModelConfig:
                               "smaller shape")
 
     def approx_params(self) -> int:
-        """gptcore.model.gpt.GPT's parameter count from the shape alone (tied embedding once), nothing allocated."""
-        n = self.n_embd
-        return (self.vocab_size + self.block_size) * n + self.n_layer * (12 * n * n + 13 * n) + 2 * n
+        """gptcore.model.gpt.GPT's parameter count from the shape alone (tied embedding once), nothing allocated:
+        per block 12 n^2 of matmul weights, and 13 n of biases and LayerNorms (2 n of LayerNorm weights only
+        without biases)."""
+        n, per_vector = self.n_embd, 2 if self.bias else 1  # a LayerNorm's weight (and bias)
+        vectors = 13 * n if self.bias else 2 * n
+        return (self.vocab_size + self.block_size) * n + self.n_layer * (12 * n * n + vectors) + per_vector * n
 
 
 def model_config_from(d) -> ModelConfig:

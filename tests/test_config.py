@@ -3,7 +3,7 @@
 import json
 import math
 import re
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import pytest
 import torch
@@ -283,6 +283,8 @@ def test_a_recorded_model_config_is_checked_before_anything_is_built():
         assert model_config_from(asdict(shape)) == shape, name
     micro = MODEL_PRESETS["micro"]
     assert micro.approx_params() == GPT(micro).num_params()
+    bare = replace(micro, bias=False)  # bias-free shapes count exactly too (the FLOP count uses it)
+    assert bare.approx_params() == GPT(bare).num_params()
     bad = {"n_layer": (0, "model.n_layer must be positive, got 0"),
            "n_head": (True, "model.n_head must be an integer, got True"),
            "n_embd": ("768", "model.n_embd must be an integer, got '768'"),

@@ -130,11 +130,8 @@ class GPT(nn.Module):
     # --- throughput -----------------------------------------------------------------------------
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
-        """Training FLOPs per token (forward + backward), PaLM appendix B: 6N + 12*L*H*Q*T."""
-        cfg = self.config
-        T = seq_len or cfg.block_size
-        N = self.num_params() - self.transformer.wpe.weight.numel()  # a lookup: no matmul FLOPs
-        return 6 * N + 12 * cfg.n_layer * cfg.n_head * (cfg.n_embd // cfg.n_head) * T
+        """Training FLOPs per token (forward + backward): flops_per_token of this model's shape."""
+        return flops_per_token(self.config, seq_len)
 
     def estimate_mfu(self, tokens_per_second: float, peak_flops: float, seq_len: int | None = None) -> float:
         """Model FLOPs utilisation: achieved training FLOP/s over the hardware's peak FLOP/s."""
@@ -167,6 +164,14 @@ class GPT(nn.Module):
                     next_id = torch.multinomial(probs, num_samples=1, generator=generator)
                 idx = torch.cat((idx, next_id), dim=1)
         return idx
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> float:
+    """Training FLOPs per token (forward + backward) of a GPT of shape `cfg`, PaLM appendix B: 6N + 12*L*H*Q*T,
+    from the shape alone (a 1.5B model need not be built to be counted)."""
+    T = seq_len or cfg.block_size
+    N = cfg.approx_params() - cfg.block_size * cfg.n_embd  # the position embedding is a lookup: no matmul FLOPs
+    return 6 * N + 12 * cfg.n_layer * cfg.n_head * (cfg.n_embd // cfg.n_head) * T
 
 
 def clean_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
