@@ -234,6 +234,26 @@ def wait(proc: subprocess.Popen, timeout: float) -> int:
         raise TimeoutError(f"killed after {bound:.0f} s: {why} (the log is kept in --logs)") from None
 
 
+def wait_for_step(proc: subprocess.Popen, run: Path, step: int, timeout: float) -> int:
+    """0 once the run has logged its train row of `step`, then the run is killed: the row measures steps,
+    and the last step's validation and checkpoint (a minute each at 1.5B on the first H100 family call,
+    which the deadline cut off with every step measured) are measured by the other rows. Else the exit
+    code, as `wait`."""
+    from gptcore.metrics import read_metrics
+
+    bound = time.monotonic() + min(timeout, max(time_left(), 0.0))
+    while proc.poll() is None and time.monotonic() < bound:
+        if any(r["step"] >= step for r in read_metrics(run / "metrics.jsonl", "train")):
+            kill_session(proc)
+            return 0
+        time.sleep(1.0)
+    if proc.poll() is None:
+        kill_session(proc)
+        raise TimeoutError(f"killed before step {step}: its {timeout:.0f} s limit or the call's --deadline-s "
+                           "(the log is kept in --logs)")
+    return proc.returncode
+
+
 def hellaswag_settings() -> dict:
     """The real HellaSwag when it is cached (limited to HELLASWAG_LIMIT examples), else the bundled fixture."""
     from gptcore.config import pipeline_home
@@ -618,7 +638,7 @@ def check_family(work: Path, dataset: Path, device: torch.device) -> tuple[bool 
     from gptcore.files import read_json
     from gptcore.launch import torchrun_cmd
     from gptcore.metrics import read_metrics
-    from gptcore.model.gpt import flops_per_token
+    from gptcore.model.gpt import flops_per_token, peak_flops_guess
     from gptcore.training.microbatch import CHOICE_FILE
 
     work.mkdir(parents=True, exist_ok=True)
@@ -639,7 +659,7 @@ def check_family(work: Path, dataset: Path, device: torch.device) -> tuple[bool 
                      **width}
         proc = subprocess.Popen(torchrun_cmd(preset, overrides, 1), cwd=ROOT, env=worker_env(),
                                 stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
-        rc = wait(proc, 600)
+        rc = wait_for_step(proc, run, FAMILY_STEPS, 600)
         rows = [r for r in read_metrics(run / "metrics.jsonl", "train") if r["step"] > WARM]
         if rc != 0 or not rows:
             ok = False
@@ -651,7 +671,9 @@ def check_family(work: Path, dataset: Path, device: torch.device) -> tuple[bool 
         micro = (read_json(run / CHOICE_FILE) or {}).get("micro_batch")
         target = 0.44 if preset == "gpt2-1558m" else 0.349
         ok = ok and (mfu >= target if cuda else True)
-        measured = f", MFU {mfu:.1%} (target {target:.1%}), peak {peak:.1f} GiB" if cuda else ""
+        card = peak_flops_guess(device) if cuda else None  # llm.c and llm-foundry count against the datasheet
+        of_card = f", {flops_per_token(cfg.model, seq) * tok_s / card:.1%} of the card's peak" if card else ""
+        measured = f", MFU {mfu:.1%} (target {target:.1%}){of_card}, peak {peak:.1f} GiB" if cuda else ""
         parts.append(f"{preset} ({recompute}): micro_batch {micro} of {cap}, {tok_s:,.0f} tok/s{measured}")
     head = f"matmul {rate / 1e12:.1f} TFLOP/s" if cuda else "CPU, width 64: the path only, no speed or MFU"
     return (ok if cuda else None), f"{head}; " + "; ".join(parts)
