@@ -31,12 +31,21 @@ def collected(marker: str | None = None) -> list[str]:
     return ids
 
 
-def table() -> str:
-    every, quick = collected(), collected(QUICK)
+def table(every: list[str] | None = None, quick: list[str] | None = None) -> str:
+    """From the node ids of the whole suite and of its quick selection (collected here when not given)."""
+    every = collected() if every is None else every
+    quick = collected(QUICK) if quick is None else quick
     skips = lambda ids: sum(any(i.startswith(s) for s in EXPECTED_SKIPS) for i in ids)  # noqa: E731
     return ("| suite | tests | expected skips (no CUDA) |\n| --- | --- | --- |\n"
             f"| `make test` | {len(every)} | {skips(every)} |\n"
             f"| `make test-quick` | {len(quick)} | {skips(quick)} |\n")
+
+
+def readme_table() -> str:
+    found = BLOCK.search(README.read_text())
+    if found is None:
+        sys.exit("README.md has no `<!-- counts: ... -->` ... `<!-- /counts -->` block")
+    return found.group(2)
 
 
 def main(argv: list[str]) -> int:

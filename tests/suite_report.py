@@ -34,6 +34,14 @@ FILE_DURATIONS = Path(__file__).with_name("file_durations.json")
 UNMEASURED_S = 60.0  # a file not measured yet: in the middle
 
 
+def pytest_configure(config):
+    """xdist's loadfile hands out files by their number of tests unless told not to (its
+    --loadscope-reorder, on by default), which put the one-test demo (5 minutes) last, running alone while
+    the other worker idled: the order below is the schedule only with the reordering off."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(config, items):
     """Longest files first (a file not measured yet in the middle), each file's tests in their own order.
     Every xdist worker collects the same order, as xdist requires."""

@@ -107,12 +107,67 @@ def test_an_unmarked_test_that_starts_a_process_fails(tmp_path):
     assert r.returncode != 0 and "started a process in its call (subprocess.Popen" in r.stdout, r.stdout[-2000:]
 
 
-def test_the_readmes_test_counts_are_the_collected_ones():
+def whole_suite_ids(session) -> tuple[list[str], list[str]] | None:
+    """The node ids of the whole suite and of `make test-quick`'s selection, from this session's own
+    collection (every xdist worker collects all of it), or None when this run collected a part only."""
+    opt = session.config.option
+    files = {str(item.path) for item in session.items}
+    if opt.keyword or opt.markexpr or session.config.getoption("deselect") or \
+            files != {str(p) for p in TESTS.glob("test_*.py") if "def test_" in p.read_text()}:
+        return None
+    every = [item.nodeid for item in session.items]
+    quick = [item.nodeid for item in session.items
+             if not any(item.get_closest_marker(m) for m in ("slow", "server", "spawns"))]
+    return every, quick
+
+
+def test_the_readmes_test_counts_are_the_collected_ones(request):
     """README's counts come from `make readme-counts`, not from a hand: a test added or removed without
-    running it leaves the table stale, and this fails naming the command."""
+    running it leaves the table stale, and this fails naming the command. In a whole-suite run the counts
+    come from the run's own collection (two more collections cost ~35 s); else `readme_counts --check`."""
     import subprocess
     import sys
 
+    from tests import readme_counts
+
+    ids = whole_suite_ids(request.session)
+    if ids is not None:
+        assert readme_counts.QUICK == "not slow and not server and not spawns"  # what whole_suite_ids selects
+        now = readme_counts.table(*ids)
+        assert readme_counts.readme_table() == now, f"README.md's test counts are stale; run `make " \
+                                                    f"readme-counts`. Now:\n{now}"
+        return
     r = subprocess.run([sys.executable, "-m", "tests.readme_counts", "--check"], cwd=TESTS.parent,
                        capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+
+
+def test_xdist_runs_the_longest_file_first_whatever_its_number_of_tests(tmp_path):
+    """The schedule is tests/file_durations.json's (longest first): xdist's loadfile would otherwise hand
+    out files by their number of tests, and the one-test demo (the longest file) ran last and alone. Three
+    files named as measured ones, run by one xdist worker with this suite's report plugin: the order of
+    their first tests is the measured order, not the count order."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.suite_report import FILE_DURATIONS
+
+    seconds = json.loads(FILE_DURATIONS.read_text())
+    names = ["test_demo.py", "test_hellaswag.py", "test_serving.py"]  # 1 test, 5 tests, 3 tests
+    assert all(f"tests/{n}" in seconds for n in names)
+    (tmp_path / "tests").mkdir()
+    order = tmp_path / "order.txt"
+    for name, count in zip(names, (1, 5, 3)):
+        body = "".join(f"def test_{i}():\n    open({str(order)!r}, 'a').write(__name__ + '\\n')\n\n"
+                       for i in range(count))
+        (tmp_path / "tests" / name).write_text(body)
+    env = {**os.environ, "PYTHONPATH": str(TESTS.parent)}
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "tests.suite_report", "-p", "no:cacheprovider",
+                        "-n", "1", "--dist", "loadfile", "tests"], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    first = list(dict.fromkeys(line.strip() for line in order.read_text().splitlines()))
+    want = sorted(names, key=lambda n: -seconds[f"tests/{n}"])
+    assert first == [f"tests.{n[:-3]}" for n in want] or first == [n[:-3] for n in want], first
