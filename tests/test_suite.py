@@ -159,7 +159,7 @@ def test_xdist_runs_the_longest_file_first_whatever_its_number_of_tests(tmp_path
     assert all(f"tests/{n}" in seconds for n in names)
     (tmp_path / "tests").mkdir()
     order = tmp_path / "order.txt"
-    for name, count in zip(names, (1, 5, 3)):
+    for name, count in zip(names, (1, 5, 3), strict=True):
         body = "".join(f"def test_{i}():\n    open({str(order)!r}, 'a').write(__name__ + '\\n')\n\n"
                        for i in range(count))
         (tmp_path / "tests" / name).write_text(body)
