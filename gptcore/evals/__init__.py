@@ -23,6 +23,7 @@ route is `run`: rank 0 computes the whole result alone, the others wait.
     harness         lm-evaluation-harness tasks on our GPT (gptcore/evals/scorers/harness.py; rank 0)
     contamination   HellaSwag examples sharing an n-gram with the training shards
                     (gptcore/evals/scorers/contamination.py)
+    bpb             bits per byte of HellaSwag's correct endings and of a held-out text (one module)
 
 May import: the base modules, model, data, checkpoints.
 """
@@ -42,6 +43,7 @@ from gptcore.evals.base import (  # noqa: F401 -- the evaluation API and its reg
 )
 
 # --- the registry -----------------------------------------------------------------------------------
+from gptcore.evals.bpb import BitsPerByte  # noqa: E402
 from gptcore.evals.contamination import Contamination  # noqa: E402
 from gptcore.evals.harness import Harness  # noqa: E402
 from gptcore.evals.hellaswag import HellaSwag  # noqa: E402
@@ -49,3 +51,4 @@ from gptcore.evals.hellaswag import HellaSwag  # noqa: E402
 register(HellaSwag())
 register(Harness())
 register(Contamination())
+register(BitsPerByte())

@@ -112,7 +112,8 @@ def evaluate_model(model: torch.nn.Module, cfg: RunConfig, device, autocast_ctx=
 
 
 def cli_overrides(args: argparse.Namespace) -> list[str]:
-    """The command line's evaluation flags as config overrides (they win over the checkpoint's config).
+    """The command line's evaluation flags as config overrides: shorthands for eval.<name>.* settings, which
+    win over the checkpoint's config; `--set eval.<name>.<key>=...` (any evaluation's settings) wins over them.
     Harness tasks and the contamination scan run when asked for here (they fetch datasets and scan shards:
     the flow's evaluate stage runs the config's), HellaSwag unless --no-hellaswag."""
     out = [f"eval.hellaswag.enabled={not args.no_hellaswag}", f"eval.hellaswag.limit={args.limit}",
@@ -162,9 +163,9 @@ def main(argv: list[str] | None = None) -> int:
             if not isinstance(info["meta"].get("config"), dict):
                 raise CheckpointError(f"{info['path']} records no training config in its meta.json; pass --config")
             # validated like any config: meta.json may come from a registered version someone else wrote
-            cfg = apply_overrides(from_dict(info["meta"]["config"]), [*args.set, *cli_overrides(args)]).validate()
+            cfg = apply_overrides(from_dict(info["meta"]["config"]), [*cli_overrides(args), *args.set]).validate()
         else:
-            cfg = load_config(args.config or "gpt2-124m", [*args.set, *cli_overrides(args)])
+            cfg = load_config(args.config or "gpt2-124m", [*cli_overrides(args), *args.set])
         result = evaluate_model(model, cfg, device, autocast_ctx, val=args.val,
                                 manifest_dir=Path(args.data) if args.data else None, rank=rank, world=world)
         distributed.barrier()  # every rank is done with its collectives before any tears the group down
