@@ -16,16 +16,22 @@ works, the progress artifact `<dataset>-tokenize` counts the pieces done (integr
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from pathlib import Path
 
 from prefect import flow, get_run_logger
+from prefect.artifacts import create_table_artifact
 from prefect.futures import as_completed
 from prefect.task_runners import ProcessPoolTaskRunner, TaskRunner
 from prefect.utilities.annotations import unmapped
 
-from gptcore.config import RunConfig, as_config
+from gptcore.config import ConfigError, RunConfig, as_config
 from gptcore.data import build, location
-from integrations.progress import PieceProgress
-from tasks.tokenize import done, tokenize_piece_task
+from gptcore.data.shard_format import Manifest
+from integrations.progress import PieceProgress, artifact_key
+from tasks.download import download_task
+from tasks.stage import FlowRun, Stage
+from tasks.tokenize import tokenize_piece_task
 
 
 def _piece_tasks(cfg: RunConfig, pieces: list, todo: list, piece_done) -> None:
@@ -47,10 +53,64 @@ def tokenize_flow(cfg: dict) -> str:
 
 def tokenize_dataset(cfg: RunConfig | dict, task_runner: TaskRunner | None = None) -> str:
     """Run the `tokenize` flow (as a subflow when called inside a flow); returns the dataset directory.
-    Returns at once when the dataset is already complete (tasks.tokenize.done)."""
+    Returns at once when the dataset is already complete (what the data stage's `stored` asks)."""
     c = as_config(cfg)
-    if done(c) is not None:
+    if location.why_incomplete(c) is None:
         return str(location.dataset_dir(c))
     workers = c.data.num_workers or os.cpu_count() or 1
     runner = task_runner or ProcessPoolTaskRunner(max_workers=workers)
     return tokenize_flow.with_options(task_runner=runner)(c.to_dict())
+
+
+def dask_runner(address: str):
+    """prefect-dask's runner for an existing Dask cluster; None (the local process pool) for ""."""
+    if not address:
+        return None
+    try:
+        from prefect_dask import DaskTaskRunner  # an optional extra: only a run given a Dask cluster needs it
+    except ImportError as e:
+        raise ConfigError(f"dask_address={address!r} needs prefect-dask on the worker: pip install -e '.[dask]'") from e
+    return DaskTaskRunner(address=address)
+
+
+# --- the pretrain flow's data stage (tasks/stage.py) ------------------------------------------------
+
+@dataclass
+class Dataset:
+    dir: str
+    rows: list[dict]  # one per shard: the shard table artifact
+    tokens: dict[str, int]  # per split
+
+
+def describe(dataset_dir: str) -> Dataset:
+    rows = [{"shard": s.name, "split": s.split, "tokens": s.tokens, "sha256": s.sha256[:12]}
+            for s in Manifest.load(Path(dataset_dir)).shards]
+    return Dataset(dataset_dir, rows, {split: sum(r["tokens"] for r in rows if r["split"] == split)
+                                       for split in ("train", "val")})
+
+
+class DataStage(Stage):
+    """download + tokenize-and-shard: stored when the dataset's manifest is complete and its shards check
+    out; tokenized on the Dask cluster at `dask_address` when one is given; the shard table artifact."""
+    name = "data"
+
+    def stored(self, run: FlowRun) -> Dataset | None:
+        complete = location.why_incomplete(run.cfg) is None
+        return describe(str(location.dataset_dir(run.cfg))) if complete else None
+
+    def work(self, run: FlowRun) -> Dataset:
+        download_task(run.cfg.to_dict())
+        return describe(tokenize_dataset(run.cfg.to_dict(), task_runner=dask_runner(run.dask_address)))
+
+    def reason(self, run: FlowRun, d: Dataset, ran: bool) -> str:
+        head = f"{len(d.rows)} shards, {d.tokens['train']:,} train tokens"
+        return f"{head} in {d.dir}" if ran else f"{head}; {d.dir} is complete (checked: {location.CHECKED})"
+
+    def keep(self, run: FlowRun, d: Dataset) -> None:
+        create_table_artifact(d.rows, key=artifact_key(run.cfg.run_name, "shards"),
+                              description=f"Shards of {d.dir} ({d.tokens['train']:,} train / {d.tokens['val']:,} "
+                                          "val tokens)")
+        run.dataset_dir, run.tokens = d.dir, d.tokens
+
+
+STAGE = DataStage()

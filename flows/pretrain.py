@@ -6,18 +6,19 @@
 The config is validated before any work starts (unknown preset, bad override, missing local source: the
 flow run fails at once with the reason). Each stage is skipped when its verified artifacts exist on disk
 (or in the registry), so a re-run of a finished flow does nothing heavy, and a re-run of a killed one
-continues where it stopped. One protocol for every stage: its task module's `done(...)` says why there
-is nothing to do, or None (its task asks the same, so a task called alone is idempotent); the flow loops
-over STAGES, showing a reason as a Skipped task run, and each stage leaves what it made on the FlowRun:
+continues where it stopped. Every stage is a `Stage` (tasks/stage.py) in its own module, and this flow
+only composes them (STAGES): each first looks for its verified result (`stored`) and is skipped with the
+reason when it finds it, else does its work; either way it leaves one result on the FlowRun for the next:
 
-    download + tokenize   tasks.tokenize.done: the dataset's manifest is complete and its shards check out
-    train                 tasks.train.done: DONE + a checkpoint for this run identity (else the trainer
-                          resumes from its newest checkpoint)
-    evaluate              tasks.evaluate.done / missing_parts: <checkpoint>/eval.json holds each part
-                          (validation, each evaluation) with the same settings; the missing parts run
-    register              tasks.register.done: a version of the pipeline's model carries the checkpoint's
-                          sha256 and every measurement of eval.json (a re-run that added one registers it)
-    sample                tasks.generate.done: <checkpoint>/sample.json holds text from that version
+    data       flows/dataset.py: the dataset's manifest is complete and its shards check out (else download
+               and tokenize-and-shard)
+    train      tasks/train.py: DONE + a checkpoint for this run identity (else the trainer resumes from its
+               newest checkpoint)
+    evaluate   tasks/evaluate.py: <checkpoint>/eval.json holds each part (validation, each evaluation) with
+               the same settings; the missing parts run, one task run each
+    register   tasks/register.py: a version of the pipeline's model carries the checkpoint's sha256 and every
+               measurement of eval.json (a re-run that added one registers it)
+    sample     tasks/generate.py: <checkpoint>/sample.json holds text from that version
 
 Tasks exchange paths and config dicts, never arrays. For the UI the flow publishes artifacts: the shard
 table, the eval table, links to the MLflow run and model version, the sample text, and a summary table
@@ -26,29 +27,30 @@ table, the eval table, links to the MLflow run and model version, the sample tex
 
 from __future__ import annotations
 
-# lazy imports: each stage's task module and torch load only when the stage has work; a no-op re-run
-# of a finished flow imports neither torch nor mlflow (tests/test_flow.py checks it)
+# lazy imports: torch and mlflow load only where a stage has work; a no-op re-run of a finished flow
+# imports neither (tests/test_flow.py checks it)
 import json
 import os
 import re
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from prefect import flow, get_run_logger, task
+from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
-from prefect.cache_policies import NO_CACHE
-from prefect.states import Completed
 
+import tasks.evaluate
+import tasks.generate
+import tasks.register
+import tasks.train
+from flows import dataset
 from gptcore import evals
-from gptcore.checkpoints.run_files import EVAL_FILE, RUN_FILE, read_meta, run_dir_for, run_state
+from gptcore.checkpoints.run_files import RUN_FILE, read_meta
 from gptcore.config import ConfigError, RunConfig, check_name, load_config, pipeline_home
-from gptcore.evals.record import result_metrics
 from gptcore.files import read_json
 from gptcore.metrics import METRICS_FILE, read_metrics
-from integrations.progress import artifact_key, step_label
+from integrations.progress import artifact_key
 from integrations.secrets import mlflow_credentials_from_prefect
-from tasks import generate
+from tasks.stage import FlowRun, Stage, run_stages
 
 # pydantic notes that the parameter name `register` shadows a BaseModel method; harmless for validation
 warnings.filterwarnings("ignore", message='Field name "register"')
@@ -144,17 +146,6 @@ def check_params(nproc: int, wait_seconds: float, model_name: str, dask_address:
         check_name("model_name", model_name)
 
 
-def dask_runner(address: str):
-    """prefect-dask's runner for an existing Dask cluster; None (the local process pool) for ""."""
-    if not address:
-        return None
-    try:
-        from prefect_dask import DaskTaskRunner
-    except ImportError as e:
-        raise ConfigError(f"dask_address={address!r} needs prefect-dask on the worker: pip install -e '.[dask]'") from e
-    return DaskTaskRunner(address=address)
-
-
 # --- stages ----------------------------------------------------------------------------------------
 
 def mlflow_links(reg: dict | None, run_name: str) -> str:
@@ -186,172 +177,9 @@ def mlflow_links(reg: dict | None, run_name: str) -> str:
     return "\n".join(lines) or "no MLflow run yet"
 
 
-@task(name="skipped", cache_policy=NO_CACHE)
-def skipped_task(reason: str) -> None:
-    """A stage with nothing to do: a task run that completes at once, its reason in the state message."""
-    return Completed(name="Skipped", message=f"skipped: {reason}")
-
-
-class Stages:
-    """What each stage did ("ran" / "skipped" and why): logged as it happens, and an artifact at the end.
-    A skipped stage still appears in the flow run's graph as a task run (state "Skipped", message = why),
-    so every flow run of a deployment shows the same stages in the UI."""
-
-    def __init__(self, log):
-        self.log, self.rows = log, []
-
-    def __call__(self, name: str, status: str, detail: str = "", task_run_name: str = "") -> None:
-        self.rows.append({"stage": name, "status": status, "detail": detail})
-        self.log.info("stage %s: %s %s", name, status, detail)
-        if status == "skipped":
-            skipped_task.with_options(name=name, task_run_name=task_run_name or name)(detail)
-
-
-@dataclass
-class FlowRun:
-    """What the stages share: the flow's resolved config and parameters, and what each stage made."""
-    cfg: RunConfig
-    stage: Stages
-    nproc: int = 0
-    wait_seconds: float = 600.0
-    tracking: bool = True
-    dask_address: str = ""
-    model_name: str = ""
-    dataset_dir: str = ""
-    tokens: dict = field(default_factory=dict)
-    state: dict = field(default_factory=dict)  # the training run's (run_files.run_state)
-    result: dict | None = None  # eval.json of the newest checkpoint
-    reg: dict | None = None  # the registered version
-    sample: dict = field(default_factory=dict)
-
-    @property
-    def ckpt(self) -> str:
-        return self.state["checkpoint"]
-
-
-def data_stage(run: FlowRun) -> None:
-    """The dataset (made, or found complete), tokenized on the Dask cluster at `dask_address` when one is
-    given; the shard table artifact."""
-    from gptcore.data import location
-    from gptcore.data.shard_format import Manifest
-    from tasks import tokenize
-
-    cfg = run.cfg
-    dataset_dir, why_done = str(location.dataset_dir(cfg)), tokenize.done(cfg)
-    if why_done is None:
-        from tasks.download import download_task
-
-        download_task(cfg.to_dict())
-        from flows.dataset import tokenize_dataset
-
-        dataset_dir = tokenize_dataset(cfg.to_dict(), task_runner=dask_runner(run.dask_address))
-    rows = [{"shard": s.name, "split": s.split, "tokens": s.tokens, "sha256": s.sha256[:12]}
-            for s in Manifest.load(Path(dataset_dir)).shards]
-    tokens = {split: sum(r["tokens"] for r in rows if r["split"] == split) for split in ("train", "val")}
-    run.stage("data", "skipped" if why_done else "ran", f"{len(rows)} shards, {tokens['train']:,} train tokens"
-              f"{f'; {why_done}' if why_done else f' in {dataset_dir}'}")
-    create_table_artifact(rows, key=artifact_key(cfg.run_name, "shards"),
-                          description=f"Shards of {dataset_dir} ({tokens['train']:,} train / {tokens['val']:,} "
-                                      "val tokens)")
-    run.dataset_dir, run.tokens = dataset_dir, tokens
-
-
-def train_stage(run: FlowRun) -> None:
-    """The run trained to max_steps or its time budget (or found DONE)."""
-    from tasks import train
-
-    cfg = run.cfg
-    run.state = run_state(run_dir_for(cfg), cfg.identity_hash())
-    if (why := train.done(cfg)) is not None:
-        run.stage("train", "skipped", why, f"train {cfg.run_name}")
-        return
-    # nproc=0 (one per GPU, else 1 on CPU) is resolved only here: counting GPUs imports torch, which a re-run
-    # that skips everything should not pay for
-    nproc = run.nproc
-    if nproc == 0:
-        import torch
-
-        nproc = torch.cuda.device_count() if torch.cuda.is_available() else 1
-    cfg.validate(nproc)  # the batch must split over the real number of processes (ConfigError if not)
-    run.state = train.train_task(cfg.to_dict(), cfg.run_name, nproc, wait_seconds=run.wait_seconds,
-                                 tracking=run.tracking)
-    run.stage("train", "ran", f"steps {run.state.get('resumed_from') or 0} -> {run.state['step']}"
-                              f"{'' if run.state['done'] else ' (time budget reached; continues next run)'}")
-
-
-def evaluate_stage(run: FlowRun) -> None:
-    """Validation loss and each evaluation of the config (gptcore/evals) that <ckpt>/eval.json lacks, each
-    as its own task run; a part skipped for lack of its dataset counts as done (a re-run of a finished
-    flow does nothing)."""
-    from tasks import evaluate
-
-    ckpt, cfg = run.ckpt, run.cfg
-    why = evaluate.done(ckpt, cfg)
-    if why is not None:  # the trainer's own evaluation at the last step usually is this one
-        run.stage("evaluate", "skipped", why, f"evaluate {step_label(ckpt)}")
-        result = read_json(Path(ckpt) / EVAL_FILE, {})
-    else:
-        parts = evaluate.missing_parts(ckpt, cfg)
-        for part in parts:
-            result = evaluate.evaluate_part(ckpt, part, cfg.to_dict())
-        if not parts:  # only parts the config no longer asks for to drop: no task run needed
-            result = evaluate.evaluate_dir(ckpt, cfg.to_dict(), only=[])
-        run.stage("evaluate", "ran", f"{', '.join(parts) or 'rewrote eval.json'}; val loss {result.get('val_loss')}")
-    rows = [{"metric": "val_loss", "value": result.get("val_loss")},
-            {"metric": "val_tokens", "value": result.get("val_tokens")}]
-    # every evaluation the config asked for (gptcore/evals), each number with its standard error beside it
-    for name in (result.get("settings") or {}).get("evaluations", {}):
-        scores = result.get(name) or {}
-        if "skipped" in scores:
-            rows.append({"metric": name, "value": f"skipped: {scores['skipped']}"})
-        rows += [{"metric": k.replace("/", "_"), "value": v} for k, v in result_metrics(name, scores).items()]
-        rows += [{"metric": f"{name}_n", "value": scores["n"]}] if "n" in scores else []
-    create_table_artifact(rows, key=artifact_key(cfg.run_name, "eval"),
-                          description=f"Evaluation of {ckpt} (step {result.get('step')})")
-    run.result = result
-
-
-def register_stage(run: FlowRun) -> None:
-    """The checkpoint as a version of the pipeline's registered model, with its measurements; the
-    leaderboard artifact when it ran."""
-    from tasks import register
-
-    ckpt, name = run.ckpt, run.model_name or run.cfg.preset
-    why = register.done(ckpt, name)
-    if why is not None:
-        run.stage("register", "skipped", why, f"register {name} {step_label(ckpt)}")
-        run.reg = register.registered_version(ckpt, name)
-    else:
-        from prefect.runtime import flow_run
-
-        from tasks.leaderboard import publish_leaderboard
-
-        run.reg = register.register_task(ckpt, name, flow_run_id=flow_run.get_id())
-        scores = ", ".join(f"{k} {v}" for k, v in run.reg.get("headline", {}).items())
-        run.stage("register", "ran", f"{run.reg['model_uri']}" + (f" ({scores})" if scores else ""))
-        publish_leaderboard(name)  # the model's versions side by side, as a table artifact
-
-
-def sample_stage(run: FlowRun) -> None:
-    """A text sample from what was registered (or from the checkpoint)."""
-    ckpt, cfg = run.ckpt, run.cfg
-    model_uri = run.reg["model_uri"] if run.reg else None
-    prompt, n_new = cfg.eval.sample_prompt, cfg.eval.sample_tokens
-    why = generate.done(ckpt, model_uri, prompt, n_new)
-    if why is not None:
-        run.stage("sample", "skipped", why)
-        sample = generate.stored_sample(ckpt, model_uri, prompt, n_new)
-    else:
-        sample = generate.sample_task(ckpt, model_uri, prompt, n_new)
-        run.stage("sample", "ran", "")
-    create_markdown_artifact(f"### Sample from {model_uri or ckpt}\n\n```\n{sample['text']}\n```",
-                             key=artifact_key(cfg.run_name, "sample"), description="Generated text")
-    run.sample = sample
-
-
-# the stages in order, and the flow parameter that turns one off (None: always runs)
-STAGES = [(data_stage, None), (train_stage, None), (evaluate_stage, "evaluate"), (register_stage, "register"),
-          (sample_stage, None)]
+# the stages in order (each says which flow parameter, if any, turns it off)
+STAGES: list[Stage] = [dataset.STAGE, tasks.train.STAGE, tasks.evaluate.STAGE, tasks.register.STAGE,
+                       tasks.generate.STAGE]
 
 
 @flow(name="pretrain", log_prints=True)
@@ -376,14 +204,11 @@ def pretrain(preset: str = "tiny-cpu", overrides: dict | None = None, nproc: int
     mlflow_credentials_from_prefect(log)  # a docker/k8s flow run's MLflow login, from Prefect Secret blocks
     log.info("run %s (identity %s), preset %s, %s process(es)", cfg.run_name, cfg.identity_hash(), preset,
              nproc or "auto")
-    run = FlowRun(cfg, Stages(log), nproc, wait_seconds, tracking, dask_address, model_name)
-    switches = {"evaluate": evaluate, "register": register}
-    for stage, switch in STAGES:
-        if switch is None or switches[switch]:
-            stage(run)
+    run = FlowRun(cfg, log, nproc, wait_seconds, tracking, dask_address, model_name)
+    run_stages(run, STAGES, {"evaluate": evaluate, "register": register})
     create_markdown_artifact("\n".join([f"### MLflow ({cfg.run_name})", mlflow_links(run.reg, cfg.run_name)]),
                              key=artifact_key(cfg.run_name, "mlflow"), description="MLflow run and model version")
-    create_table_artifact(run.stage.rows, key=artifact_key(cfg.run_name, "stages"),
+    create_table_artifact(run.rows, key=artifact_key(cfg.run_name, "stages"),
                           description="What this flow run did or skipped")
     summary = summarize(run)
     create_table_artifact([{"key": k, "value": json.dumps(v)} for k, v in summary.items()], key=SUMMARY_KEY,
@@ -415,7 +240,7 @@ def summarize(run: FlowRun) -> dict:
         "model_version": run.reg["model_uri"] if run.reg else None,
         "mlflow_uri": run.reg["tracking_uri"] if run.reg else None,
         "sample": run.sample["text"],
-        "stages": {s["stage"]: s["status"] for s in run.stage.rows},
+        "stages": {s["stage"]: s["status"] for s in run.rows},
     }
 
 

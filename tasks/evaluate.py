@@ -23,16 +23,18 @@ from __future__ import annotations
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from prefect import get_run_logger, task
 
 from gptcore.checkpoints.run_files import EVAL_FILE, META_FILE, checkpoint_of, read_meta
 from gptcore.config import RunConfig, TrainConfig, from_dict
-from gptcore.evals.record import merge_evaluations, missing_evaluations
+from gptcore.evals.record import merge_evaluations, missing_evaluations, result_metrics
 from gptcore.files import read_json, write_json
 from gptcore.runlock import RunLock
-from integrations.progress import step_label
+from integrations.progress import artifact_key, step_label
+from tasks.stage import FlowRun, Stage
 
 EVAL_LOCK = "eval.lock"  # held while a checkpoint is being evaluated
 EVAL_WAIT_SECONDS = 3600.0  # a second evaluation of the same checkpoint waits this long for the first
@@ -57,16 +59,6 @@ def complete(done: dict, cfg: RunConfig, val: bool) -> bool:
     asks for (such a one makes it stale: evaluate_dir rewrites it without them)."""
     return not missing_evaluations(done, cfg, val) and \
         merge_evaluations(done, {}, cfg, val)["settings"] == done.get("settings")
-
-
-def done(ckpt: str | Path, cfg: RunConfig) -> str | None:
-    """Why the evaluate stage has nothing to do for this checkpoint (the flow shows it as a Skipped task
-    run), or None."""
-    stored = stored_evaluation(ckpt, cfg)
-    if stored is None:
-        return None
-    by = "the trainer, after the checkpoint" if stored.get("by") == "trainer" else "an earlier run"
-    return f"{ckpt}/{EVAL_FILE} holds every part (evaluated by {by})"
 
 
 def evaluate_dir(target: str | Path, cfg_dict: dict | None = None, val: bool = True,
@@ -120,6 +112,63 @@ def evaluate_part(target: str, part: str, cfg_dict: dict | None = None, device: 
     """One part of a checkpoint's evaluation ("val" or an evaluation's name, gptcore/evals), added to
     <ckpt>/eval.json; returns that file. Skipped work when eval.json already holds the part."""
     return evaluate_dir(target, cfg_dict, True, device, log=get_run_logger(), only=[part])
+
+
+# --- the pretrain flow's evaluate stage (tasks/stage.py) ------------------------------------------------
+
+@dataclass
+class Evaluated:
+    result: dict  # <ckpt>/eval.json
+    parts: list[str]  # the parts this flow run evaluated (none when it was stored)
+
+
+class EvaluateStage(Stage):
+    """Validation loss and each evaluation of the config (gptcore/evals) that <ckpt>/eval.json lacks, each
+    as its own task run; stored when eval.json holds every part with the same settings (a part skipped for
+    lack of its dataset counts as done: a re-run of a finished flow does nothing); the eval table artifact."""
+    name = "evaluate"
+    switch = "evaluate"
+
+    def stored(self, run: FlowRun) -> Evaluated | None:
+        found = stored_evaluation(run.ckpt, run.cfg)  # the trainer's own evaluation at the last step, usually
+        return None if found is None else Evaluated(found, [])
+
+    def work(self, run: FlowRun) -> Evaluated:
+        parts = missing_parts(run.ckpt, run.cfg)
+        for part in parts:
+            result = evaluate_part(run.ckpt, part, run.cfg.to_dict())
+        if not parts:  # only parts the config no longer asks for to drop: no task run needed
+            result = evaluate_dir(run.ckpt, run.cfg.to_dict(), only=[])
+        return Evaluated(result, parts)
+
+    def reason(self, run: FlowRun, e: Evaluated, ran: bool) -> str:
+        if ran:
+            return f"{', '.join(e.parts) or 'rewrote eval.json'}; val loss {e.result.get('val_loss')}"
+        by = "the trainer, after the checkpoint" if e.result.get("by") == "trainer" else "an earlier run"
+        return f"{run.ckpt}/{EVAL_FILE} holds every part (evaluated by {by})"
+
+    def keep(self, run: FlowRun, e: Evaluated) -> None:
+        from prefect.artifacts import create_table_artifact
+
+        result = e.result
+        rows = [{"metric": "val_loss", "value": result.get("val_loss")},
+                {"metric": "val_tokens", "value": result.get("val_tokens")}]
+        # every evaluation the config asked for (gptcore/evals), each number with its standard error beside it
+        for name in (result.get("settings") or {}).get("evaluations", {}):
+            scores = result.get(name) or {}
+            if "skipped" in scores:
+                rows.append({"metric": name, "value": f"skipped: {scores['skipped']}"})
+            rows += [{"metric": k.replace("/", "_"), "value": v} for k, v in result_metrics(name, scores).items()]
+            rows += [{"metric": f"{name}_n", "value": scores["n"]}] if "n" in scores else []
+        create_table_artifact(rows, key=artifact_key(run.cfg.run_name, "eval"),
+                              description=f"Evaluation of {run.ckpt} (step {result.get('step')})")
+        run.result = result
+
+    def task_run_name(self, run: FlowRun) -> str:
+        return f"evaluate {step_label(run.ckpt)}"
+
+
+STAGE = EvaluateStage()
 
 
 # --- a registered model -------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from gptcore.files import read_json, write_json
+from integrations.progress import artifact_key
 from integrations.registry_weights import (
     CHECKPOINT_ARTIFACT,
     META,
@@ -42,6 +43,7 @@ from integrations.registry_weights import (
     UntrustedWeights,
     fetch_verified,
 )
+from tasks.stage import FlowRun, Stage
 
 SAMPLE_FILE = "sample.json"
 
@@ -106,17 +108,10 @@ def load(model_uri: str, tracking_uri: str | None = None) -> VerifiedModel:
 
 def stored_sample(ckpt: str | Path, model_uri: str | None, prompt: str, max_new_tokens: int) -> dict | None:
     """<checkpoint>/sample.json when it holds text from this model version, prompt and length, else None:
-    this stage's one decision, asked by the flow (a Skipped task run) and by sample_task alike."""
+    what the sample stage finds (it is skipped then), and what sample_task asks too."""
     sample = read_json(Path(ckpt) / SAMPLE_FILE, {})  # {} when missing, unreadable or not an object
     same = [sample.get(k) for k in ("model_uri", "prompt", "max_new_tokens")] == [model_uri, prompt, max_new_tokens]
     return sample if same and isinstance(sample.get("text"), str) else None
-
-
-def done(ckpt: str | Path, model_uri: str | None, prompt: str, max_new_tokens: int) -> str | None:
-    """Why the sample stage has nothing to do (stored_sample has this text), or None."""
-    if stored_sample(ckpt, model_uri, prompt, max_new_tokens) is None:
-        return None
-    return f"{ckpt}/{SAMPLE_FILE} holds text from {model_uri or 'the checkpoint'}"
 
 
 @task(name="sample", cache_policy=NO_CACHE)
@@ -140,6 +135,37 @@ def sample_task(ckpt: str, model_uri: str | None, prompt: str, max_new_tokens: i
            "text": text}
     write_json(Path(ckpt) / SAMPLE_FILE, out)
     return out
+
+
+class SampleStage(Stage):
+    """A text sample from what was registered (or from the checkpoint when nothing was); stored when
+    <checkpoint>/sample.json holds text from that version, prompt and length; the sample artifact."""
+    name = "sample"
+
+    @staticmethod
+    def asked(run: FlowRun) -> tuple:
+        model_uri = run.reg["model_uri"] if run.reg else None
+        return run.ckpt, model_uri, run.cfg.eval.sample_prompt, run.cfg.eval.sample_tokens
+
+    def stored(self, run: FlowRun) -> dict | None:
+        return stored_sample(*self.asked(run))
+
+    def work(self, run: FlowRun) -> dict:
+        return sample_task(*self.asked(run))
+
+    def reason(self, run: FlowRun, sample: dict, ran: bool) -> str:
+        return "" if ran else f"{run.ckpt}/{SAMPLE_FILE} holds text from {sample['model_uri'] or 'the checkpoint'}"
+
+    def keep(self, run: FlowRun, sample: dict) -> None:
+        from prefect.artifacts import create_markdown_artifact
+
+        source = sample.get("model_uri") or run.ckpt
+        create_markdown_artifact(f"### Sample from {source}\n\n```\n{sample['text']}\n```",
+                                 key=artifact_key(run.cfg.run_name, "sample"), description="Generated text")
+        run.sample = sample
+
+
+STAGE = SampleStage()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -47,7 +47,9 @@ from gptcore.config import ConfigError, check_name
 from gptcore.evals.record import result_metrics
 from gptcore.files import file_sha256, read_json
 from integrations import mlflow_store as store
+from integrations.progress import step_label
 from tasks.leaderboard import best_version, leaderboard
+from tasks.stage import FlowRun, Stage
 
 log = logging.getLogger("gptpipe.register")
 
@@ -347,14 +349,6 @@ def registered_version(ckpt_dir: str | Path, model_name: str | None = None,
     return None if mv is None else _describe(mlc, name, mv.version, False, uri)
 
 
-def done(ckpt_dir: str | Path, model_name: str | None = None) -> str | None:
-    """Why the register stage has nothing to do (a version of the pipeline's model holds this checkpoint
-    with every measurement it has), or None: this stage's one decision, asked by the flow (a Skipped task
-    run); register_task is idempotent whatever it says."""
-    reg = registered_version(ckpt_dir, model_name)
-    return None if reg is None else f"{reg['model_uri']} holds this checkpoint and every measurement of it"
-
-
 def lacks_metrics(ckpt_dir: Path, meta: dict, have: set[str]) -> bool:
     """Whether the checkpoint has measurements (eval.json: e.g. a harness task added on a re-run) that its
     logged model does not: then the version holds the checkpoint but the register stage is not done."""
@@ -384,8 +378,6 @@ def _registered_over_rest(uri: str, name: str, sha: str, ident: str | None) -> d
 def _run_name() -> str:
     """"register tiny-cpu step 120": short, for the flow-run graph."""
     from prefect.runtime import task_run
-
-    from integrations.progress import step_label
 
     p = task_run.parameters
     return f"register {p.get('model_name') or ''} {step_label(p['ckpt_dir'])}".replace("  ", " ")
@@ -429,3 +421,38 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+class RegisterStage(Stage):
+    """The checkpoint as a version of the pipeline's registered model with its measurements; stored when a
+    version holds this checkpoint and every measurement of it (registered_version: read-only, over REST);
+    the leaderboard artifact when it ran."""
+    name = "register"
+    switch = "register"
+
+    def stored(self, run: FlowRun) -> dict | None:
+        return registered_version(run.ckpt, run.registered_name)
+
+    def work(self, run: FlowRun) -> dict:
+        from prefect.runtime import flow_run
+
+        from tasks.leaderboard import publish_leaderboard
+
+        reg = register_task(run.ckpt, run.registered_name, flow_run_id=flow_run.get_id())
+        publish_leaderboard(run.registered_name)  # the model's versions side by side, as a table artifact
+        return reg
+
+    def reason(self, run: FlowRun, reg: dict, ran: bool) -> str:
+        if not ran:
+            return f"{reg['model_uri']} holds this checkpoint and every measurement of it"
+        scores = ", ".join(f"{k} {v}" for k, v in reg.get("headline", {}).items())
+        return reg["model_uri"] + (f" ({scores})" if scores else "")
+
+    def keep(self, run: FlowRun, reg: dict) -> None:
+        run.reg = reg
+
+    def task_run_name(self, run: FlowRun) -> str:
+        return f"register {run.registered_name} {step_label(run.ckpt)}"
+
+
+STAGE = RegisterStage()

@@ -51,6 +51,7 @@ from gptcore.launch import SHUTDOWN_SECONDS, torchrun_cmd
 from gptcore.training import verdict
 from gptcore.training.watchdog import HANG_EXIT
 from integrations import processes
+from tasks.stage import FlowRun, Stage
 
 TRAIN_LOG = "train.log"  # the trainer's stdout/stderr, appended per invocation
 GRACE_SECONDS = SHUTDOWN_SECONDS + 30.0  # this task's SIGKILL comes only after torchrun's has had its turn
@@ -204,13 +205,12 @@ def hang_summary(run_dir: Path, folders: list[str]) -> str:
     return f"hang (exit {HANG_EXIT}): {first or 'a rank made no progress'}; stacks in {where}"
 
 
-def done(cfg: RunConfig) -> str | None:
-    """Why the train stage has nothing to do (the run reached max_steps: DONE with a checkpoint, for this
-    identity), or None: this stage's one decision, asked by the flow (a Skipped task run) and by
-    train_task alike (again after waiting for the run's concurrency slot: it may have finished meanwhile)."""
-    run_dir = run_dir_for(cfg)
-    state = run_state(run_dir, cfg.identity_hash())
-    return f"{run_dir} is DONE at step {state['step']}" if state["done"] else None
+def stored_run(cfg: RunConfig) -> dict | None:
+    """The run's state (run_files.run_state) when it reached max_steps for this identity (DONE with a
+    checkpoint), else None: what the train stage finds, and what train_task asks again after waiting for
+    the run's concurrency slot (it may have finished meanwhile)."""
+    state = run_state(run_dir_for(cfg), cfg.identity_hash())
+    return state if state["done"] else None
 
 
 @contextlib.contextmanager
@@ -251,8 +251,8 @@ def train_task(cfg: dict, run_name: str, nproc: int, wait_seconds: float = 600.0
         if time.time() - t0 > 1:
             log.info("waited %.0fs for concurrency slot %s", time.time() - t0, slot)
         state = run_state(run_dir, identity_hash)
-        if (why := done(cfg)) is not None:  # e.g. finished while we waited for the slot
-            log.info("run %s is already complete at step %s: %s", run_name, state["step"], why)
+        if state["done"]:  # e.g. finished while we waited for the slot
+            log.info("run %s is already complete at step %s: %s is DONE", run_name, state["step"], run_dir)
             return {**state, "returncode": 0, "seconds": 0.0, "resumed_from": state["step"]}
         resumed_from = state["step"]
         log.info("run %s: %s on %d process(es)", run_name,
@@ -286,3 +286,38 @@ def train_task(cfg: dict, run_name: str, nproc: int, wait_seconds: float = 600.0
     if state["checkpoint"] is None:
         raise TrainError(f"the trainer exited 0 but {run_dir} has no checkpoint; last lines:\n{last}")
     return {**state, "returncode": rc, "seconds": round(time.time() - start, 1), "resumed_from": resumed_from}
+
+
+class TrainStage(Stage):
+    """The run trained to max_steps or its time budget (stored: DONE for this identity)."""
+    name = "train"
+
+    def stored(self, run: FlowRun) -> dict | None:
+        return stored_run(run.cfg)
+
+    def work(self, run: FlowRun) -> dict:
+        # nproc=0 (one per GPU, else 1 on CPU) is resolved only here: counting GPUs imports torch, which a
+        # re-run that skips everything should not pay for
+        nproc = run.nproc
+        if nproc == 0:
+            import torch
+
+            nproc = torch.cuda.device_count() if torch.cuda.is_available() else 1
+        run.cfg.validate(nproc)  # the batch must split over the real number of processes (ConfigError if not)
+        return train_task(run.cfg.to_dict(), run.cfg.run_name, nproc, wait_seconds=run.wait_seconds,
+                          tracking=run.tracking)
+
+    def reason(self, run: FlowRun, state: dict, ran: bool) -> str:
+        if not ran:
+            return f"{state['run_dir']} is DONE at step {state['step']}"
+        return (f"steps {state.get('resumed_from') or 0} -> {state['step']}"
+                f"{'' if state['done'] else ' (time budget reached; continues next run)'}")
+
+    def keep(self, run: FlowRun, state: dict) -> None:
+        run.state = state
+
+    def task_run_name(self, run: FlowRun) -> str:
+        return f"train {run.cfg.run_name}"
+
+
+STAGE = TrainStage()

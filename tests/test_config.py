@@ -253,7 +253,8 @@ def test_each_evaluation_owns_its_section_and_the_flat_keys_of_old_configs_still
                          ("eval.contamination.ngram=-2", "eval.contamination.ngram must be >= 0"),
                          ("eval.harness.tasks.x=1", "eval.<name>.<field>"),
                          ("eval.hellaswagg.limit=1", "no evaluation named 'hellaswagg'"),
-                         ("eval.limit=1", r"eval.<evaluation>.<field> for \['bpb', 'contamination', 'harness', 'hellaswag'")):
+                         ("eval.limit=1",
+                          r"eval.<evaluation>.<field> for \['bpb', 'contamination', 'harness', 'hellaswag'")):
         with pytest.raises(ConfigError, match=message):
             load_config("micro", [bad])
 

@@ -78,6 +78,28 @@ def test_two_replicas_that_disagree_are_both_odd():
         replicas.check(5, [1, 3])
 
 
+def test_hsdp_compares_each_shard_with_its_replicas_only(monkeypatch):
+    """HSDP on 2 nodes x 2 ranks: ranks 0 and 2 hold shard 0, ranks 1 and 3 shard 1 (their checksums differ
+    and must); a flip on rank 3 makes shard 1's replicas disagree, and nothing else."""
+    from gptcore.distributed import Env
+    from gptcore.training.parallel import replica_groups
+
+    env = Env(rank=0, local_rank=0, world=4, device=None, dtype=None, compile=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # one node: pure FSDP, no two ranks hold the same tensors
+    assert replica_groups("fsdp", env) == [] and replica_groups("ddp", env) == [[0, 1, 2, 3]]
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    groups = replica_groups("fsdp", env)
+    assert groups == [[0, 2], [1, 3]]
+    events: list = []
+    hosts = ["node-a", "node-a", "node-b", "node-b"]
+    replicas = Disagreements(hosts, recorder(events))
+    assert replicas.check(2, [10, 20, 10, 20], groups) is False and events == []  # shards differ: as they must
+    assert replicas.check(4, [10, 20, 10, 21], groups) is True
+    assert events[0][1] == ("replicas disagree at step 4: the weights of rank 1 on host node-a, rank 3 on host "
+                            "node-b differ from each other (checksums [10, 20, 10, 21]); rolling back")
+    assert replicas.check(6, [10, 20, 10, 20], groups) is False
+
+
 def test_a_damaged_shard_is_named_once_and_leaves_the_hash_caches(tmp_path):
     caches = [tmp_path / "dataset_hashes.json", tmp_path / "run_hashes.json"]
     for cache in caches:

@@ -58,6 +58,33 @@ def trainer_pids(run_name: str) -> list[int]:
     return out
 
 
+TOY_STAGE = """
+import json
+from pathlib import Path
+
+from tasks.stage import Stage
+
+
+class Toy(Stage):
+    name = "toy"
+
+    def stored(self, run):
+        path = Path(run.state["run_dir"]) / "toy.json"
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    def work(self, run):
+        out = {"step": run.state["step"], "model": run.reg["model_uri"], "sample": run.sample["text"][:12]}
+        (Path(run.state["run_dir"]) / "toy.json").write_text(json.dumps(out))
+        return out
+
+    def reason(self, run, result, ran):
+        return "" if ran else f"toy.json holds step {result['step']}"
+
+
+STAGE = Toy()
+"""
+
+
 def test_end_to_end_then_rerun_is_a_no_op(prefect_stack):
     from mlflow import MlflowClient
 
@@ -168,6 +195,27 @@ def test_end_to_end_then_rerun_is_a_no_op(prefect_stack):
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert set(out["stages"].values()) == {"skipped"} and out["heavy"] == [], out
+
+    # adding a stage is one module and one STAGES line (tasks/stage.py): a toy one, after sample, reads what
+    # the stages before it left on the FlowRun; it runs once, then is found stored and shows as Skipped
+    module = prefect_stack.home / "toystage"
+    module.mkdir(exist_ok=True)
+    (module / "toy_stage.py").write_text(TOY_STAGE)
+    added = ("import json\nfrom flows import pretrain\nimport toy_stage\n"
+             "pretrain.STAGES.append(toy_stage.STAGE)\n"  # the one line
+             f"state = pretrain.pretrain(**json.loads({json.dumps(json.dumps(params))}), return_state=True)\n"
+             "print(json.dumps({'id': str(state.state_details.flow_run_id), 'stages': state.result()['stages']}))")
+    env = {**prefect_stack.env(), "PYTHONPATH": os.pathsep.join([str(module), os.environ.get("PYTHONPATH", "")])}
+    outs = []
+    for _ in range(2):
+        r = subprocess.run([sys.executable, "-c", added], env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr[-3000:]
+        outs.append(json.loads(r.stdout.strip().splitlines()[-1]))
+    assert [o["stages"]["toy"] for o in outs] == ["ran", "skipped"], outs
+    assert all(list(o["stages"])[-1] == "toy" for o in outs)
+    toy = json.loads((run_dir / "toy.json").read_text())
+    assert toy == {"step": 8, "model": "models:/micro-e2e/1", "sample": summary["sample"][:12]}
+    assert task_run_states(outs[1]["id"])["toy"] == ("COMPLETED", "Skipped", "skipped: toy.json holds step 8")
 
 
 def test_a_rerun_that_adds_an_evaluation_brings_its_scores_to_the_model(prefect_stack):

@@ -174,20 +174,24 @@ def test_gptcore_is_rooms_and_architecture_names_them():
     assert named == tree, {"not in ARCHITECTURE.md": sorted(tree - named), "not in the tree": sorted(named - tree)}
 
 
-def test_every_stage_follows_one_protocol():
-    """The flow loops over STAGES; each stage asks its task module's `done(...)` (why there is nothing to
-    do, or None), the same decision its task makes."""
+def test_every_stage_is_a_stage_in_its_own_module_and_the_flow_only_composes_them():
+    """flows/pretrain.py's STAGES are `Stage` objects (tasks/stage.py), each defined in its own module (the
+    one that holds its Prefect tasks); no `done()` variant is left; the flow module defines no stage."""
     import inspect
 
     from flows import pretrain
+    from tasks.stage import Stage
 
-    assert [s.__name__ for s, _ in pretrain.STAGES] == ["data_stage", "train_stage", "evaluate_stage",
-                                                         "register_stage", "sample_stage"]
+    assert [s.name for s in pretrain.STAGES] == ["data", "train", "evaluate", "register", "sample"]
+    homes = [type(s).__module__ for s in pretrain.STAGES]
+    assert homes == ["flows.dataset", "tasks.train", "tasks.evaluate", "tasks.register", "tasks.generate"]
+    for stage in pretrain.STAGES:
+        assert isinstance(stage, Stage) and type(stage).stored is not Stage.stored, stage
     for module in ("tokenize", "train", "evaluate", "register", "generate"):
-        done = getattr(importlib.import_module(f"tasks.{module}"), "done", None)
-        assert callable(done), f"tasks.{module} has no done()"
-    for stage, _ in pretrain.STAGES:
-        assert ".done(" in inspect.getsource(stage), f"{stage.__name__} does not ask its module's done()"
+        assert not hasattr(importlib.import_module(f"tasks.{module}"), "done"), f"tasks.{module} still has done()"
+    defined = [name for name, obj in vars(pretrain).items()
+               if inspect.isclass(obj) and obj.__module__ == "flows.pretrain"]
+    assert defined == [], defined
 
 
 def test_no_module_of_an_entrypoint_folder_shadows_the_standard_library():

@@ -131,7 +131,8 @@ class FaultInjector:
             # ctypes.PyDLL calls without releasing it, so no Python thread runs until it returns
             ctypes.PyDLL(None).sleep(int(STALL_SECONDS))
         elif (kind == "flip" and self.rank == self.world - 1) or (kind == "flip0" and self.rank == 0):
-            w.view(torch.int32)[0] ^= 1 << 12  # a low mantissa bit: the loss barely moves, the bits do
+            local = w.to_local() if hasattr(w, "to_local") else w  # FSDP2: this rank's shard of it
+            local.view(torch.int32)[0] ^= 1 << 12  # a low mantissa bit: the loss barely moves, the bits do
 
     def before_eval(self, rank: int) -> None:
         self.eval_calls += 1

@@ -111,6 +111,19 @@ def device_mesh(env: distributed.Env):
     return init_device_mesh(env.device.type, shape, mesh_dim_names=names)
 
 
+def replica_groups(kind: str, env: distributed.Env) -> list[list[int]]:
+    """The sets of ranks whose weights must be bitwise equal (replicas.Disagreements compares within each):
+    every rank under DDP; under HSDP the ranks holding the same shard, one per node (rank r and r + local,
+    ...); none under pure FSDP (no two ranks hold the same tensors) or on one rank."""
+    if kind == "ddp":
+        return [list(range(env.world))]
+    shape = mesh_shape(env)
+    if kind == "fsdp" and len(shape) == 2:
+        nodes, local = shape
+        return [[node * local + s for node in range(nodes)] for s in range(local)]
+    return []
+
+
 def is_sharded(model: torch.nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 

@@ -1,7 +1,8 @@
-"""What the ranks of a DDP job compare about each other: their weights (bitwise) and their own compute time.
+"""What the ranks of a job compare about each other: their weights (bitwise) and their own compute time.
 
 Under DDP every rank's weights must stay bitwise equal: the ranks start from the same weights and apply
-the same all-reduced gradients. A silent data corruption on one GPU (a flipped bit in memory or in an
+the same all-reduced gradients; under HSDP so must the shards of one index across nodes (the replicas of a
+shard; gptcore.training.parallel.replica_groups). A silent data corruption on one GPU (a flipped bit in memory or in an
 arithmetic unit) makes that replica drift for good, and checkpoints come from rank 0 only, so nothing else
 notices. `weights_checksum` is a sum of every parameter's bits as integers, on the device; the trainer
 compares the ranks' sums every guard.consistency_interval steps and `Disagreements` says what a difference
@@ -36,7 +37,9 @@ def weights_checksum(model: torch.nn.Module) -> torch.Tensor:
     device scalar. Any single flipped bit changes it; it costs one read of the weights."""
     total = None
     for p in model.parameters():
-        s = p.detach().view(INT_VIEW[p.element_size()]).sum(dtype=torch.int64)
+        p = p.detach()
+        p = p.to_local() if hasattr(p, "to_local") else p  # FSDP2's DTensor: this rank's shard
+        s = p.view(INT_VIEW[p.element_size()]).sum(dtype=torch.int64)
         total = s if total is None else total + s
     return total
 
@@ -64,13 +67,23 @@ class Disagreements:
         self.hosts, self.event = hosts, event
         self.count = [0] * len(hosts)
 
-    def check(self, step: int, sums: list[int]) -> bool:
-        """Every rank's weights checksum at `step`. Equal: False. A rank that differs for the first time: an
-        event, and True: the caller rolls every rank back to the newest good checkpoint (a one-off flip is
-        gone then). A rank that differs again: ReplicasDisagree, naming its host (it corrupts data)."""
-        if len(set(sums)) == 1:
+    def check(self, step: int, sums: list[int], groups: list[list[int]] | None = None) -> bool:
+        """Every rank's weights checksum at `step`, compared within each group of ranks that hold the same
+        tensors (default: all; HSDP: the ranks of one shard, parallel.replica_groups). Equal: False. A rank
+        that differs for the first time: an event, and True: the caller rolls every rank back to the newest
+        good checkpoint (a one-off flip is gone then). A rank that differs again: ReplicasDisagree, naming
+        its host (it corrupts data)."""
+        groups = groups if groups is not None else [list(range(len(sums)))]
+        odd, no_majority = [], False
+        for g in groups:
+            values = [sums[r] for r in g]
+            if len(set(values)) > 1:
+                found = odd_ranks(values)
+                odd += [g[i] for i in found]
+                no_majority |= len(found) == len(g)
+        if not odd:
             return False
-        odd = odd_ranks(sums)
+        odd.sort()
         names = ", ".join(f"rank {r} on host {self.hosts[r]}" for r in odd)
         for r in odd:
             self.count[r] += 1
@@ -83,7 +96,7 @@ class Disagreements:
                 "errors: nvidia-smi -q -d ECC,ROW_REMAPPER; dcgmi diag), then run the same command without them "
                 "to continue from the newest checkpoint")
         self.event(step, f"replicas disagree at step {step}: the weights of {names} differ from "
-                   f"{'the majority' if len(odd) < len(sums) else 'each other'} (checksums {sums}); rolling back",
+                   f"{'each other' if no_majority else 'the majority'} (checksums {sums}); rolling back",
                    **{"guard/replica_mismatch": len(odd)})
         return True
 

@@ -128,7 +128,9 @@ class Trainer:
         raw.head_loss = make_loss(env.loss)  # train.loss; the trainer owns the fused loss's reusable buffers
         raw.recompute = tc.activation_checkpointing
         self.plan = parallel.plan(cfg, env)  # single, ddp or fsdp, and why
-        self.replicated = self.plan.kind == "ddp"  # whole replicas whose weights can be compared
+        # the ranks whose weights can be compared: DDP's replicas, HSDP's replicas of each shard
+        self.replica_groups = parallel.replica_groups(self.plan.kind, env)
+        self.replicated = bool(self.replica_groups)
         # after sharding: FSDP2 replaces the parameters by DTensors, which the optimizer must hold
         distributed_model = parallel.wrap(raw, self.plan.kind, env, tc.ddp_bf16_grads)
         # under FSDP a whole copy on every rank, refreshed before each evaluation: evaluations and samples run
@@ -360,7 +362,7 @@ class Trainer:
         time: an event, a rollback to the newest good checkpoint (every rank loads the same weights), True.
         A rank that differs again: ReplicasDisagree, naming its host (replicas.Disagreements)."""
         sums = distributed.all_gather_object(int(weights_checksum(self.raw).item()))
-        if not self.disagreements.check(self.step, sums):
+        if not self.disagreements.check(self.step, sums, self.replica_groups):
             return False
         self.roll_back(why="replicas disagree")
         return True
