@@ -25,9 +25,10 @@ from benchmarks import parse_args
 from gptcore.checkpoints import checkpoint as C
 from gptcore.checkpoints import run_files as R
 from gptcore.checkpoints.background import WRITTEN, Checkpointer
-from gptcore.config import OptimConfig, model_preset
+from gptcore.config import OptimConfig
 from gptcore.model.gpt import GPT
 from gptcore.model.optim import adamw
+from gptcore.presets import model_preset
 
 SMOKE = {"preset": "tiny-cpu", "rounds": 1}
 
@@ -59,7 +60,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--dir", default=None, help="where to write (default: a temp dir on this disk)")
-    ap.add_argument("--preset", default="gpt2", help="model preset (gptcore.config.MODEL_PRESETS)")
+    ap.add_argument("--preset", default="gpt2", help="model preset (gptcore.presets.MODEL_PRESETS)")
     a = parse_args(ap, argv, SMOKE)
     model, state = trained_state(a.preset)
     rows: dict[str, list[float]] = {k: [] for k in ("sync save", "async blocked", "async on disk",

@@ -22,10 +22,10 @@ import torch
 
 from benchmarks import parse_args
 from benchmarks.bench_hellaswag import FIXTURE
-from gptcore.config import load_config
 from gptcore.data.loader import val_batches
 from gptcore.evals.scorers import hellaswag
 from gptcore.model.gpt import GPT
+from gptcore.overrides import load_config
 from tests.test_train_utils import make_dataset
 
 SMOKE = {"evals": 2, "examples": 4, "val_tokens": 1024}  # 2: the first evaluation and one later one

@@ -22,11 +22,11 @@ from lm_eval.api.instance import Instance
 from lm_eval.models.huggingface import HFLM
 
 from benchmarks import parse_args
-from gptcore.config import model_preset
 from gptcore.evals.scorers import hellaswag
 from gptcore.evals.scorers.harness import GPTHarness
 from gptcore.model.gpt import GPT
 from gptcore.model.hf import export_hf
+from gptcore.presets import model_preset
 
 FIXTURE = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "hellaswag_mini.jsonl"
 SMOKE = {"requests": 16, "rounds": 1, "preset": "micro"}
@@ -48,7 +48,7 @@ def timed(lm, requests) -> tuple[float, list]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", default="tiny-cpu", help="model preset (gptcore.config.MODEL_PRESETS)")
+    ap.add_argument("--preset", default="tiny-cpu", help="model preset (gptcore.presets.MODEL_PRESETS)")
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)

@@ -19,10 +19,11 @@ from torch.nn import functional as F
 
 from benchmarks import parse_args
 from gptcore import distributed
-from gptcore.config import TrainConfig, model_preset
+from gptcore.config import TrainConfig
 from gptcore.evals.scorers import hellaswag
 from gptcore.model.gpt import GPT
 from gptcore.model.tokenizer import encode
+from gptcore.presets import model_preset
 
 FIXTURE = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "hellaswag_mini.jsonl"
 SMOKE = {"examples": 8, "repeats": 1, "threads": 1}  # the fixture's 7 examples and one repeated
@@ -61,7 +62,7 @@ def reference_accuracy(model: torch.nn.Module, records, device="cpu") -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", default="tiny-cpu", help="model preset (gptcore.config.MODEL_PRESETS)")
+    ap.add_argument("--preset", default="tiny-cpu", help="model preset (gptcore.presets.MODEL_PRESETS)")
     ap.add_argument("--examples", type=int, default=64)
     ap.add_argument("--file", default=str(FIXTURE), help="a HellaSwag jsonl (default: the test fixture)")
     ap.add_argument("--threads", type=int, default=2)

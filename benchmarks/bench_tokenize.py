@@ -153,7 +153,7 @@ def m_naive(corpus: Path, out: Path, workers: int):
 
 
 def _stage_cfg(corpus: Path, workers: int):
-    from gptcore.config import load_config
+    from gptcore.overrides import load_config
     return load_config("micro", [f"data.source={corpus}", f"data.shard_tokens={SHARD_TOKENS}",
                                  f"data.piece_bytes={PIECE_BYTES}", f"data.num_workers={workers}"])
 

@@ -33,13 +33,15 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 from benchmarks import parse_args
-from gptcore.config import ModelConfig, OptimConfig, load_config, model_preset
+from gptcore.config import ModelConfig, OptimConfig
 from gptcore.data.loader import ShardLoader
 from gptcore.data.shard_format import Manifest, ShardInfo, write_shard
 from gptcore.distributed import Env, select_loss
 from gptcore.model.gpt import GPT
 from gptcore.model.loss import make_loss
 from gptcore.model.optim import adamw
+from gptcore.overrides import load_config
+from gptcore.presets import model_preset
 from gptcore.training.trainer import train_step
 
 H100_BF16_PEAK = 989e12  # dense bf16 FLOP/s per H100 SXM

@@ -256,7 +256,7 @@ def wait_for_step(proc: subprocess.Popen, run: Path, step: int, timeout: float) 
 
 def hellaswag_settings() -> dict:
     """The real HellaSwag when it is cached (limited to HELLASWAG_LIMIT examples), else the bundled fixture."""
-    from gptcore.config import pipeline_home
+    from gptcore.files import pipeline_home
 
     cached = pipeline_home() / "hellaswag" / "hellaswag_val.jsonl"
     path = cached if cached.is_file() else FIXTURE
@@ -334,9 +334,9 @@ def check_train(t: Trainer, label: str, nproc: int, ctx: dict) -> tuple[bool, st
 def check_outside_steps(t: Trainer, label: str, gate: bool) -> tuple[bool | None, str]:
     """Time outside training steps: its share in the train row's run, and projected to gpt2-124m's
     cadence from what each part cost per unit against the step time per token."""
-    from gptcore.config import load_config
     from gptcore.evals import HellaSwag  # and the registry: the evaluations' config sections (eval.hellaswag.*)
     from gptcore.metrics import read_metrics
+    from gptcore.overrides import load_config
 
     rows = read_metrics(t.work / f"train-{label}" / "metrics.jsonl")
     train = [r for r in rows if r["kind"] == "train"][2:]  # after compile's warm-up steps
@@ -484,8 +484,9 @@ def check_reference(work: Path, dataset: Path, device: str, file: Path | None, r
                     ctx: dict) -> tuple[bool | None, str]:
     """Ours against the reference in `rounds` ABBA rounds in this run; the median of the per-round ratios
     counts (with two rounds, their mean: the row says which)."""
-    from gptcore.config import ModelConfig, load_config
+    from gptcore.config import ModelConfig
     from gptcore.model.gpt import GPT
+    from gptcore.overrides import load_config
 
     real = file is not None
     file = file or STANDIN
@@ -602,8 +603,9 @@ def check_speed(device: torch.device, shape: dict, dataset: Path, steps: int, ro
 def check_guards(device: torch.device, model_shape: dict, tokens_per_s: float | None) -> tuple[bool | None, str]:
     """The consistency check's cost per call on this model, and its share of wall time at gpt2-124m's
     cadence (the step time of a 524,288-token batch at the measured tokens/s)."""
-    from gptcore.config import GuardConfig, ModelConfig, load_config
+    from gptcore.config import GuardConfig, ModelConfig
     from gptcore.model.gpt import GPT
+    from gptcore.overrides import load_config
     from gptcore.training.replicas import weights_checksum
 
     if not tokens_per_s:
@@ -634,11 +636,11 @@ def check_family(work: Path, dataset: Path, device: torch.device) -> tuple[bool 
     matmul rate measured in this call, peak memory. On CPU the same depths at width 64 (a smoke test of the
     path, not a speed). PASS on CUDA when 1558m trains and the MFU targets hold (>= llm.c's ~44% at 1558m,
     >= llm-foundry's 34.9% at 774m, judged on 350m here)."""
-    from gptcore.config import load_config
     from gptcore.files import read_json
     from gptcore.launch import torchrun_cmd
     from gptcore.metrics import read_metrics
     from gptcore.model.gpt import flops_per_token, peak_flops_guess
+    from gptcore.overrides import load_config
     from gptcore.training.microbatch import CHOICE_FILE
 
     work.mkdir(parents=True, exist_ok=True)
@@ -683,11 +685,11 @@ def check_auto_micro_batch(device: torch.device) -> tuple[None, str]:
     """What train.micro_batch=auto picks for gpt2-124m on this device (on CPU: a small stand-in with the
     plain loss, the one `auto` picks on CUDA, since probing 64 x 1024 sequences there would only measure
     the host's swap)."""
-    from gptcore.config import load_config
     from gptcore.distributed import select
     from gptcore.model.gpt import GPT
     from gptcore.model.loss import make_loss
     from gptcore.model.optim import build_optimizer
+    from gptcore.overrides import load_config
     from gptcore.training.microbatch import probe
 
     if device.type == "cuda":
@@ -715,11 +717,12 @@ def check_profile(device: torch.device, shape: dict, ratio: float | None) -> tup
     from torch.profiler import ProfilerActivity, profile
 
     from benchmarks.bench_train import BaseGPT
-    from gptcore.config import ModelConfig, TrainConfig, load_config
+    from gptcore.config import ModelConfig, TrainConfig
     from gptcore.distributed import select
     from gptcore.model.gpt import GPT
     from gptcore.model.loss import make_loss
     from gptcore.model.tokenizer import N_VOCAB
+    from gptcore.overrides import load_config
 
     cuda = device.type == "cuda"
     env = select(TrainConfig(device=device.type, compile="true"))

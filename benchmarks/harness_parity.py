@@ -30,8 +30,9 @@ def parity_model(device: torch.device):
     """gpt2-124m's shape on CUDA, a small one on CPU; random weights from a fixed seed, every parameter
     (LayerNorms and biases too, which a fresh init leaves at 1 and 0) perturbed so that an export mistake
     in any of them shows."""
-    from gptcore.config import ModelConfig, model_preset
+    from gptcore.config import ModelConfig
     from gptcore.model.gpt import GPT
+    from gptcore.presets import model_preset
 
     cfg = model_preset("gpt2") if device.type == "cuda" else ModelConfig(block_size=128, n_layer=2, n_head=4, n_embd=64)
     torch.manual_seed(0)

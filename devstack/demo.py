@@ -162,7 +162,7 @@ def report(s: dict, stack: Stack, seconds: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from gptcore.config import pipeline_home
+    from gptcore.files import pipeline_home
 
     p = argparse.ArgumentParser(description="Run the tiny GPT-2 pretraining demo through Prefect + MLflow.")
     p.add_argument("--stop", action="store_true", help="stop the Prefect server, worker and MLflow server")

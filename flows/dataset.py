@@ -25,9 +25,10 @@ from prefect.futures import as_completed
 from prefect.task_runners import ProcessPoolTaskRunner, TaskRunner
 from prefect.utilities.annotations import unmapped
 
-from gptcore.config import ConfigError, RunConfig, as_config
+from gptcore.config import ConfigError, RunConfig
 from gptcore.data import build, location
 from gptcore.data.shard_format import Manifest
+from gptcore.overrides import as_config
 from integrations.progress import PieceProgress, artifact_key
 from tasks.download import download_task
 from tasks.stage import FlowRun, Stage

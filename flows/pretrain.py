@@ -45,9 +45,10 @@ import tasks.train
 from flows import dataset
 from gptcore import evals
 from gptcore.checkpoints.run_files import RUN_FILE, read_meta
-from gptcore.config import ConfigError, RunConfig, check_name, load_config, pipeline_home
-from gptcore.files import read_json
+from gptcore.config import ConfigError, RunConfig, check_name
+from gptcore.files import pipeline_home, read_json
 from gptcore.metrics import METRICS_FILE, read_metrics
+from gptcore.overrides import load_config
 from integrations.progress import artifact_key
 from integrations.secrets import mlflow_credentials_from_prefect
 from tasks.stage import FlowRun, Stage, run_stages

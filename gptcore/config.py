@@ -1,22 +1,18 @@
-"""One config system for the whole pipeline: typed dataclasses, named presets, a TOML/JSON file,
-and `section.key=value` overrides, validated once at the edge (before any work starts).
-
-    cfg = load_config("tiny-cpu", ["train.max_steps=50", "model.n_layer=2"])
-    cfg = load_config("my_run.toml")          # a file may name a `preset` to start from
-
-Everything downstream receives a validated `RunConfig` and trusts it.
+"""The pipeline's settings: one typed dataclass per section (model, data, optim, train, eval and each
+evaluation's own section, guard) in one `RunConfig`, each with its checks, and the cross-field rules,
+validated once at the edge (before any work starts). Everything downstream receives a validated
+`RunConfig` and trusts it. The named presets are gptcore/presets.py; a config from a preset, a TOML/JSON
+file and `section.key=value` overrides is gptcore/overrides.py (`load_config`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
 import re
-import tomllib
 import typing
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 
@@ -139,23 +135,6 @@ def model_config_from(d) -> ModelConfig:
     cfg = ModelConfig(**d)
     cfg.validate()
     return cfg
-
-
-# The four OpenAI GPT-2 sizes plus small shapes that train on a CPU in seconds to minutes.
-MODEL_PRESETS: dict[str, ModelConfig] = {
-    "gpt2": ModelConfig(n_layer=12, n_head=12, n_embd=768),  # 124M
-    "gpt2-medium": ModelConfig(n_layer=24, n_head=16, n_embd=1024),  # 350M
-    "gpt2-large": ModelConfig(n_layer=36, n_head=20, n_embd=1280),  # 774M
-    "gpt2-xl": ModelConfig(n_layer=48, n_head=25, n_embd=1600),  # 1558M
-    "tiny-cpu": ModelConfig(block_size=256, n_layer=4, n_head=4, n_embd=128),
-    "micro": ModelConfig(block_size=64, n_layer=2, n_head=2, n_embd=32),  # tests
-}
-
-
-def model_preset(name: str) -> ModelConfig:
-    if name not in MODEL_PRESETS:
-        raise ConfigError(f"unknown model preset {name!r}; choose one of {sorted(MODEL_PRESETS)}")
-    return replace(MODEL_PRESETS[name])
 
 
 @dataclass
@@ -469,91 +448,9 @@ class RunConfig:
         return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 
 
-# --- presets ------------------------------------------------------------------------------------
+# --- a setting from text: the settings types convert what overrides and saved configs give ---------
 
-def _gpt2_124m() -> RunConfig:
-    # build-nanogpt's recipe: 0.5M-token batches, 6e-4 cosine to 6e-5, 715 warmup, 19,073 steps ~ 10B tokens.
-    # micro_batch auto: 64 (build-nanogpt's, for an 80 GB card) where it fits, less on smaller cards
-    # the harness's share of the suite GPT-2 reproductions report (HellaSwag is the project's own scorer)
-    return RunConfig(preset="gpt2-124m", model=model_preset("gpt2"), data=DataConfig(source="hf"),
-                     train=TrainConfig(micro_batch="auto"),
-                     eval=EvalConfig(sections={
-                         "harness": {"tasks": "arc_easy,arc_challenge,piqa,winogrande,lambada_openai"},
-                         "contamination": {"ngram": 13}}))
-
-
-def _gpt2_124m_muon() -> RunConfig:
-    # The same GPT-2 and data with Muon + warmup-stable-decay at half the token budget (~5.0B tokens).
-    # Values from modded-nanogpt's first Muon records (Oct 2024; sources in docs/training.md "Recipes").
-    cfg = _gpt2_124m()
-    cfg.preset = "gpt2-124m-muon"
-    cfg.optim = OptimConfig(name="muon", schedule="wsd", max_lr=0.0036, min_lr=0.0, warmup_steps=250,
-                            decay_frac=0.3, weight_decay=0.0, muon_lr=0.02, muon_momentum=0.95,
-                            muon_weight_decay=0.0)
-    cfg.train.max_steps = 9_537  # 5.0B tokens at 0.5M tokens/step
-    return cfg
-
-
-def _gpt2_family(preset: str, model: str, micro_batch_max: int, total_batch_tokens: int, max_lr: float,
-                 min_lr: float, max_steps: int) -> RunConfig:
-    # The larger GPT-2s as llm.c trained them (karpathy/llm.c scripts/run_gpt2_{350M,774M,1558M}.sh): AdamW
-    # (0.9, 0.95), weight decay 0.1, clip 1.0, cosine after 700 warmup steps, FineWeb-Edu's 100B-token sample
-    # (their runs take 31-150B tokens). micro_batch auto, at most llm.c's per-GPU size on an 80 GB card.
-    cfg = _gpt2_124m()
-    cfg.preset, cfg.model = preset, model_preset(model)
-    cfg.data.hub.config = "sample-100BT"
-    cfg.optim = OptimConfig(max_lr=max_lr, min_lr=min_lr, warmup_steps=700, weight_decay=0.1)
-    cfg.train = TrainConfig(micro_batch="auto", micro_batch_max=micro_batch_max,
-                            total_batch_tokens=total_batch_tokens, max_steps=max_steps)
-    return cfg
-
-
-def _gpt2_350m() -> RunConfig:  # llm.c: -b 64 -d 524288 -l 3e-4 -q 0.0 -x 60000 (31.5B tokens)
-    return _gpt2_family("gpt2-350m", "gpt2-medium", 64, 524_288, 3e-4, 0.0, 60_000)
-
-
-def _gpt2_774m() -> RunConfig:  # llm.c: -b 32 -d 524288 -l 2.5e-4 -q 0.0 -x 286102 (150B tokens)
-    return _gpt2_family("gpt2-774m", "gpt2-large", 32, 524_288, 2.5e-4, 0.0, 286_102)
-
-
-def _gpt2_1558m() -> RunConfig:  # llm.c: -b 16 -d 1048576 -l 6e-4 -q 0.1 -x 32000 (33.6B tokens)
-    return _gpt2_family("gpt2-1558m", "gpt2-xl", 16, 1_048_576, 6e-4, 6e-5, 32_000)
-
-
-def _tiny_cpu() -> RunConfig:
-    # Learns visibly on a 2-core CPU in a few minutes on the built-in corpus: the demo's recipe (the `tiny`
-    # deployment runs it as is), 120 steps of 2,048 tokens, so the whole demo stays well under 10 minutes.
-    return RunConfig(
-        preset="tiny-cpu", model=model_preset("tiny-cpu"),
-        # 100K-token shards: the val split (shard 0) is 100K tokens and ~1.46M are left to train on
-        data=DataConfig(source="builtin", shard_tokens=100_000),
-        optim=OptimConfig(max_lr=3e-3, min_lr=3e-4, warmup_steps=10, weight_decay=0.1),
-        train=TrainConfig(total_batch_tokens=8 * 256, micro_batch=8, seq_len=256, max_steps=120,
-                          checkpoint_interval=40, keep_last=2, log_interval=10),
-        # HellaSwag (200 examples) only on the final checkpoint: it costs more than the rest of an eval
-        eval=EvalConfig(eval_interval=60, val_tokens=64 * 256, sample_interval=60, sample_tokens=48,
-                        sections={"hellaswag": {"interval": 0, "limit": 200}}))
-
-
-def _micro() -> RunConfig:
-    # For tests: a model that does a step in milliseconds.
-    return RunConfig(
-        preset="micro", model=model_preset("micro"),
-        data=DataConfig(source="builtin", shard_tokens=100_000),
-        optim=OptimConfig(max_lr=1e-3, min_lr=1e-4, warmup_steps=2),
-        train=TrainConfig(total_batch_tokens=8 * 32, micro_batch=4, seq_len=32, max_steps=20,
-                          checkpoint_interval=5, keep_last=2, log_interval=1),
-        eval=EvalConfig(eval_interval=10, val_tokens=8 * 32, sample_interval=10, sample_tokens=8,
-                        sections={"hellaswag": {"enabled": False}}))
-
-
-PRESETS = {"gpt2-124m": _gpt2_124m, "gpt2-124m-muon": _gpt2_124m_muon, "gpt2-350m": _gpt2_350m,
-           "gpt2-774m": _gpt2_774m, "gpt2-1558m": _gpt2_1558m, "tiny-cpu": _tiny_cpu, "micro": _micro}
-
-
-# --- loading and overrides ----------------------------------------------------------------------
-
-def _coerce(value: str, typ: type, key: str):
+def coerce(value: str, typ: type, key: str):
     """Turn an override string into the field's type, with an error that names the key."""
     if typ == int | str:  # a number or a word (train.micro_batch: 16 or auto)
         text = str(value).replace("_", "")
@@ -576,52 +473,6 @@ def _coerce(value: str, typ: type, key: str):
         raise ConfigError(f"{key}={value!r} is not a valid {typ.__name__}") from None
 
 
-# keys of an earlier layout, still read (saved configs, old overrides): the hub source's flat data.hf_* fields
-# are its own section now, and so are the evaluations' flat eval.* fields (eval.hellaswag.limit)
-RENAMED_KEYS = {"data.hf_repo": "data.hub.repo", "data.hf_config": "data.hub.config",
-                "data.hf_split": "data.hub.split", "data.hf_revision": "data.hub.revision",
-                "eval.hellaswag": "eval.hellaswag.enabled", "eval.hellaswag_interval": "eval.hellaswag.interval",
-                "eval.hellaswag_path": "eval.hellaswag.path", "eval.hellaswag_limit": "eval.hellaswag.limit",
-                "eval.exclude_contaminated": "eval.hellaswag.exclude_contaminated",
-                "eval.harness_tasks": "eval.harness.tasks", "eval.harness_include_path": "eval.harness.include_path",
-                "eval.harness_limit": "eval.harness.limit", "eval.harness_interval": "eval.harness.interval",
-                "eval.harness_dtype": "eval.harness.dtype", "eval.contamination_ngram": "eval.contamination.ngram"}
-
-
-def _set(cfg: RunConfig, key: str, value) -> None:
-    key = RENAMED_KEYS.get(key, key)
-    section_name, _, name = key.partition(".")
-    sections = {f.name for f in fields(RunConfig) if dataclasses.is_dataclass(f.default_factory)}
-    if section_name not in sections or not name:
-        raise ConfigError(f"unknown config key {key!r}; keys look like section.name with section in "
-                          f"{sorted(sections)}")
-    section, path = getattr(cfg, section_name), section_name
-    if section_name == "eval" and "." in name:  # an evaluation's own section: eval.<name>.<field>
-        set_eval_option(cfg.eval, key, *name.split(".", 1), value)
-        return
-    while "." in name:  # a section inside a section (data.hub.repo)
-        sub, _, name = name.partition(".")
-        if not dataclasses.is_dataclass(getattr(section, sub, None)):
-            raise ConfigError(f"unknown config key {key!r}; {path} has no section {sub!r}")
-        section, path = getattr(section, sub), f"{path}.{sub}"
-    hints = typing.get_type_hints(type(section))
-    if name not in hints or dataclasses.is_dataclass(getattr(section, name)) or key == "eval.sections":
-        has = sorted(set(hints) - {"sections"} if path == "eval" else hints)
-        each = f", and eval.<evaluation>.<field> for {sorted(EVAL_SECTIONS)}" if path == "eval" else ""
-        raise ConfigError(f"unknown config key {key!r}; {path} has {has}{each}")
-    setattr(section, name, _coerce(value, hints[name], key))
-
-
-def set_eval_option(section: EvalConfig, key: str, name: str, option: str, value) -> None:
-    """eval.<name>.<option>=value: typed and checked now when the evaluation is known in this process,
-    else kept as given (EvalConfig.options types it where the evaluations are)."""
-    if "." in option:
-        raise ConfigError(f"unknown config key {key!r}; an evaluation's keys look like eval.<name>.<field>")
-    if EVAL_SECTIONS:
-        value = eval_option(name, option, value)
-    section.sections.setdefault(name, {})[option] = value
-
-
 def eval_option(name: str, option: str, value):
     """`value` typed as evaluation `name`'s field `option`; ConfigError for an evaluation or a field it lacks."""
     key = f"eval.{name}.{option}"
@@ -631,92 +482,4 @@ def eval_option(name: str, option: str, value):
     hints = typing.get_type_hints(EVAL_SECTIONS[name])
     if option not in hints:
         raise ConfigError(f"unknown config key {key!r}; eval.{name} has {sorted(hints)}")
-    return _coerce(value, hints[option], key)
-
-
-def flatten(d: dict, prefix: str = "") -> dict[str, object]:
-    """{"train": {"max_steps": 50}, "model.n_layer": 2} -> {"train.max_steps": 50, "model.n_layer": 2}: the
-    one flattener (overrides from Prefect, the torchrun command line, MLflow params)."""
-    out: dict[str, object] = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-def apply_overrides(cfg: RunConfig, overrides: list[str] | dict | None) -> RunConfig:
-    """Apply `section.key=value` strings (CLI) or a {"section.key": value} / nested dict (Prefect)."""
-    if not overrides:
-        return cfg
-    items: list[tuple[str, object]] = []
-    if isinstance(overrides, dict):
-        items = list(flatten(overrides).items())
-    else:
-        for text in overrides:
-            if "=" not in text:
-                raise ConfigError(f"override {text!r} is not of the form section.key=value")
-            k, _, v = text.partition("=")
-            items.append((k.strip(), v.strip()))
-    for k, v in items:
-        if k == "preset":
-            raise ConfigError("'preset' cannot be overridden; pass it as the config name instead")
-        if k in NAME_KEYS and v == "":  # given but empty (e.g. `train.run_name=$UNSET`): a mistake, not the default
-            check_name(k, v)
-        _set(cfg, k, v)
-    return cfg
-
-
-def _saved(d: dict) -> dict:
-    """A config file or a saved config (a run's config.json, a checkpoint's meta) holds "" for a default name:
-    there it means the default, while an override given as "" is refused (apply_overrides)."""
-    return {k: v for k, v in flatten(d).items() if not (k in NAME_KEYS and v == "")}
-
-
-def preset(name: str) -> RunConfig:
-    if name not in PRESETS:
-        raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)} or pass a .toml/.json file")
-    return PRESETS[name]()
-
-
-def load_config(name_or_path: str, overrides: list[str] | dict | None = None,
-                world_size: int = 1) -> RunConfig:
-    """A preset name or a .toml/.json file (which may say `preset = "..."` to start from), then overrides.
-    Validated before it is returned."""
-    path = Path(name_or_path)
-    if path.suffix in (".toml", ".json"):
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
-        try:
-            raw = tomllib.loads(path.read_text()) if path.suffix == ".toml" else json.loads(path.read_text())
-        except (ValueError, OSError) as e:  # tomllib.TOMLDecodeError and JSONDecodeError are ValueErrors
-            raise ConfigError(f"config file {path} cannot be read ({e}); fix its syntax") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"config file {path} holds a {type(raw).__name__}; it must be a table/object of "
-                              "sections like {\"train\": {\"max_steps\": 100}}")
-        cfg = preset(raw.pop("preset", "gpt2-124m"))
-        cfg = apply_overrides(cfg, _saved(raw))
-    else:
-        cfg = preset(name_or_path)
-    cfg = apply_overrides(cfg, overrides)
-    return cfg.validate(world_size)
-
-
-def as_config(cfg: RunConfig | dict, world_size: int = 1) -> RunConfig:
-    """The config a flow resolved once, handed to a stage as `cfg.to_dict()` (Prefect records task
-    parameters as JSON), back as a RunConfig validated for `world_size` processes. No stage resolves a
-    preset and overrides again: what the flow decided is what every stage runs with."""
-    return (cfg if isinstance(cfg, RunConfig) else from_dict(cfg)).validate(world_size)
-
-
-def from_dict(d: dict) -> RunConfig:
-    """Rebuild a RunConfig from `to_dict()` output (e.g. a checkpoint's meta.json)."""
-    d = dict(d)
-    cfg = RunConfig(preset=d.pop("preset", "gpt2-124m"))
-    return apply_overrides(cfg, _saved(d))
-
-
-def pipeline_home() -> Path:
-    """Root for all artifacts (raw data, shards, runs, caches, embedded MLflow/Prefect state)."""
-    return Path(os.environ.get("GPTPIPE_HOME", Path.cwd() / "var")).resolve()
+    return coerce(value, hints[option], key)

@@ -161,3 +161,8 @@ def read_json(path: Path, default=None):
     except (OSError, ValueError):
         return default
     return default if default is not None and not isinstance(value, type(default)) else value
+
+
+def pipeline_home() -> Path:
+    """Root for all artifacts (raw data, shards, runs, caches, embedded MLflow/Prefect state)."""
+    return Path(os.environ.get("GPTPIPE_HOME", Path.cwd() / "var")).resolve()

@@ -19,7 +19,7 @@ import io
 import sys
 from functools import cache
 
-from gptcore.config import flatten
+from gptcore.overrides import flatten
 
 # SIGTERM -> SIGKILL, for torchrun's workers: time for a 124M stop checkpoint (1.5 GB with optimizer state)
 # even on slow shared storage; torchrun's own default of 30 s is not (measured: docs/training.md).

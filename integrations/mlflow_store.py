@@ -26,8 +26,9 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from gptcore.config import ConfigError, check_name, flatten, pipeline_home
-from gptcore.files import read_json
+from gptcore.config import ConfigError, check_name
+from gptcore.files import pipeline_home, read_json
+from gptcore.overrides import flatten
 
 EXPERIMENT = "gpt2-pretrain"
 TAG_RUN_NAME = "gptpipe.run_name"
@@ -432,7 +433,7 @@ def ensure_models(uri: str, auth, worker: str, models: list[str] | None = None,
     someone else took gets nothing: it is logged with its owners, and registration refuses it."""
     import logging
 
-    from gptcore.config import PRESETS
+    from gptcore.presets import PRESETS
 
     problems = []
     mlc = client(uri)

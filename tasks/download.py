@@ -9,8 +9,9 @@ from __future__ import annotations
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from gptcore.config import RunConfig, as_config
+from gptcore.config import RunConfig
 from gptcore.data import sources
+from gptcore.overrides import as_config
 
 
 @task(name="download", retries=2, retry_delay_seconds=10, cache_policy=NO_CACHE)

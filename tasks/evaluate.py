@@ -29,9 +29,10 @@ from pathlib import Path
 from prefect import get_run_logger, task
 
 from gptcore.checkpoints.run_files import EVAL_FILE, META_FILE, checkpoint_of, read_meta
-from gptcore.config import RunConfig, TrainConfig, from_dict
+from gptcore.config import RunConfig, TrainConfig
 from gptcore.evals.record import merge_evaluations, missing_evaluations, result_metrics
 from gptcore.files import read_json, write_json
+from gptcore.overrides import from_dict
 from gptcore.runlock import RunLock
 from integrations.progress import artifact_key, step_label
 from tasks.stage import FlowRun, Stage

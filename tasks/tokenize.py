@@ -7,8 +7,8 @@ from __future__ import annotations
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from gptcore.config import as_config
 from gptcore.data import planning, tokenizing
+from gptcore.overrides import as_config
 
 
 @task(name="tokenize-piece", retries=1, cache_policy=NO_CACHE)

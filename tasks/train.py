@@ -45,9 +45,10 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from gptcore.checkpoints.run_files import out_of_memory_choice, run_dir_for, run_state
-from gptcore.config import RunConfig, as_config
+from gptcore.config import RunConfig
 from gptcore.files import write_json
 from gptcore.launch import SHUTDOWN_SECONDS, torchrun_cmd
+from gptcore.overrides import as_config
 from gptcore.training import verdict
 from gptcore.training.watchdog import HANG_EXIT
 from integrations import processes

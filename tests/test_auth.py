@@ -263,8 +263,8 @@ def micro_checkpoint(run_dir: Path, seed: int) -> Path:
     import torch
 
     from gptcore.checkpoints import checkpoint
-    from gptcore.config import load_config
     from gptcore.model.gpt import GPT
+    from gptcore.overrides import load_config
 
     cfg = load_config("micro", [f"train.run_name={run_dir.name}"])
     torch.manual_seed(seed)

@@ -15,11 +15,12 @@ import torch
 
 from gptcore import evals
 from gptcore.checkpoints import checkpoint
-from gptcore.config import ConfigError, load_config
+from gptcore.config import ConfigError
 from gptcore.evals import evaluate
 from gptcore.evals.scorers.hellaswag import read_records
 from gptcore.model.gpt import GPT
 from gptcore.model.tokenizer import N_VOCAB, decode, encode
+from gptcore.overrides import load_config
 
 HELLASWAG = Path(__file__).parent / "fixtures" / "hellaswag_mini.jsonl"
 TEXT = "Wherefore art thou, Romeo? Ça va — naïve café, 東京, and 🙂 too.\n" * 12  # 1-4 byte characters

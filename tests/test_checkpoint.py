@@ -8,9 +8,9 @@ from safetensors.torch import load_file
 
 from gptcore.checkpoints import checkpoint as C
 from gptcore.checkpoints import run_files as R
-from gptcore.config import model_preset
 from gptcore.metrics import JsonlLogger, read_metrics
 from gptcore.model.gpt import GPT
+from gptcore.presets import model_preset
 from tests.test_train_utils import free_port
 
 

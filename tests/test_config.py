@@ -8,18 +8,11 @@ from dataclasses import asdict, replace
 import pytest
 import torch
 
-from gptcore.config import (
-    ConfigError,
-    ModelConfig,
-    RunConfig,
-    apply_overrides,
-    from_dict,
-    load_config,
-    model_preset,
-    preset,
-)
+from gptcore.config import ConfigError, ModelConfig, RunConfig
 from gptcore.model.gpt import GPT
 from gptcore.model.optim import build_optimizer, lr_at, set_lr
+from gptcore.overrides import apply_overrides, from_dict, load_config
+from gptcore.presets import model_preset, preset
 
 
 def test_presets_validate_and_have_the_documented_shapes():
@@ -278,7 +271,8 @@ def test_a_recorded_model_config_is_checked_before_anything_is_built():
     """meta.json's model_config (a checkpoint's, a registered version's) passes the model section's checks
     plus caps that allow gpt2-xl but refuse shapes that would exhaust a worker's memory; all from the numbers,
     nothing allocated (the caps' parameter count is GPT's own)."""
-    from gptcore.config import MAX_PARAMS, MODEL_PRESETS, model_config_from
+    from gptcore.config import MAX_PARAMS, model_config_from
+    from gptcore.presets import MODEL_PRESETS
 
     for name, shape in MODEL_PRESETS.items():
         assert model_config_from(asdict(shape)) == shape, name
@@ -308,8 +302,8 @@ def test_a_recorded_model_config_is_checked_before_anything_is_built():
 def test_the_flows_resolved_config_is_what_the_trainer_loads():
     """One config handoff: the flow resolves preset + overrides once; the train task writes that config to
     the file the trainers load (tasks.train.launch_config) and every other stage takes cfg.to_dict()
-    (gptcore.config.as_config). Both give back the same config, the same run identity."""
-    from gptcore.config import as_config
+    (gptcore.overrides.as_config). Both give back the same config, the same run identity."""
+    from gptcore.overrides import as_config
     from tasks.train import launch_config
 
     cfg = load_config("tiny-cpu", {"train.max_steps": 70, "optim.max_lr": 1e-3, "eval.harness.tasks": "arc_easy",

@@ -69,8 +69,8 @@ def test_the_evaluate_command_reports_it_for_the_checkpoints_dataset(tmp_path):
     import torch
 
     from gptcore.checkpoints import checkpoint
-    from gptcore.config import load_config
     from gptcore.model.gpt import GPT
+    from gptcore.overrides import load_config
 
     examples = [hellaswag.make_example(*r) for r in hellaswag.read_records(FIXTURE)]
     d = dataset(tmp_path / "ds", [np.array(examples[6].tokens[:40])], val_plant=np.arange(5))
@@ -114,10 +114,10 @@ def test_harness_task_documents_are_scanned_in_the_same_pass(tmp_path, monkeypat
 
     monkeypatch.setenv("GPTPIPE_CODE_ROOTS", str(tmp_path))  # the operator's root for task folders
 
-    from gptcore.config import load_config
     from gptcore.evals.evaluate import evaluate_model
     from gptcore.evals.scorers.harness import task_documents
     from gptcore.model.gpt import GPT
+    from gptcore.overrides import load_config
     from tests.test_harness import toy_task
 
     words = np.random.default_rng(3).permutation(["river", "candle", "orbit", "velvet", "harbor", "meadow",

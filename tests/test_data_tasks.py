@@ -61,7 +61,7 @@ def test_tokenize_flow_maps_pieces_and_matches_cli(prefect_api, tmp_path):
     api, phome = prefect_api
     env = {**os.environ, "PREFECT_API_URL": api, "PREFECT_HOME": str(phome), "OMP_NUM_THREADS": "1",
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "GPTPIPE_HOME": str(tmp_path / "flow")}
-    code = ("import sys; from gptcore.config import load_config; from flows.dataset import tokenize_dataset;"
+    code = ("import sys; from gptcore.overrides import load_config; from flows.dataset import tokenize_dataset;"
             "from tasks.download import download_task; from prefect import flow\n"
             "@flow\ndef pipe(ov):\n    cfg = load_config('micro', ov)\n    download_task(cfg)\n"
             "    return tokenize_dataset(cfg)\n"
@@ -105,7 +105,7 @@ def test_tokenize_flow_maps_pieces_and_matches_cli(prefect_api, tmp_path):
 
 DASK_OV = ["data.shard_tokens=50000", "data.piece_bytes=60000", "data.num_workers=2"]  # ~60 pieces, whole corpus
 DASK_FLOW = (
-    "import sys; from gptcore.config import load_config; from flows.dataset import tokenize_dataset\n"
+    "import sys; from gptcore.overrides import load_config; from flows.dataset import tokenize_dataset\n"
     "from prefect_dask import DaskTaskRunner\n"
     "runner = DaskTaskRunner(cluster_class='distributed.LocalCluster',\n"
     "                        cluster_kwargs={'n_workers': 2, 'threads_per_worker': 1, 'processes': True,\n"

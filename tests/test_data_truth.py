@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from gptcore.config import load_config
 from gptcore.data import location
 from gptcore.data.shard_format import Manifest
+from gptcore.overrides import load_config
 from tests.test_train_utils import env, make_dataset, python_cmd
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gptcore.config import load_config
+from gptcore.overrides import load_config
 from tests.prefect_stack import flow_logs, run_deployment_and_wait
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -818,8 +818,8 @@ def test_k8s_template_renders_a_gpu_job(tmp_path):
 
 
 def test_k8s_multinode_job_is_consistent_and_trains_the_nightly_run():
-    from gptcore.config import load_config
     from gptcore.launch import override_args
+    from gptcore.overrides import load_config
 
     svc, job = yaml.safe_load_all((DEPLOY / "k8s-multinode.yaml").read_text())
     assert (svc["kind"], job["kind"]) == ("Service", "Job")

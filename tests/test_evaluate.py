@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from gptcore.checkpoints import checkpoint
-from gptcore.config import load_config
 from gptcore.data.shard_format import Manifest, ShardError, ShardInfo, write_shard
 from gptcore.evals.evaluate import main as evaluate_main
 from gptcore.evals.evaluate import validation_loss
 from gptcore.evals.scorers import hellaswag
 from gptcore.model.gpt import GPT
+from gptcore.overrides import load_config
 from tasks.evaluate import evaluate_dir, missing_parts
 
 FIXTURE = Path(__file__).parent / "fixtures" / "hellaswag_mini.jsonl"

@@ -12,8 +12,8 @@ from mlflow import MlflowClient
 
 from gptcore import evals
 from gptcore.checkpoints import checkpoint
-from gptcore.config import load_config
 from gptcore.model.gpt import GPT
+from gptcore.overrides import load_config
 from tasks import leaderboard, register
 from tasks.evaluate import evaluate_dir, stored_evaluation
 

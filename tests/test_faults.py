@@ -166,9 +166,9 @@ def rotted_dataset(home: Path):
     """A built dataset (GPTPIPE_HOME=home) one of whose train shards, the first one read, had a byte flipped
     in place: same size, mtime and inode, so the cached check at start-up cannot see it. Returns (cfg, its
     directory, the shards' good bytes, the damaged shard)."""
-    from gptcore.config import load_config
     from gptcore.data import build, location
     from gptcore.data.loader import ShardLoader
+    from gptcore.overrides import load_config
 
     cfg = load_config("micro", SMALL)
     m = build.run(cfg, workers=1)
@@ -349,8 +349,8 @@ def test_a_run_whose_final_weights_are_not_finite_is_not_done(ds, tmp_path):
 def test_a_damaged_shard_of_another_source_is_not_rebuilt_but_named(tmp_path, monkeypatch):
     """A rebuild from other data settings would make another dataset: the start refuses (ShardError, exit 2)
     and says why it did not rebuild, with nothing written to the shards."""
-    from gptcore.config import load_config
     from gptcore.data.shard_format import Manifest, ShardError
+    from gptcore.overrides import load_config
     from gptcore.training.resume import verify_or_rebuild
 
     monkeypatch.setenv("GPTPIPE_HOME", str(tmp_path / "home"))

@@ -32,10 +32,10 @@ def untrained_val_loss(params: dict, home: Path) -> float:
     """The validation loss of the run's model at initialisation (the trainer's seed), on the same batches."""
     import torch
 
-    from gptcore.config import load_config
     from gptcore.data import location
     from gptcore.evals.evaluate import validation_loss
     from gptcore.model.gpt import GPT
+    from gptcore.overrides import load_config
 
     cfg = load_config(params["preset"], params["overrides"])
     torch.manual_seed(cfg.train.seed)
@@ -425,8 +425,8 @@ def test_the_deployment_tokenizes_on_the_dask_cluster_it_is_given(prefect_stack,
     pipeline home, and the dataset equals the one the local process pool makes."""
     from distributed import Client, LocalCluster
 
-    from gptcore.config import load_config
     from gptcore.data import build, location, shard_format
+    from gptcore.overrides import load_config
 
     monkeypatch.setenv("GPTPIPE_HOME", str(prefect_stack.home))  # the cluster's workers inherit these
     monkeypatch.setenv("PREFECT_API_URL", prefect_stack.prefect_api_url)

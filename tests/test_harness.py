@@ -145,7 +145,7 @@ def test_the_evaluate_command_scores_a_checkpoint_on_harness_tasks(tmp_path):
     from pathlib import Path
 
     from gptcore.checkpoints import checkpoint
-    from gptcore.config import load_config
+    from gptcore.overrides import load_config
 
     cfg = load_config("micro", ["train.run_name=harness"])
     ckpt = checkpoint.save_checkpoint(tmp_path / "run", 5, model(), {"optimizer": {}},
@@ -183,7 +183,8 @@ def test_task_code_loads_only_from_an_allowed_root(tmp_path, monkeypatch):
     from pathlib import Path
 
     from gptcore.checkpoints import checkpoint
-    from gptcore.config import ConfigError, check_code_path, load_config
+    from gptcore.config import ConfigError, check_code_path
+    from gptcore.overrides import load_config
 
     repo, marker = Path(__file__).resolve().parents[1], tmp_path / "marker"
     folder = evil_task(tmp_path / "outside" / "tasks", marker)
@@ -230,7 +231,8 @@ def test_task_code_loads_only_from_an_allowed_root(tmp_path, monkeypatch):
 # --- eval.harness.dtype: the precision harness log-likelihoods are scored in ---------------------------
 
 def test_the_config_rejects_an_unknown_harness_dtype():
-    from gptcore.config import ConfigError, load_config
+    from gptcore.config import ConfigError
+    from gptcore.overrides import load_config
 
     assert load_config("micro").eval.options("harness").dtype == "float32"
     assert load_config("micro", ["eval.harness.dtype=autocast"]).eval.options("harness").dtype == "autocast"
@@ -270,10 +272,10 @@ def test_harness_scores_are_fp32_by_default_whatever_autocast_the_caller_passes(
 
 
 def test_the_harness_evaluation_records_its_dtype_and_passes_it_on(monkeypatch):
-    from gptcore.config import load_config
     from gptcore.evals import Context
     from gptcore.evals.harness import Harness
     from gptcore.evals.scorers import harness
+    from gptcore.overrides import load_config
 
     cfg = load_config("micro", ["eval.harness.tasks=toy_choice", "eval.harness.dtype=autocast"])
     assert Harness().settings(cfg)["dtype"] == "autocast"  # eval.json: fp32 and autocast results never mixed

@@ -17,9 +17,10 @@ import pytest
 import torch
 
 from benchmarks.bench_hellaswag import reference_accuracy, reference_scores
-from gptcore.config import load_config, model_preset
 from gptcore.evals.scorers import hellaswag
 from gptcore.model.gpt import GPT
+from gptcore.overrides import load_config
+from gptcore.presets import model_preset
 
 FIXTURE = Path(__file__).parent / "fixtures" / "hellaswag_mini.jsonl"
 REPO = Path(__file__).resolve().parent.parent
@@ -258,7 +259,8 @@ def test_model_taught_the_labelled_endings_scores_one():
 DDP_SCRIPT = """
 import json, os, sys, torch, torch.distributed as dist
 from gptcore.evals.scorers import hellaswag
-from gptcore.config import load_config, model_preset
+from gptcore.overrides import load_config
+from gptcore.presets import model_preset
 from gptcore.model.gpt import GPT
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()

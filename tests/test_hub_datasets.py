@@ -9,10 +9,10 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from gptcore.config import load_config
 from gptcore.data import build, location, sources
 from gptcore.data.shard_format import read_shard
 from gptcore.model.tokenizer import EOT, get_encoding
+from gptcore.overrides import load_config
 from tests.hub_standin import parquet_bytes
 
 SPLITS = "someone/three-splits"

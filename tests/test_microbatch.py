@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from gptcore.checkpoints import run_files as R
-from gptcore.config import load_config
 from gptcore.data.loader import ShardLoader
 from gptcore.distributed import Env, select
 from gptcore.launch import torchrun_cmd
@@ -23,6 +22,7 @@ from gptcore.model.gpt import GPT
 from gptcore.model.loss import make_loss
 from gptcore.model.optim import build_optimizer
 from gptcore.model.tokenizer import N_VOCAB
+from gptcore.overrides import load_config
 from gptcore.training.microbatch import CHOICE_FILE, candidates, probe, probe_tokens, retry_smaller, smaller
 from gptcore.training.resume import RunError
 from gptcore.training.train import restart_helps

@@ -6,11 +6,12 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from gptcore.config import ModelConfig, OptimConfig, model_preset
+from gptcore.config import ModelConfig, OptimConfig
 from gptcore.model.gpt import GPT, clean_state_dict, unwrap
 from gptcore.model.loss import FusedLinearCrossEntropy, FusedLoss, PlainLoss
 from gptcore.model.optim import adamw
 from gptcore.model.tokenizer import N_VOCAB
+from gptcore.presets import model_preset
 
 
 def micro(**kw) -> GPT:

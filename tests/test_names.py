@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from gptcore.config import NAME_MAX, ConfigError, check_name, from_dict, load_config
+from gptcore.config import NAME_MAX, ConfigError, check_name
+from gptcore.overrides import from_dict, load_config
 
 REPO = Path(__file__).resolve().parent.parent
 RULE = "is not a usable name: use 1 to 100 letters, digits, '.', '_' and '-'"

@@ -4,9 +4,10 @@ in-process. The engines themselves train under torchrun in tests/test_fsdp.py.""
 import pytest
 import torch
 
-from gptcore.config import ConfigError, ModelConfig, load_config
+from gptcore.config import ConfigError, ModelConfig
 from gptcore.distributed import Env
 from gptcore.model.gpt import GPT
+from gptcore.overrides import load_config
 from gptcore.training import parallel
 
 

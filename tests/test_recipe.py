@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from gptcore.checkpoints import run_files as R
-from gptcore.config import ConfigError, OptimConfig, load_config, model_preset
+from gptcore.config import ConfigError, OptimConfig
 from gptcore.metrics import read_metrics
 from gptcore.model.gpt import GPT
 from gptcore.model.optim import (
@@ -24,6 +24,8 @@ from gptcore.model.optim import (
     orthogonalize,
     set_lr,
 )
+from gptcore.overrides import load_config
+from gptcore.presets import model_preset
 from tests.test_ddp import STEPS as DDP_STEPS
 from tests.test_ddp import args as ddp_args
 from tests.test_ddp import assert_same_run

@@ -17,10 +17,10 @@ from mlflow.entities import LoggedModelStatus
 from transformers import GPT2LMHeadModel
 
 from gptcore.checkpoints import checkpoint, run_files
-from gptcore.config import load_config
 from gptcore.model.gpt import GPT
 from gptcore.model.hf import load_hf_dir
 from gptcore.model.tokenizer import decode, encode
+from gptcore.overrides import load_config
 from integrations.mlflow_store import resolve_model_uri
 from tasks import register
 from tasks.generate import load

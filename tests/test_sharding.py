@@ -14,10 +14,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from gptcore.config import load_config
 from gptcore.data import build, cutting, location, planning, shard_format, source_builtin, sources, tokenizing
 from gptcore.data.shard_format import Manifest, read_shard
 from gptcore.model.tokenizer import EOT, get_encoding
+from gptcore.overrides import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["data.shard_tokens=20000", "data.max_docs=8", "data.piece_bytes=150000"]  # ~330K tokens, 4 pieces

@@ -10,10 +10,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from gptcore.config import load_config
 from gptcore.data import build, location, source_builtin, source_hub, source_local, sources
 from gptcore.data.shard_format import read_shard
 from gptcore.model.tokenizer import EOT, get_encoding
+from gptcore.overrides import load_config
 from tests.hub_standin import parquet_bytes
 
 REPO = "HuggingFaceFW/fineweb-edu"

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from gptcore.config import load_config
 from gptcore.metrics import read_metrics
+from gptcore.overrides import load_config
 from integrations import mlflow_store as store
 from integrations import tracking
 from tests.mlflow_server import free_port

@@ -9,9 +9,9 @@ import pytest
 
 from gptcore.checkpoints import checkpoint as C
 from gptcore.checkpoints import run_files as R
-from gptcore.config import load_config
 from gptcore.metrics import read_metrics
 from gptcore.model.optim import lr_at
+from gptcore.overrides import load_config
 from gptcore.training.train import main
 from tests.test_train_utils import kill_tree, losses, make_dataset, python_cmd, start, wait_for_step, wait_for_text
 
@@ -311,7 +311,8 @@ def test_an_evaluation_with_its_own_switch_interval_and_settings_is_one_class_an
     from dataclasses import dataclass
 
     from gptcore import evals
-    from gptcore.config import ConfigError, from_dict
+    from gptcore.config import ConfigError
+    from gptcore.overrides import from_dict
 
     @dataclass
     class ScaledSettings:

@@ -16,8 +16,8 @@ import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from gptcore.config import RunConfig, pipeline_home
-from gptcore.files import READ_ERRORS, read_json
+from gptcore.config import RunConfig
+from gptcore.files import READ_ERRORS, pipeline_home, read_json
 
 RUN_FILE = "run.json"
 DONE_FILE = "DONE"

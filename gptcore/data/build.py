@@ -34,7 +34,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from gptcore.config import ConfigError, RunConfig, load_config
+from gptcore.config import ConfigError, RunConfig
 from gptcore.data import sources
 from gptcore.data.cutting import ShardCutter, pieces_to_tokenize
 from gptcore.data.location import (
@@ -54,6 +54,7 @@ from gptcore.data.shard_format import MANIFEST, Manifest, ShardError
 from gptcore.data.tokenizing import tokenize_piece, worker_threads
 from gptcore.files import read_json, remove_stale_temps
 from gptcore.model.tokenizer import get_encoding
+from gptcore.overrides import load_config
 from gptcore.runlock import LockHeld, LocksUnsupported, RunLock
 
 

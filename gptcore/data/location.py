@@ -12,10 +12,10 @@ import copy
 from contextlib import suppress
 from pathlib import Path
 
-from gptcore.config import RunConfig, pipeline_home
+from gptcore.config import RunConfig
 from gptcore.data import sources
 from gptcore.data.shard_format import Manifest, ShardError
-from gptcore.files import write_json
+from gptcore.files import pipeline_home, write_json
 
 PIECES = ".pieces"  # work area inside the dataset dir; removed once the manifest is written
 PROGRESS = ".progress.json"  # shards written so far (so a resumed build skips them)

@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from gptcore.config import RunConfig, pipeline_home
+from gptcore.config import RunConfig
 from gptcore.data.formats import COMPRESSIONS, FORMATS, SourceError, kind_of, readable_suffixes
 from gptcore.data.source_kind import (
     LISTING,
@@ -26,7 +26,7 @@ from gptcore.data.source_kind import (
     safe_name,
     save_listing,
 )
-from gptcore.files import file_sha256, free_disk, read_json
+from gptcore.files import file_sha256, free_disk, pipeline_home, read_json
 
 
 class Hub(SourceKind):

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gptcore.config import RunConfig, pipeline_home
+from gptcore.config import RunConfig
 from gptcore.data.formats import SourceError, kind_of, read_texts
 from gptcore.data.source_builtin import Builtin
 from gptcore.data.source_hub import Hub
@@ -37,6 +37,7 @@ from gptcore.data.source_kind import (  # noqa: F401 -- the interface, for calle
     save_listing,
 )
 from gptcore.data.source_local import Local
+from gptcore.files import pipeline_home
 
 __all__ = ["SourceError", "fetch", "kind_of", "load_listing", "read_texts", "source_kind"]
 

@@ -20,11 +20,12 @@ import torch
 from gptcore import distributed, evals
 from gptcore.checkpoints import checkpoint
 from gptcore.checkpoints.run_files import META_FILE, CheckpointError, checkpoint_of
-from gptcore.config import ConfigError, RunConfig, TrainConfig, apply_overrides, from_dict, load_config
+from gptcore.config import ConfigError, RunConfig, TrainConfig
 from gptcore.data.loader import val_batches
 from gptcore.data.location import dataset_dir
 from gptcore.data.shard_format import Manifest, ShardError
 from gptcore.model.gpt import evaluating
+from gptcore.overrides import apply_overrides, from_dict, load_config
 
 log = logging.getLogger(__name__)
 

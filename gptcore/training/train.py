@@ -41,8 +41,9 @@ import torch
 from gptcore import distributed
 from gptcore.checkpoints import run_files
 from gptcore.checkpoints.run_files import run_dir_for
-from gptcore.config import ConfigError, load_config
+from gptcore.config import ConfigError
 from gptcore.data.shard_format import ShardError
+from gptcore.overrides import load_config
 from gptcore.runlock import LockHeld
 from gptcore.training import verdict, watchdog
 from gptcore.training.microbatch import NothingFits

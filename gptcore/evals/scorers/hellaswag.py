@@ -28,8 +28,8 @@ import torch
 from torch.nn import functional as F
 
 from gptcore import distributed
-from gptcore.config import RunConfig, pipeline_home
-from gptcore.files import atomic_write_bytes
+from gptcore.config import RunConfig
+from gptcore.files import atomic_write_bytes, pipeline_home
 from gptcore.model.gpt import evaluating, unwrap
 from gptcore.model.tokenizer import encode
 
