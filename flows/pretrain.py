@@ -147,7 +147,7 @@ def check_params(nproc: int, wait_seconds: float, model_name: str, dask_address:
         check_name("model_name", model_name)
 
 
-# --- stages ----------------------------------------------------------------------------------------
+# --- the MLflow links artifact ---------------------------------------------------------------------
 
 def mlflow_links(reg: dict | None, run_name: str) -> str:
     """Markdown links to the MLflow run and model version (when MLflow is a server with a UI); read over
