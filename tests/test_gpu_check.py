@@ -155,8 +155,10 @@ def test_a_run_past_the_deadline_is_killed_and_its_row_fails_without_ending_the_
 
     out, logs = tmp_path / "rows.json", tmp_path / "logs.tar.gz"
     before = {p.pid for p in psutil.process_iter()}
+    work = tmp_path / "work"  # in every trainer's command line (its run_dir): this call's, not the other worker's
+    work.mkdir()
     r = gpu_check("--device", "cpu", "--rows", "resume", "--deadline-s", "4", "--out", str(out), "--logs", str(logs),
-                  timeout=300)
+                  "--work", str(work), timeout=300)
     assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
     rows = {x["name"]: x for x in json.loads(out.read_text())["rows"]}
     assert rows["train micro"]["status"] == "FAIL" and rows["train micro"]["seconds"] < 30
@@ -166,7 +168,7 @@ def test_a_run_past_the_deadline_is_killed_and_its_row_fails_without_ending_the_
     with tarfile.open(logs) as tar:
         assert "micro/train-micro.log" in tar.getnames()
     left = [p for p in psutil.process_iter(["cmdline"]) if p.pid not in before
-            and "gptcore.training.train" in " ".join(p.info["cmdline"] or [])]
+            and str(work) in " ".join(p.info["cmdline"] or [])]
     assert not left, left
 
 
