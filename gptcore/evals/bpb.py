@@ -57,7 +57,11 @@ class BitsPerByte(Evaluation):
 
     def share(self, ctx: Context) -> dict:
         found, why = examples(ctx)
-        out = {"text": text_sums(ctx, text_tokens(self.options(ctx.cfg)))}
+        o = self.options(ctx.cfg)
+        key = ("bpb-text", o.text, o.text_bytes)  # read and tokenized once per invocation (the trainer keeps ctx.cache)
+        if key not in ctx.cache:
+            ctx.cache[key] = text_tokens(o)
+        out = {"text": text_sums(ctx, ctx.cache[key])}
         out["hellaswag"] = {"skipped": why} if found is None else hellaswag_sums(ctx, found[ctx.rank::ctx.world])
         return out
 
