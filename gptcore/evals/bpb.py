@@ -19,6 +19,7 @@ from __future__ import annotations
 
 # lazy imports: the registry is read by the flow's no-op re-run, which must not import torch
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -131,14 +132,9 @@ def text_sums(ctx: Context, tokens: list[int]) -> dict:
     with torch.no_grad():
         for s in starts:
             window = torch.tensor(tokens[s:s + block + 1], dtype=torch.long, device=ctx.device)
-            with ctx.autocast_ctx or _nothing():
+            with ctx.autocast_ctx or nullcontext():
                 logits, _ = ctx.model(window[None, :-1])
             nats += float(F.cross_entropy(logits[0].float(), window[1:], reduction="sum"))
             n_bytes += token_bytes(tokens[s + 1:s + block + 1])
     return {"nats": nats, "bytes": n_bytes}
 
-
-def _nothing():
-    from contextlib import nullcontext
-
-    return nullcontext()
