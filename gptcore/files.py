@@ -86,26 +86,39 @@ def atomic_dir(final: Path):
     """Build a directory under a temp name beside `final` (`with atomic_dir(d) as tmp: write into tmp`),
     then fsync its files and swap it into place: readers see the old directory or the complete new one,
     never a half-written one. Temps of killed writers beside it are removed first."""
+    tmp = start_dir(final)
+    try:
+        yield tmp
+        publish_dir(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def start_dir(final: Path) -> Path:
+    """atomic_dir's first half, for a directory that other processes fill too (a sharded checkpoint's
+    ranks): an empty temp directory beside `final`, after the temps of killed writers are swept."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(final.parent, recursive=False)
     tmp = temp_name(final)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    try:
-        yield tmp
-        for f in tmp.iterdir():  # data on disk before the rename makes it visible
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-        if final.exists():  # replaced (e.g. the same step saved again): move the old one aside, then swap
-            old = temp_name(final.with_name(f"{final.name}.old"))
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    return tmp
+
+
+def publish_dir(tmp: Path, final: Path) -> None:
+    """atomic_dir's second half: fsync every file under `tmp`, then swap it into place as `final`."""
+    final = Path(final)
+    for f in sorted(p for p in tmp.rglob("*") if p.is_file()):  # data on disk before the rename makes it visible
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    if final.exists():  # replaced (e.g. the same step saved again): move the old one aside, then swap
+        old = temp_name(final.with_name(f"{final.name}.old"))
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
 
 
 def file_sha256(path: Path) -> str:

@@ -42,7 +42,15 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from gptcore.checkpoints.run_files import EVAL_FILE, RUN_FILE, CheckpointError, read_meta, val_loss_of
+from gptcore.checkpoints.run_files import (
+    CONSOLIDATED_DIR,
+    EVAL_FILE,
+    RUN_FILE,
+    SHARDED,
+    CheckpointError,
+    read_meta,
+    val_loss_of,
+)
 from gptcore.config import ConfigError, check_name
 from gptcore.evals.record import result_metrics
 from gptcore.files import file_sha256, read_json
@@ -121,16 +129,42 @@ def _version_tags(ckpt_dir: Path, meta: dict, sha: str, flow_run_id: str | None)
     return {k: str(v) for k, v in tags.items() if v is not None}
 
 
-def _read_checkpoint(ckpt_dir: Path) -> tuple[dict, str]:
-    if not (ckpt_dir / "meta.json").is_file() or not (ckpt_dir / "model.safetensors").is_file():
-        raise RegistryError(f"{ckpt_dir} is not a checkpoint (needs meta.json and model.safetensors); pass a "
-                            "directory like <home>/runs/<run>/checkpoints/step_00001000")
+def _read_checkpoint(ckpt_dir: Path) -> tuple[dict, str, Path]:
+    """The step's meta, the sha256 of its whole model, and the directory holding that model as
+    model.safetensors + meta.json (what a version logs): the step itself, or for a sharded step (FSDP2)
+    its consolidation, written once on the CPU from the verified shards (checkpoint.consolidate). Why here
+    and not in the trainer: only registered steps need one file, and the trainer never gathers the model."""
+    if (ckpt_dir / "meta.json").is_file() and read_meta(ckpt_dir).get("format") == SHARDED:
+        from gptcore.checkpoints.checkpoint import consolidate  # torch: only for a sharded step's first registration
+
+        try:
+            whole = consolidate(ckpt_dir)
+        except CheckpointError as e:
+            raise RegistryError(f"{ckpt_dir} cannot be consolidated into one model ({e}); register another "
+                                "checkpoint") from e
+    else:
+        whole = ckpt_dir
+    if not (whole / "meta.json").is_file() or not (whole / "model.safetensors").is_file():
+        raise RegistryError(f"{ckpt_dir} is not a checkpoint (needs meta.json and model.safetensors, or a "
+                            "sharded step's shards/); pass a directory like "
+                            "<home>/runs/<run>/checkpoints/step_00001000")
     meta = read_meta(ckpt_dir)
-    sha = file_sha256(ckpt_dir / "model.safetensors")
-    if meta.get("model_sha256") and meta["model_sha256"] != sha:
-        raise RegistryError(f"{ckpt_dir}/model.safetensors has sha256 {sha} but meta.json records "
-                            f"{meta['model_sha256']}: the checkpoint is corrupt; register another one")
-    return meta, sha
+    sha = file_sha256(whole / "model.safetensors")
+    recorded = read_meta(whole).get("model_sha256")
+    if recorded and recorded != sha:
+        raise RegistryError(f"{whole}/model.safetensors has sha256 {sha} but its meta.json records "
+                            f"{recorded}: the checkpoint is corrupt; register another one")
+    return meta, sha, whole
+
+
+def _known_sha(ckpt_dir: Path, meta: dict) -> str | None:
+    """The whole model's sha256 as recorded (no hashing, no torch): meta.json's, or a sharded step's
+    consolidation's. None for a sharded step not consolidated yet, which no registration has seen."""
+    if meta.get("format") != SHARDED:
+        return meta.get("model_sha256")
+    done = read_json(ckpt_dir / CONSOLIDATED_DIR / "meta.json", {})
+    same = done.get("consolidated_from") == {k: meta.get(k) for k in ("shards_sha256", "trainer_sha256")}
+    return done.get("model_sha256") if same else None
 
 
 def _same_checkpoint_filter(name: str, sha: str, ident: str | None) -> str:
@@ -175,9 +209,10 @@ def _keep_oldest(mlc, name: str, sha: str, ident: str | None, mine):
     return oldest
 
 
-def _log_model(mlc, uri: str, ckpt_dir: Path, meta: dict, name: str, tags: dict, hf: bool,
+def _log_model(mlc, uri: str, ckpt_dir: Path, whole: Path, meta: dict, name: str, tags: dict, hf: bool,
                experiment: str) -> tuple[str, str]:
-    """Log the LoggedModel (pyfunc + HF export) under the training run; returns its model_id and that run's id."""
+    """Log the LoggedModel (pyfunc + HF export of the whole model in `whole`) under the training run;
+    returns its model_id and that run's id."""
     import mlflow
     from mlflow.entities import LoggedModelOutput
 
@@ -195,7 +230,7 @@ def _log_model(mlc, uri: str, ckpt_dir: Path, meta: dict, name: str, tags: dict,
             ck = Path(tmp) / "checkpoint"
             ck.mkdir()
             for f in ("model.safetensors", "meta.json"):
-                shutil.copy2(ckpt_dir / f, ck / f)
+                shutil.copy2(whole / f, ck / f)
             mlflow.pyfunc.log_model(
                 name=name, python_model=str(MODEL_FILE), artifacts={"checkpoint": str(ck)},
                 code_paths=[str(GPTCORE_DIR)], signature=SIGNATURE, input_example=INPUT_EXAMPLE,
@@ -207,7 +242,7 @@ def _log_model(mlc, uri: str, ckpt_dir: Path, meta: dict, name: str, tags: dict,
             if hf:
                 from gptcore.model.hf import export_hf
 
-                model, _ = load_model(ckpt_dir, device="cpu", verify=False)  # sha256 checked above
+                model, _ = load_model(whole, device="cpu", verify=False)  # sha256 checked above
                 export_hf(model, Path(tmp) / "hf")
                 mlc.log_model_artifacts(lm.model_id, str(Path(tmp) / "hf"), artifact_path="hf")
         mlc.finalize_logged_model(lm.model_id, "READY")
@@ -256,7 +291,7 @@ def register_checkpoint(ckpt_dir: str | Path, model_name: str | None = None, tra
     from mlflow.exceptions import MlflowException
 
     ckpt_dir = Path(ckpt_dir)
-    meta, sha = _read_checkpoint(ckpt_dir)
+    meta, sha, whole = _read_checkpoint(ckpt_dir)
     name = model_name or meta["config"]["preset"]
     uri = tracking_uri or store.tracking_uri()
     mlc = store.client(uri)
@@ -287,7 +322,7 @@ def register_checkpoint(ckpt_dir: str | Path, model_name: str | None = None, tra
             have = {m.key for m in mlc.get_logged_model(model_id).metrics or []}
             _log_metrics(mlc, mv.run_id, model_id, ckpt_dir, meta, have)
     else:
-        model_id, run_id = _log_model(mlc, uri, ckpt_dir, meta, name, tags, hf, experiment)
+        model_id, run_id = _log_model(mlc, uri, ckpt_dir, whole, meta, name, tags, hf, experiment)
         # the sha256 tag (the idempotency key) arrives with the version in one call
         mine = mlc.create_model_version(name, source=f"models:/{model_id}", run_id=run_id, tags=tags,
                                         model_id=model_id)
@@ -319,7 +354,11 @@ def registered_version(ckpt_dir: str | Path, model_name: str | None = None,
     mlflow, and it trusts the sha256 that meta.json records (the register task itself hashes the file)."""
     ckpt_dir = Path(ckpt_dir)
     meta = read_meta(ckpt_dir)
-    sha = meta.get("model_sha256") or _read_checkpoint(ckpt_dir)[1]
+    sha = _known_sha(ckpt_dir, meta)
+    if sha is None and meta.get("format") != SHARDED:  # a whole checkpoint that records none: hash the file
+        sha = _read_checkpoint(ckpt_dir)[1]
+    if sha is None:
+        return None  # a sharded step not consolidated yet: never registered
     name = model_name or meta["config"]["preset"]
     uri = tracking_uri or store.tracking_uri()
     try:

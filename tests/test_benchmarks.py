@@ -51,6 +51,12 @@ LINES = {
         rf"^  ranks blocked per save: async {N}% of sync .*target <= 15%: (?:PASS|FAIL)$",
         rf"^  verification adds {N}x the plain load at resume",
     ],
+    "bench_sharded_checkpoint": [
+        *(rf"^  {kind} +blocked {N} s \({N}-{N}\) \| on disk {N} s \| rank 0 stages {N} MB$"
+          for kind in ("whole", "sharded")),
+        rf"^  ranks blocked per save: sharded {N}x whole \(median of {N} paired rounds, {N}-{N}\); rank 0 "
+        rf"stages {N}x the state .*: (?:met|MISSED)$",
+    ],
     "bench_harness": [
         rf"^micro: ours {N} req/s \| lm-eval HFLM {N} req/s \| ratio {N}x \({N}-{N}, 1 rounds\) \| largest "
         r"log-likelihood difference",

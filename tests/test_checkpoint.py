@@ -224,3 +224,83 @@ def test_background_saves_stage_into_one_buffer_allocated_once(tmp_path):
     env = Env(rank=1, local_rank=1, world=2, device=torch.device("cpu"), dtype=torch.float32, compile=False,
               loss="plain")
     assert restore(ts, opt, None, None, env, data=False) == 1
+
+
+def test_a_sharded_step_is_written_whole_verified_per_file_loaded_anywhere_and_consolidated(tmp_path):
+    """FSDP2's checkpoint path in one process on one gloo rank (tests/test_fsdp.py runs it on 2 ranks under
+    torchrun): the step holds shards/ + trainer.pt + meta.json with every file's sha256; a plain model and
+    its optimizer read it without a process group; its consolidation equals the sharded weights bitwise
+    and is reused; a shard with a NaN writes nothing; a rotted shard and another model shape are named."""
+    from dataclasses import asdict, replace
+
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from gptcore.checkpoints import sharded
+    from gptcore.checkpoints.background import SKIPPED, WRITTEN, Checkpointer
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        m, opt = trained_model()
+        mesh = init_device_mesh("cpu", (1,))
+        for block in m.transformer.h:
+            fully_shard(block, mesh=mesh)
+        fully_shard(m, mesh=mesh)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)  # of the sharded parameters, with state
+        x = torch.randint(0, 50257, (2, 16))
+        m(x, x)[1].backward()
+        opt.step()
+        full = StateDictOptions(full_state_dict=True)
+        weights, moments = get_model_state_dict(m, options=full), get_optimizer_state_dict(m, opt, options=full)
+        ck = Checkpointer(tmp_path, keep_last=3)
+
+        def save_step(step):
+            staged = ck.staging_dir(step)
+            ck.save_sharded(step, sharded.start_save(staged, m, opt, None), staged,
+                            {"loader": {"position": step}, "step": step, "rng": [], "scaler": {}},
+                            {"run_name": "t", "model_config": asdict(m.config)}, master=True)
+            return ck.outcome(wait=True), staged
+
+        out, staged = save_step(4)
+        step = R.step_dir(tmp_path, 4)
+        assert out.status == WRITTEN and out.text == str(step) and not staged.exists()
+        meta = R.read_meta(step)
+        assert meta["format"] == "sharded" and sorted(meta["shards_sha256"]) == [".metadata", "__0_0.distcp"]
+        assert sorted(p.name for p in step.iterdir()) == ["meta.json", "shards", "trainer.pt"]
+
+        plain = GPT(model_preset("micro"))
+        state = C.load_for_resume(step, plain)[1]
+        assert state["optimizer_shards"] == str(step) and state["loader"] == {"position": 4}
+        assert all(torch.equal(v, weights[k]) for k, v in plain.state_dict().items())
+        plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-3)
+        sharded.load_optimizer(plain, plain_opt, step)
+        got = get_optimizer_state_dict(plain, plain_opt)["state"]
+        assert got.keys() == moments["state"].keys() and all(
+            torch.equal(got[k]["exp_avg_sq"], moments["state"][k]["exp_avg_sq"]) for k in got)
+
+        whole = C.consolidate(step)
+        assert whole == step / R.CONSOLIDATED_DIR and R.read_meta(whole)["model_sha256"] == \
+            C.file_sha256(whole / C.MODEL_FILE)
+        registered = load_file(whole / C.MODEL_FILE)
+        assert all(torch.equal(v, weights[k]) for k, v in registered.items())
+        written = (whole / C.MODEL_FILE).stat().st_mtime_ns
+        assert C.consolidate(step) == whole and (whole / C.MODEL_FILE).stat().st_mtime_ns == written  # reused
+
+        with torch.no_grad():  # a NaN in the (only) rank's shard: the step is not written
+            next(m.parameters()).to_local()[0] = float("nan")
+        out, staged = save_step(8)
+        assert out.status == SKIPPED and "non-finite" in out.text
+        assert not R.step_dir(tmp_path, 8).exists() and not staged.exists()
+
+        other = GPT(replace(m.config, n_embd=64))
+        with pytest.raises(R.CheckpointError, match="does not fit this model.*shape mismatch"):
+            C.load_for_resume(step, other)
+        shard = step / "shards" / "__0_0.distcp"
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+        with pytest.raises(R.CheckpointError, match="shards/__0_0.distcp does not match the sha256"):
+            C.load_for_resume(step, plain)
+    finally:
+        dist.destroy_process_group()

@@ -548,6 +548,18 @@ def test_a_flow_run_trains_on_the_processes_it_is_given(prefect_stack, nproc, wo
     assert summary["step"] == 4 and summary["done"] is True and summary["val_loss"] > 0
     if engine == "fsdp":  # the consolidated model of a sharded run, as a registry version
         assert summary["stages"]["register"] == "ran" and summary["model_version"] == f"models:/micro-{run}/1"
+        import torch  # only this case reads weights
+        from safetensors.torch import load_file
+
+        from gptcore.checkpoints import checkpoint
+        from gptcore.checkpoints.run_files import latest_checkpoint, read_meta
+
+        step = latest_checkpoint(prefect_stack.home / "runs" / run)
+        whole = step / "consolidated"
+        assert read_meta(step)["format"] == "sharded" and not (step / "model.safetensors").exists()
+        assert read_meta(whole)["consolidated_from"]["shards_sha256"] == read_meta(step)["shards_sha256"]
+        from_shards, registered = checkpoint.load_model(step)[0].state_dict(), load_file(whole / "model.safetensors")
+        assert registered and all(torch.equal(v, from_shards[k]) for k, v in registered.items())
 
 
 def test_cancelling_a_flow_run_in_prefect_stops_the_trainer_with_a_checkpoint(prefect_stack):

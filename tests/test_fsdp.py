@@ -95,10 +95,12 @@ def test_activation_checkpointing_under_fsdp_trains_the_same_losses(ds, one_rank
     assert_same_training(tmp_path / "run", one_rank, tol=1e-4 if compiled else 1e-5)
 
 
-def test_a_killed_fsdp_run_continues_exactly_on_one_rank_on_ddp_and_past_a_rotted_checkpoint(ds, one_rank, tmp_path):
-    """SIGKILL a 2-rank FSDP run once its step-8 checkpoint is on disk. Its checkpoints are whole, so three
-    copies of it continue: on one rank, on 2 DDP ranks, and on FSDP with step 8's weights rotted (that
-    step goes to rejected/ with its why, step 4 is used); each ends where the uninterrupted run did."""
+def test_a_killed_fsdp_run_continues_exactly_on_one_rank_on_ddp_and_past_a_rotted_shard(ds, one_rank, tmp_path):
+    """SIGKILL a 2-rank FSDP run once its step-8 checkpoint is on disk. Its checkpoints are sharded (each
+    rank wrote its own part with DCP, every file hashed), and three copies of it continue: on one rank and on
+    2 DDP ranks (both read the whole tensors from the shards, AdamW state too), and on FSDP with rank 1's
+    shard of step 8 rotted (that step goes to rejected/ with its why, step 4 is used); each ends where the
+    uninterrupted run did."""
     killed = tmp_path / "killed"
     # both ranks a little slower (test-only fault), so the kill lands well before the run ends
     proc = start(torchrun_cmd(args(ds, killed, FSDP)), tmp_path, tmp_path / "killed.log",
@@ -110,12 +112,15 @@ def test_a_killed_fsdp_run_continues_exactly_on_one_rank_on_ddp_and_past_a_rotte
         time.sleep(0.02)
     kill_tree(proc)
     assert not (killed / "DONE").exists()
-    state = C.load_trainer_state(R.latest_checkpoint(killed))
-    assert state["world"] == 2 and isinstance(next(iter(state["optimizer"]["state"])), int)  # a plain optimizer's
+    newest = R.latest_checkpoint(killed)
+    meta, state = R.read_meta(newest), C.load_trainer_state(newest)
+    assert meta["format"] == "sharded" and state["world"] == 2 and "optimizer" not in state  # it is in the shards
+    assert sorted(meta["shards_sha256"]) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert not (newest / C.MODEL_FILE).exists()
     runs = {name: tmp_path / name for name in ("one", "ddp", "rotted")}
     for run in runs.values():
         shutil.copytree(killed, run)
-    weights = R.step_dir(runs["rotted"], 8) / C.MODEL_FILE
+    weights = R.step_dir(runs["rotted"], 8) / "shards" / "__1_0.distcp"
     data = bytearray(weights.read_bytes())
     data[-100] ^= 0xFF
     weights.write_bytes(bytes(data))
@@ -126,7 +131,7 @@ def test_a_killed_fsdp_run_continues_exactly_on_one_rank_on_ddp_and_past_a_rotte
     assert "resuming from step_00000008" in logs["ddp"] and "parallel=ddp" in logs["ddp"]
     assert "resuming from step_00000004" in logs["rotted"] and "parallel=fsdp" in logs["rotted"]
     why = (R.checkpoints_dir(runs["rotted"]) / R.REJECTED_DIR / "step_00000008" / "why.txt").read_text()
-    assert "sha256" in why
+    assert "shards/__1_0.distcp does not match the sha256" in why
     for run in runs.values():
         assert_same_training(run, one_rank)
 

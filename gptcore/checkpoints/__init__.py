@@ -3,6 +3,7 @@
     checkpoint.py   the format and the one writer and reader: model.safetensors + trainer.pt + meta.json,
                     hashed while written, swapped in atomically, retention; load and verify
     background.py   the async writer (Checkpointer): the ranks wait for a copy of the state, not the disk
+    sharded.py      FSDP2's sharded steps: every rank writes its shard with DCP, read back on any world size
     run_files.py    the run directory's names and files read without torch (run.json, DONE, eval.json,
                     the checkpoint list): what the flow's skip decisions read
 

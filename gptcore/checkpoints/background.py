@@ -12,13 +12,19 @@ host read, so a failed write stops every rank with the same error, and a step is
 checkpointed before its directory is on disk. A SIGKILL mid-write leaves only a temp directory, which the
 next save sweeps; the previous checkpoint is untouched. With `train.async_checkpoint=false` the same
 write runs inline, as before.
+
+Under FSDP2 every rank writes its own shard (gptcore/checkpoints/sharded.py): `save_sharded` on every rank
+after the ranks started DCP's background save; rank 0's writer waits for it to finish everywhere, then hashes
+the shards and swaps the step in with the same writer; the other ranks' writers only wait for their part.
 """
 
 from __future__ import annotations
 
 import copy
+import shutil
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +33,7 @@ import torch
 from gptcore.checkpoints import run_files
 from gptcore.checkpoints.checkpoint import portable, write_checkpoint
 from gptcore.checkpoints.run_files import CheckpointError, step_dir
-from gptcore.files import write_json
+from gptcore.files import start_dir, write_json
 
 WRITTEN, SKIPPED, FAILED = "written", "skipped", "failed"
 ALIGN = 64  # bytes: every tensor's view into the staging buffer starts at a multiple (any dtype's alignment)
@@ -66,12 +72,27 @@ class Checkpointer:
             torch.cuda.synchronize()  # the non-blocking device-to-host copies have landed
         with self._lock:
             self._writing = step
-        args = (step, weights, state, meta)
-        if self.background:
-            self._thread = threading.Thread(target=self._write, args=args, name="checkpoint-writer", daemon=True)
-            self._thread.start()
-        else:
-            self._write(*args)
+        self._start(self._write, step, weights, state, meta)
+
+    def staging_dir(self, step: int) -> Path:
+        """Rank 0: the empty temp directory a sharded step's ranks write their shards into (files.start_dir);
+        the previous write has ended first."""
+        self.wait()
+        return start_dir(step_dir(self.run_dir, step))
+
+    def save_sharded(self, step: int, saving: Future | None, staged: Path, trainer_state: dict | None,
+                     meta: dict | None, master: bool) -> None:
+        """Every rank, once sharded.start_save returned `saving` (None: non-finite weights, nothing written).
+        Rank 0 (`master`, with the trainer state and meta) finishes the step once every rank's shard is on
+        disk; the others' writers wait for their own part only (a failure anywhere fails rank 0's save too)."""
+        self.wait()
+        if not master:
+            self._start(_settle, saving)
+            return
+        with self._lock:
+            self._writing = step
+        state = self._state.copy(trainer_state)
+        self._start(self._write, step, None, state, meta, saving, staged)
 
     def outcome(self, wait: bool) -> Outcome | None:
         """The finished write's outcome, once; None while it is still being written (or after none)."""
@@ -101,17 +122,31 @@ class Checkpointer:
 
     # --- inside -------------------------------------------------------------------------------
 
-    def _write(self, step: int, weights: dict, state: dict, meta: dict) -> None:
+    def _start(self, target, *args) -> None:
+        if self.background:
+            self._thread = threading.Thread(target=target, args=args, name="checkpoint-writer", daemon=True)
+            self._thread.start()
+        else:
+            target(*args)
+
+    def _write(self, step: int, weights: dict | None, state: dict, meta: dict, saving: Future | None = None,
+               staged: Path | None = None) -> None:
         t0 = time.monotonic()
         try:
+            if staged is not None and saving is None:
+                raise CheckpointError(f"refusing to write step {step}: a rank's shard holds non-finite values")
+            if saving is not None:
+                saving.result()  # every rank's shard and DCP's .metadata are on disk (or the error of one)
             path = write_checkpoint(self.run_dir, step, weights, state, meta, self.keep_last,
-                                    before_prune=self._write_attachments)
+                                    before_prune=self._write_attachments, staged=staged)
             out = Outcome(step, WRITTEN, str(path))
         except CheckpointError as e:  # non-finite weights are never written
             out = Outcome(step, SKIPPED, str(e))
         except Exception as e:  # noqa: BLE001 -- e.g. a full disk (torch.save: RuntimeError); must reach the ranks
             out = Outcome(step, FAILED, unwritable(self.run_dir, step, e))
         finally:
+            if staged is not None:  # a sharded step not swapped in (skipped, failed): its temp goes
+                shutil.rmtree(staged, ignore_errors=True)
             with self._lock:
                 self._writing = None
                 self._attachments = []
@@ -170,6 +205,16 @@ def walk(x, on_tensor):
     if isinstance(x, (list, tuple)):
         return type(x)(walk(v, on_tensor) for v in x)
     return copy.deepcopy(x)
+
+
+def _settle(saving: Future | None) -> None:
+    """A non-zero rank's part of a sharded save: wait for it. An error is rank 0's to report (DCP's last
+    collective gives rank 0 every rank's error), so it is only printed here."""
+    try:
+        if saving is not None:
+            saving.result()
+    except Exception as e:  # noqa: BLE001 -- reported by rank 0's writer; this rank trains on meanwhile
+        print(f"warning: this rank's part of a sharded checkpoint failed ({type(e).__name__}: {e})", flush=True)
 
 
 def _attach_file(ckpt: Path, name: str, obj: dict) -> None:

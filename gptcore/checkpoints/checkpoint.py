@@ -10,6 +10,10 @@ A checkpoint is a directory `<run_dir>/checkpoints/step_{step:08d}/` holding
     meta.json           step, tokens seen, val and train loss, config, model config, manifest id, run
                         identity, sha256 of model.safetensors and of trainer.pt
 
+A sharded step (FSDP2) holds `shards/` (each rank's part, written by the ranks with DCP) in place of
+model.safetensors, and trainer.pt without the optimizer (which is in the shards): gptcore/checkpoints/
+sharded.py. Everything below reads both formats; `consolidate` turns a sharded step into a whole model.
+
 It is written into a temp dir beside it and renamed into place (files.atomic_dir), so a reader (or a resume after
 SIGKILL) sees either a complete checkpoint or none; it is never written from non-finite weights.
 Retention keeps the last `keep_last`, the best one by validation loss and the newest one whose train loss
@@ -31,9 +35,12 @@ from safetensors.torch import load_file, save
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import FSDPModule
 
+from gptcore.checkpoints import sharded
 from gptcore.checkpoints.run_files import (
+    CONSOLIDATED_DIR,
     META_FILE,
     REJECTED_DIR,
+    SHARDED,
     CheckpointError,
     best_checkpoint,
     checkpoints_dir,
@@ -44,7 +51,7 @@ from gptcore.checkpoints.run_files import (
     step_dir,
 )
 from gptcore.config import ConfigError, model_config_from
-from gptcore.files import READ_ERRORS, atomic_dir, file_sha256, hashed_write, temp_name
+from gptcore.files import READ_ERRORS, atomic_dir, file_sha256, hashed_write, publish_dir, start_dir, temp_name
 from gptcore.model.gpt import GPT, clean_state_dict, unwrap
 
 MODEL_FILE = "model.safetensors"
@@ -61,7 +68,7 @@ def non_finite(tensors: dict[str, torch.Tensor]) -> list[str]:
 
 def weights_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's clean state dict (live tensors, wherever they are), the tied head weight left out:
-    what model.safetensors holds. (A sharded model's: gptcore.training.parallel.full_state, then portable.)"""
+    what model.safetensors holds. (A sharded model's checkpoint is written by its ranks: sharded.py.)"""
     return portable(unwrap(model).state_dict())
 
 
@@ -112,23 +119,33 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, trainer_st
         **meta, "model_config": asdict(unwrap(model).config)}, keep_last)
 
 
-def write_checkpoint(run_dir: Path, step: int, weights: dict[str, torch.Tensor], trainer_state: dict,
-                     meta: dict, keep_last: int = 3, before_prune=None) -> Path:
+def write_checkpoint(run_dir: Path, step: int, weights: dict[str, torch.Tensor] | None, trainer_state: dict,
+                     meta: dict, keep_last: int = 3, before_prune=None, staged: Path | None = None) -> Path:
     """The one checkpoint writer: CPU `weights` (weights_of) and trainer state into a directory built under
     a temp name and swapped in; each file hashed while it is written (no read-back). `meta` supplies the
-    run fields (config, model_config, manifest_id, ...); step, both sha256s and time are added.
-    CheckpointError (nothing written) for non-finite weights. `before_prune(path)` runs once the checkpoint
-    is in place (the async writer attaches evaluation results there); then retention is applied."""
-    bad = non_finite(weights)
+    run fields (config, model_config, manifest_id, ...); step, the sha256s and time are added.
+    CheckpointError (nothing written) for non-finite weights. A sharded step: `weights` None and `staged`
+    the temp directory (files.start_dir) whose shards/ the ranks have written (sharded.start_save); its
+    files are hashed here. `before_prune(path)` runs once the checkpoint is in place (the async writer
+    attaches evaluation results there); then retention is applied."""
+    path = step_dir(run_dir, step)
+    bad = non_finite(weights) if weights is not None else []
     if bad:
         raise CheckpointError(f"refusing to write step {step}: non-finite values in {bad[:5]}")
-    with atomic_dir(step_dir(run_dir, step)) as tmp:
-        model_sha = hashed_write(tmp / MODEL_FILE, lambda f: f.write(save(weights, metadata={"format": "pt"})))
+    tmp = staged or start_dir(path)
+    try:
+        if weights is not None:
+            meta = {**meta, "model_sha256": hashed_write(
+                tmp / MODEL_FILE, lambda f: f.write(save(weights, metadata={"format": "pt"})))}
+        else:
+            meta = {**meta, "format": SHARDED, "shards_sha256": sharded.hashes(tmp)}
         trainer_sha = hashed_write(tmp / TRAINER_FILE, lambda f: torch.save(trainer_state, f))
         _slow_storage_for_tests()
-        meta = {**meta, "step": step, "model_sha256": model_sha, "trainer_sha256": trainer_sha, "time": time.time()}
+        meta = {**meta, "step": step, "trainer_sha256": trainer_sha, "time": time.time()}
         (tmp / META_FILE).write_text(json.dumps(meta, indent=1, default=str))
-    path = step_dir(run_dir, step)
+        publish_dir(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     if before_prune is not None:
         before_prune(path)
     prune(run_dir, keep_last)
@@ -188,6 +205,8 @@ def load_for_resume(ckpt_dir: Path, model: torch.nn.Module, load: bool = True) -
 
 def _load_for_resume(ckpt_dir: Path, model: torch.nn.Module, load: bool) -> tuple[dict, dict]:
     meta = read_meta(ckpt_dir)
+    if sharded.is_sharded(meta):
+        return meta, _load_sharded(ckpt_dir, meta, model, load)
     for name in (MODEL_FILE, TRAINER_FILE):
         if not (ckpt_dir / name).is_file():
             raise CheckpointError(f"{name} is missing")
@@ -198,6 +217,30 @@ def _load_for_resume(ckpt_dir: Path, model: torch.nn.Module, load: bool) -> tupl
     if bad:
         raise CheckpointError(f"non-finite weights in {bad[:5]}")
     return meta, load_trainer_state(ckpt_dir)
+
+
+def _load_sharded(ckpt_dir: Path, meta: dict, model: torch.nn.Module, load: bool) -> dict:
+    """_load_for_resume of a sharded step. Its weights are not read back for non-finite values: none were
+    written (sharded.start_save checks every rank's shard first) and every file's hash matches."""
+    if not (ckpt_dir / TRAINER_FILE).is_file():
+        raise CheckpointError(f"{TRAINER_FILE} is missing")
+    sharded.verify(ckpt_dir, meta)
+    _same_hash(ckpt_dir / TRAINER_FILE, meta.get("trainer_sha256"), TRAINER_FILE)
+    sharded.check_fits(ckpt_dir, model)
+    state = load_trainer_state(ckpt_dir)
+    if load:
+        load_into(model, ckpt_dir)
+    # restore() reads the optimizer's state from the shards once the optimizer exists
+    return {**state, "optimizer_shards": str(ckpt_dir)}
+
+
+def load_into(model: torch.nn.Module, ckpt_dir: Path) -> None:
+    """A verified checkpoint's weights into `model`, whichever format the step has (collective for a
+    sharded model: every rank calls it)."""
+    if sharded.is_sharded(read_meta(ckpt_dir)):
+        sharded.load_weights(model, ckpt_dir)
+    else:
+        load_weights(model, ckpt_dir / MODEL_FILE)
 
 
 def reject(ckpt_dir: Path, why: str) -> Path | None:
@@ -226,11 +269,41 @@ def load_model(ckpt_dir: Path, device="cpu", verify: bool = True) -> tuple[GPT, 
     except (ConfigError, TypeError) as e:
         raise CheckpointError(f"{ckpt_dir}/{META_FILE} has no usable model_config ({e}); the checkpoint is "
                               "corrupt or was not written by this pipeline") from e
+    model = GPT(model_cfg)
+    if sharded.is_sharded(meta):  # the whole model from every rank's shard, in this process alone
+        if verify:
+            sharded.verify(ckpt_dir, meta)
+        sharded.check_fits(ckpt_dir, model)
+        sharded.load_weights(model, ckpt_dir)
+        return model.to(device).eval(), meta
     weights = ckpt_dir / MODEL_FILE
     if not weights.is_file():
         raise CheckpointError(f"{ckpt_dir} has no {MODEL_FILE}; the checkpoint is incomplete")
     if verify and meta.get("model_sha256") and file_sha256(weights) != meta["model_sha256"]:
         raise CheckpointError(f"{weights} does not match the sha256 in {META_FILE}: the file is corrupt")
-    model = GPT(model_cfg)
     load_weights(model, weights)
     return model.to(device).eval(), meta
+
+
+def consolidate(ckpt_dir: Path) -> Path:
+    """The directory holding a checkpoint's whole model as model.safetensors + meta.json (what the
+    registry logs): the step itself when it is whole; for a sharded step <step>/consolidated/, written once
+    (atomically, from the verified shards, on the CPU) and reused while the shards it came from are the
+    same. Its meta.json is the step's with the consolidated file's model_sha256 and no shard list."""
+    ckpt_dir = Path(ckpt_dir)
+    meta = read_meta(ckpt_dir)
+    if not sharded.is_sharded(meta):
+        return ckpt_dir
+    out = ckpt_dir / CONSOLIDATED_DIR
+    source = {k: meta[k] for k in ("shards_sha256", "trainer_sha256")}
+    if (out / META_FILE).is_file() and (out / MODEL_FILE).is_file():
+        done = read_meta(out)
+        if done.get("consolidated_from") == source and file_sha256(out / MODEL_FILE) == done.get("model_sha256"):
+            return out
+    model, _ = load_model(ckpt_dir, verify=True)
+    with atomic_dir(out) as tmp:
+        sha = hashed_write(tmp / MODEL_FILE, lambda f: f.write(save(weights_of(model), metadata={"format": "pt"})))
+        whole = {k: v for k, v in meta.items() if k not in ("format", "shards_sha256")}
+        (tmp / META_FILE).write_text(json.dumps({**whole, "model_sha256": sha, "consolidated_from": source},
+                                                indent=1, default=str))
+    return out

@@ -25,6 +25,9 @@ META_FILE = "meta.json"
 MICRO_BATCH_FILE = "micro_batch.json"  # train.micro_batch=auto's choice (gptcore/training/microbatch.py)
 EVAL_FILE = "eval.json"  # a checkpoint's evaluation: written by the trainer after the checkpoint, or the flow
 REJECTED_DIR = "rejected"
+SHARDED = "sharded"  # meta.json's "format" of a sharded step (FSDP2; a whole checkpoint records none)
+SHARDS_DIR = "shards"  # a sharded step's DCP files (gptcore/checkpoints/sharded.py)
+CONSOLIDATED_DIR = "consolidated"  # a sharded step's whole model, once registered (checkpoint.consolidate)
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 

@@ -8,11 +8,11 @@
 
 `auto` picks DDP while weights, gradients and AdamW state (16 bytes a parameter) take at most
 DDP_SHARE of a rank's memory, FSDP2 otherwise, and says why. The loop does not care which: it calls
-`gradient_sync` around micro-steps, `full_state` to checkpoint and `load_optimizer` to resume. Checkpoints
-are whole (rank 0 gathers the shards, then writes in the background as under DDP), so a run continues on
-any world size and either engine, and the registry always gets one consolidated model. Evaluation runs
-on `EvalReplica`: a whole copy of the model on every rank, refreshed from the shards, so evaluations and
-samples run exactly as under DDP.
+`gradient_sync` around micro-steps. Under FSDP every rank writes its own shard of a checkpoint
+(gptcore/checkpoints/sharded.py: DCP, resharded on load), so a run continues on any world size and either
+engine; `load_optimizer` puts a whole checkpoint's optimizer state (from DDP or one rank) into the shards.
+Evaluation runs on `EvalReplica`: a whole copy of the model on every rank, refreshed from the shards, so
+evaluations and samples run exactly as under DDP.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ import torch
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
-    get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
@@ -141,20 +140,6 @@ def gradient_sync(model: torch.nn.Module, on: bool):
     else:
         with model.no_sync() if not on and hasattr(model, "no_sync") else nullcontext():
             yield
-
-
-def full_state(model: torch.nn.Module, optimizer) -> tuple[dict[str, torch.Tensor], dict]:
-    """(weights, optimizer state) of a sharded model, whole and on the CPU, on rank 0 (the others get
-    empty dicts): the format a plain model's checkpoint has (optimizer state keyed by parameter index, as
-    `optimizer.state_dict()` keys it). Collective."""
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    weights = get_model_state_dict(model, options=options)
-    named = get_optimizer_state_dict(model, optimizer, options=options)
-    if not weights:
-        return {}, {}
-    index = {name: i for i, name in enumerate(n for g in named["param_groups"] for n in g["params"])}
-    groups = [{**g, "params": [index[n] for n in g["params"]]} for g in named["param_groups"]]
-    return weights, {"state": {index[n]: s for n, s in named["state"].items()}, "param_groups": groups}
 
 
 def load_optimizer(model: torch.nn.Module, optimizer, state: dict) -> None:

@@ -19,7 +19,7 @@ import psutil
 import torch
 
 from gptcore import distributed
-from gptcore.checkpoints import checkpoint, run_files
+from gptcore.checkpoints import checkpoint, run_files, sharded
 from gptcore.checkpoints.run_files import DONE_FILE, RUN_FILE, latest, run_dir_for
 from gptcore.config import RunConfig
 from gptcore.data.build import rebuild_damaged
@@ -87,8 +87,8 @@ def check_states_fit(cfg: RunConfig, env: distributed.Env) -> None:
     micro-batch probe sizes those)."""
     params = cfg.model.approx_params()  # GPT's count from the shape: nothing built at start-up
     # per card under FSDP2; on CPU the ranks share one host's memory, so sharding saves nothing there
-    sharded = env.device.type == "cuda" and parallel.plan(cfg, env).kind == "fsdp"
-    need = params * parallel.STATE_BYTES_PER_PARAM // (env.world if sharded else 1)
+    split = env.device.type == "cuda" and parallel.plan(cfg, env).kind == "fsdp"
+    need = params * parallel.STATE_BYTES_PER_PARAM // (env.world if split else 1)
     if env.device.type == "cuda":
         have, where = torch.cuda.get_device_properties(env.device).total_memory, f"{env.device} has"
     else:
@@ -98,7 +98,7 @@ def check_states_fit(cfg: RunConfig, env: distributed.Env) -> None:
             f"{cfg.preset}: {params / 1e9:.2f}B parameters need {need / 2**30:.1f} GiB "
             f"{'per card ' if env.device.type == 'cuda' else ''}for their "
             f"weights, gradients and AdamW state ({parallel.STATE_BYTES_PER_PARAM} bytes each"
-            f"{f', sharded over {env.world} ranks' if sharded else ''}) before any activation; {where} "
+            f"{f', sharded over {env.world} ranks' if split else ''}) before any activation; {where} "
             f"{have / 2**30:.1f} GiB. Train it on GPUs with more memory or shard it over more of them "
             f"(train.parallel=fsdp), or smoke-test the pipeline at a tiny width of the same depth: "
             f"model.n_embd=64 model.n_head=4 (docs/training.md \"The GPT-2 family\")")
@@ -184,24 +184,24 @@ def agreed_checkpoint(run_dir: Path, model: GPT, master: bool, healthy_only: boo
     copies weights only when it is built). A rank that cannot load rank 0's choice is a RunError on every
     rank."""
     # a sharded model is loaded by every rank together (a collective): rank 0 only checks its choice
-    sharded = parallel.is_sharded(model)
-    choice = newest_intact(run_dir, model, master, healthy_only, load=not sharded)[:2] if master else (None, None)
+    split = parallel.is_sharded(model)
+    choice = newest_intact(run_dir, model, master, healthy_only, load=not split)[:2] if master else (None, None)
     name = distributed.broadcast_object(choice[0].name if choice[0] is not None else None)
     if name is None:
         return None, None
     ck, state, error = *choice, None
-    if not master or sharded:
+    if not master or split:
         ck = run_files.checkpoints_dir(run_dir) / name
         try:
-            state = checkpoint.load_for_resume(ck, model, load=not sharded)[1]
+            state = checkpoint.load_for_resume(ck, model, load=not split)[1]
         except run_files.CheckpointError as e:
             error = f"{ck}: {e}"
     failed = [f"rank {r}: {e}" for r, e in enumerate(distributed.all_gather_object(error)) if e]
     if failed:
         raise RunError(f"rank 0 chose checkpoint {name}, which other ranks cannot load ({'; '.join(failed)}); "
                        "the run directory must be the same shared filesystem on every node")
-    if sharded:  # every rank has checked the files: now they load them together
-        checkpoint.load_weights(model, ck / checkpoint.MODEL_FILE)
+    if split:  # every rank has checked the files: now they load them together
+        checkpoint.load_into(model, ck)
     return ck, state
 
 
@@ -233,7 +233,9 @@ def restore(ts: dict, optimizer, loader: ShardLoader, scaler, env: distributed.E
             model: torch.nn.Module | None = None) -> int:
     """Put a checkpoint's trainer state back (optimizer, RNG, scaler, and the data position if `data`);
     returns its step. `model`: the one the optimizer steps (a sharded one takes its shard of each moment)."""
-    if model is not None and parallel.is_sharded(model):
+    if "optimizer_shards" in ts:  # a sharded step's: read from its shards, into this run's layout
+        sharded.load_optimizer(model, optimizer, Path(ts["optimizer_shards"]))
+    elif model is not None and parallel.is_sharded(model):
         parallel.load_optimizer(model, optimizer, ts["optimizer"])
     else:
         optimizer.load_state_dict(ts["optimizer"])

@@ -24,6 +24,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from gptcore import distributed
+from gptcore.checkpoints import sharded
 from gptcore.checkpoints.background import FAILED, SKIPPED, Checkpointer
 from gptcore.checkpoints.checkpoint import weights_of
 from gptcore.checkpoints.run_files import DONE_FILE, EVAL_FILE, RUN_FILE, step_dir
@@ -187,6 +188,8 @@ class Trainer:
         self.damaged = DamagedShards(self.hosts, [prep.data_dir / SHARD_HASHES, self.run_dir / SHARD_HASHES]
                                      if env.master else [], self.event)
         self.checkpointer = Checkpointer(self.run_dir, tc.keep_last, background=tc.async_checkpoint)
+        # sharded checkpoints' background saves talk on a group of their own (collective: made by every rank)
+        self.saving_group = sharded.saving_group() if parallel.is_sharded(raw) else None
         self.evaluator = Evaluator(cfg, env, prep.data_dir, self.replica.model if self.replica else raw,
                                    self.logger, self.event, self.faults)
         self.profiler = StepProfiler(self.run_dir, env.rank, env.device, tc.profile_steps, self.step,
@@ -384,18 +387,21 @@ class Trainer:
         if env.device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(env.device)
         rngs = distributed.all_gather_object(rng)
-        if parallel.is_sharded(self.raw):  # collective: rank 0 gathers the shards (its copy off the device)
-            weights, optimizer_state = parallel.full_state(self.raw, self.optimizer)
-        elif env.master:
-            weights, optimizer_state = weights_of(self.raw), self.optimizer.state_dict()
+        state = meta = None
         if env.master:
-            state = {"optimizer": optimizer_state, "loader": self.loader.state_dict(), "rng": rngs,
+            state = {"loader": self.loader.state_dict(), "rng": rngs,
                      "scaler": self.scaler.state_dict() if self.scaler is not None else {},
                      "step": self.step, "world": env.world, "gpu_hours": self.clock.gpu_hours()}
-            self.checkpointer.save(self.step, weights, state, {
-                **self.meta, "tokens_seen": self.step * self.cfg.train.total_batch_tokens,
-                "train_loss": train_loss, "reason": reason,
-                **checkpoint_cost(self.clock.gpu_hours(), self.cfg.train.price_per_gpu_hour)})
+            meta = {**self.meta, "tokens_seen": self.step * self.cfg.train.total_batch_tokens,
+                    "train_loss": train_loss, "reason": reason,
+                    **checkpoint_cost(self.clock.gpu_hours(), self.cfg.train.price_per_gpu_hour)}
+        if parallel.is_sharded(self.raw):  # every rank writes its own shard (the optimizer's too)
+            staged = distributed.broadcast_object(self.checkpointer.staging_dir(self.step) if env.master else None)
+            saving = sharded.start_save(staged, self.raw, self.optimizer, self.saving_group)  # collective
+            self.checkpointer.save_sharded(self.step, saving, staged, state, meta, env.master)
+        elif env.master:
+            self.checkpointer.save(self.step, weights_of(self.raw),
+                                   {"optimizer": self.optimizer.state_dict(), **state}, meta)
         self.unconfirmed = self.saved_step = self.step
         if not self.cfg.train.async_checkpoint:
             self.confirm_checkpoint(wait=True)
@@ -409,6 +415,7 @@ class Trainer:
             self.watchdog.beat("waiting for a checkpoint write", patience=WRITE_PATIENCE_S)
         out = distributed.broadcast_object(self.checkpointer.outcome(wait) if self.env.master else None)
         if wait:
+            self.checkpointer.wait()  # every rank's own part of a sharded save has ended too
             self.watchdog.beat("training")
         if out is None:
             return  # still being written
