@@ -108,15 +108,9 @@ def read_summary(flow_run_id) -> dict:
 def mlflow_ui(uri: str) -> str:
     """The pipeline experiment's page in model-training mode (MLflow's UI starts in GenAI mode), or the
     server's home page in that mode when the experiment cannot be read."""
-    from integrations import mlflow_links as links
-    from integrations import mlflow_store as store
+    from integrations.mlflow_links import pipeline_link
 
-    try:
-        exp = (store.rest_read(uri, "experiments/get-by-name", {"experiment_name": store.EXPERIMENT}) or {})
-    except store.RestUnavailable:
-        exp = {}
-    exp_id = (exp.get("experiment") or {}).get("experiment_id")
-    return links.experiment_link(uri, exp_id) if exp_id else links.ui_link(uri, "experiments")
+    return pipeline_link(uri)
 
 
 def cost_line(s: dict) -> str:

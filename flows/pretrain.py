@@ -30,7 +30,6 @@ from __future__ import annotations
 # lazy imports: torch and mlflow load only where a stage has work; a no-op re-run of a finished flow
 # imports neither (tests/test_flow.py checks it)
 import json
-import os
 import re
 import warnings
 from pathlib import Path
@@ -44,21 +43,21 @@ import tasks.register
 import tasks.train
 from flows import dataset
 from gptcore import evals
-from gptcore.checkpoints.run_files import RUN_FILE, read_meta
-from gptcore.config import ConfigError, RunConfig, check_name
-from gptcore.files import pipeline_home, read_json
+from gptcore.checkpoints.run_files import read_meta
+from gptcore.config import ConfigError, RunConfig
 from gptcore.metrics import METRICS_FILE, read_metrics
 from gptcore.overrides import load_config
+from gptcore.security import check_name
+from integrations.mlflow_links import flow_links
 from integrations.progress import artifact_key
 from integrations.secrets import mlflow_credentials_from_prefect
+from integrations.write_dirs import check_write_dirs
 from tasks.stage import FlowRun, Stage, run_stages
 
 # pydantic notes that the parameter name `register` shadows a BaseModel method; harmless for validation
 warnings.filterwarnings("ignore", message='Field name "register"')
 
 SUMMARY_KEY = "pretrain-summary"
-ALLOW_OUTSIDE_HOME = "GPTPIPE_ALLOW_OUTSIDE_HOME"  # =1 in the worker's environment: write dirs may be anywhere
-WRITE_DIRS = ("train.run_dir", "data.dataset_dir")  # the overrides that name a directory the flow run writes
 
 
 # --- config, checked before any work -------------------------------------------------------------------
@@ -79,61 +78,6 @@ def check_config(preset: str, overrides: dict | None, nproc: int) -> RunConfig:
     return cfg
 
 
-def check_write_dirs(cfg: RunConfig) -> None:
-    """Anyone who can start a flow run chooses its overrides, so the directories it writes must resolve
-    (symlinks followed) inside GPTPIPE_HOME, unless the worker is set up with GPTPIPE_ALLOW_OUTSIDE_HOME=1
-    (e.g. run dirs on a shared filesystem elsewhere); and never, whatever the worker allows, onto the
-    servers' own state or another run's directory (check_not_protected). Not checked on the CLI: a shell
-    user owns the disk."""
-    home = pipeline_home()
-    for key in WRITE_DIRS:
-        section, _, name = key.partition(".")
-        value = getattr(getattr(cfg, section), name)
-        if not value:
-            continue
-        where = Path(value).expanduser().resolve()
-        if os.environ.get(ALLOW_OUTSIDE_HOME) != "1" and (where == home or not where.is_relative_to(home)):
-            raise ConfigError(f"{key}={value!r} is not a directory inside GPTPIPE_HOME ({home}): a flow run writes "
-                              f"only under it; leave {key} unset for the default there, or set "
-                              f"{ALLOW_OUTSIDE_HOME}=1 in the worker's environment to allow other directories")
-        check_not_protected(key, value, where, cfg, home)
-
-
-def server_dirs(home: Path) -> list[Path]:
-    """The servers' own state, never a flow run's to write: devstack's services/ (the TLS key, the MLflow
-    auth config), the embedded MLflow store with its user database (mlflow/auth/), Prefect's home, and the
-    MLflow auth folder wherever MLFLOW_AUTH_DIR puts it."""
-    dirs = [home / "services", home / "mlflow", home / "prefect"]
-    if os.environ.get("MLFLOW_AUTH_DIR"):
-        dirs.append(Path(os.environ["MLFLOW_AUTH_DIR"]).expanduser().resolve())
-    return dirs
-
-
-def owning_run(where: Path) -> tuple[Path, str] | None:
-    """The run directory `where` is or lies in (the nearest one holding run.json), with its run name."""
-    for d in (where, *where.parents):
-        if (d / RUN_FILE).is_file():
-            return d, str(read_json(d / RUN_FILE, {}).get("run_name"))
-    return None
-
-
-def check_not_protected(key: str, value: str, where: Path, cfg: RunConfig, home: Path) -> None:
-    """ConfigError when a write directory is, holds or lies in a server's state folder, holds the runs'
-    folder, or is (or lies in) a run directory that is not this run's own: run.json names its run."""
-    def refuse(what: str):
-        raise ConfigError(f"{key}={value!r} resolves to {where}, {what}: a flow run must not write there; "
-                          f"leave {key} unset for the default, or name a directory of its own")
-
-    for d in server_dirs(home):
-        if where == d or where.is_relative_to(d) or d.is_relative_to(where):
-            refuse(f"which is or holds the servers' own state ({d})")
-    if (home / "runs").is_relative_to(where):
-        refuse(f"which holds every run's directory ({home / 'runs'})")
-    owner = owning_run(where)
-    if owner and not (key == "train.run_dir" and owner == (where, cfg.run_name)):
-        refuse(f"which is or lies in the directory of run {owner[1]!r} ({owner[0]})")
-
-
 def check_params(nproc: int, wait_seconds: float, model_name: str, dask_address: str = "") -> None:
     """The ranges Prefect's type checks do not cover; ConfigError fails the flow run at once."""
     if dask_address and not re.fullmatch(r"(tcp|tls|inproc|ucx)://\S+", dask_address):
@@ -145,37 +89,6 @@ def check_params(nproc: int, wait_seconds: float, model_name: str, dask_address:
         raise ConfigError(f"wait_seconds must be >= 0, got {wait_seconds!r}")
     if model_name:  # a registered-model name: an MLflow name, a filter value and part of task-run names
         check_name("model_name", model_name)
-
-
-# --- the MLflow links artifact ---------------------------------------------------------------------
-
-def mlflow_links(reg: dict | None, run_name: str) -> str:
-    """Markdown links to the MLflow run and model version (when MLflow is a server with a UI); read over
-    REST, so a re-run that changes nothing does not import mlflow. They open in MLflow's model-training mode."""
-    from integrations import mlflow_links as links
-    from integrations import mlflow_store as store
-
-    uri = store.tracking_uri()
-    if not uri.startswith("http"):
-        return f"MLflow store: `{uri}` (no UI server); run `mlflow ui --backend-store-uri {uri}` to browse."
-    lines = []
-    try:
-        exp = (store.rest_read(uri, "experiments/get-by-name", {"experiment_name": store.EXPERIMENT})
-               or {}).get("experiment")
-        run_id = reg["run_id"] if reg else None
-        if exp is not None and run_id is None:
-            runs = (store.rest_read(uri, "runs/search", body={
-                "experiment_ids": [exp["experiment_id"]], "max_results": 1,
-                "filter": f"tags.`{store.TAG_RUN_NAME}` = {store.quoted(run_name)}"}) or {}).get("runs") or []
-            run_id = runs[0]["info"]["run_id"] if runs else None
-        if exp is not None and run_id:
-            lines.append(f"- MLflow run: [{run_name}]({links.run_link(uri, exp['experiment_id'], run_id)})")
-    except store.RestUnavailable as e:  # links are a convenience; never fail the flow for them
-        lines.append(f"- MLflow run: unavailable ({e})")
-    if reg:
-        lines.append(f"- Model version: [{reg['name']} v{reg['version']}]"
-                     f"({links.model_version_link(uri, reg['name'], reg['version'])}) (`{reg['model_uri']}`)")
-    return "\n".join(lines) or "no MLflow run yet"
 
 
 # the stages in order (each says which flow parameter, if any, turns it off)
@@ -207,7 +120,7 @@ def pretrain(preset: str = "tiny-cpu", overrides: dict | None = None, nproc: int
              nproc or "auto")
     run = FlowRun(cfg, log, nproc, wait_seconds, tracking, dask_address, model_name)
     run_stages(run, STAGES, {"evaluate": evaluate, "register": register})
-    create_markdown_artifact("\n".join([f"### MLflow ({cfg.run_name})", mlflow_links(run.reg, cfg.run_name)]),
+    create_markdown_artifact("\n".join([f"### MLflow ({cfg.run_name})", flow_links(run.reg, cfg.run_name)]),
                              key=artifact_key(cfg.run_name, "mlflow"), description="MLflow run and model version")
     create_table_artifact(run.rows, key=artifact_key(cfg.run_name, "stages"),
                           description="What this flow run did or skipped")

@@ -19,15 +19,14 @@ from pathlib import Path
 
 from gptcore.config import (
     EVAL_SECTIONS,
-    NAME_KEYS,
     ConfigError,
     EvalConfig,
     RunConfig,
-    check_name,
     coerce,
     eval_option,
 )
 from gptcore.presets import preset
+from gptcore.security import NAME_KEYS, check_name
 
 # keys of an earlier layout, still read (saved configs, old overrides): the hub source's flat data.hf_* fields
 # are its own section now, and so are the evaluations' flat eval.* fields (eval.hellaswag.limit)

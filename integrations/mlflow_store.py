@@ -26,9 +26,10 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from gptcore.config import ConfigError, check_name
+from gptcore.config import ConfigError
 from gptcore.files import pipeline_home, read_json
 from gptcore.overrides import flatten
+from gptcore.security import check_name
 
 EXPERIMENT = "gpt2-pretrain"
 TAG_RUN_NAME = "gptpipe.run_name"

@@ -43,10 +43,11 @@ import time
 from pathlib import Path
 
 from gptcore.checkpoints.run_files import DONE_FILE, RUN_FILE
-from gptcore.config import ConfigError, check_name
+from gptcore.config import ConfigError
 from gptcore.files import read_json, write_json
 from gptcore.metrics import METRICS_FILE, read_new_lines
 from gptcore.overrides import from_dict
+from gptcore.security import check_name
 from integrations import mlflow_store as store
 
 log = logging.getLogger("gptpipe.tracking")

@@ -44,16 +44,15 @@ from prefect.cache_policies import NO_CACHE
 
 from gptcore.checkpoints.run_files import (
     CONSOLIDATED_DIR,
-    EVAL_FILE,
     RUN_FILE,
     SHARDED,
     CheckpointError,
     read_meta,
-    val_loss_of,
 )
-from gptcore.config import ConfigError, check_name
-from gptcore.evals.record import result_metrics
+from gptcore.config import ConfigError
+from gptcore.evals.record import checkpoint_metrics, headlines
 from gptcore.files import file_sha256, read_json
+from gptcore.security import check_name
 from integrations import mlflow_store as store
 from integrations.progress import step_label
 from tasks.leaderboard import best_version, leaderboard
@@ -78,41 +77,6 @@ def _requirements() -> list[str]:
             out.append(f"{pkg}=={metadata.version(pkg).split('+')[0]}")
         except metadata.PackageNotFoundError:
             out.append(pkg)
-    return out
-
-
-def checkpoint_metrics(ckpt_dir: Path, meta: dict) -> dict[str, float]:
-    """The checkpoint's measurements, as metrics of its logged model: the val loss, and every evaluation's
-    numbers (each accuracy with its standard error, `<name>/<metric>_stderr`) from <ckpt>/eval.json (the
-    trainer's evaluation after the checkpoint, or the evaluate stage's), else from what meta.json recorded
-    under the evaluation's name (checkpoints written before eval.json existed). A non-finite val loss (a
-    diverged run) is left out, so such a version is never `best`."""
-    from gptcore.evals import EVALUATIONS
-
-    ev = read_json(ckpt_dir / EVAL_FILE, {})
-    values = {"val/loss": val_loss_of(ckpt_dir, meta), "train/step": meta["step"],
-              "train/tokens_seen": meta.get("tokens_seen"),
-              # what the run had cost at this step (gptcore/training/cost.py); absent in older checkpoints
-              "train/gpu_hours": meta.get("gpu_hours"), "train/cost_usd": meta.get("cost_usd")}
-    for name in EVALUATIONS:
-        result = ev.get(name)
-        if not isinstance(result, dict) or "skipped" in result:  # none here: what an older meta.json recorded
-            result = meta.get(name) or result
-        values.update(result_metrics(name, result))
-    return {k: float(v) for k, v in values.items() if v is not None and not isinstance(v, bool)}
-
-
-def headlines(metrics: dict[str, float]) -> dict[str, str]:
-    """Each evaluation's headline metric among a version's metrics, with its standard error
-    ("hellaswag/acc_norm": "0.2950 ± 0.0046"): the numbers a registration reports."""
-    from gptcore.evals import EVALUATIONS
-
-    out = {}
-    for ev in EVALUATIONS.values():
-        key = ev.headline_key
-        if key and key in metrics:
-            se = metrics.get(f"{key}_stderr")
-            out[key] = f"{metrics[key]:.4f}" + (f" ± {se:.4f}" if se is not None else "")
     return out
 
 

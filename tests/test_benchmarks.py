@@ -52,7 +52,7 @@ LINES = {
         rf"^  verification adds {N}x the plain load at resume",
     ],
     "bench_sharded_checkpoint": [
-        *(rf"^  {kind} +blocked {N} s \({N}-{N}\) \| on disk {N} s \| rank 0 stages {N} MB$"
+        *(rf"^  {kind} +blocked +{N} s \({N}-{N}\) \| on disk +{N} s \| rank 0 stages {N} MB$"
           for kind in ("whole", "sharded")),
         rf"^  ranks blocked per save: sharded {N}x whole \(median of {N} paired rounds, {N}-{N}\); rank 0 "
         rf"stages {N}x the state .*: (?:met|MISSED)$",

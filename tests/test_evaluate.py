@@ -18,8 +18,8 @@ import torch
 from gptcore.checkpoints import checkpoint
 from gptcore.data.shard_format import Manifest, ShardError, ShardInfo, write_shard
 from gptcore.evals.evaluate import main as evaluate_main
-from gptcore.evals.evaluate import validation_loss
 from gptcore.evals.scorers import hellaswag
+from gptcore.evals.validation import validation_loss
 from gptcore.model.gpt import GPT
 from gptcore.overrides import load_config
 from tasks.evaluate import evaluate_dir, missing_parts
@@ -133,7 +133,7 @@ def test_validation_loss_split_across_ranks_sums_to_the_whole(tmp_path):
 def test_validation_loss_short_split(tmp_path, caplog):
     make_dataset(tmp_path, val_sizes=(300,))  # 2 full batches of 128 (+1 target token)
     cfg = load_config("micro", OVERRIDES)
-    with caplog.at_level(logging.WARNING, logger="gptcore.evals.evaluate"):
+    with caplog.at_level(logging.WARNING, logger="gptcore.evals.validation"):
         validation_loss(micro_model(), cfg, tmp_path, "cpu")
     assert "only 2 full batches" in caplog.text
     tiny = tmp_path / "tiny"

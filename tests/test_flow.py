@@ -33,7 +33,7 @@ def untrained_val_loss(params: dict, home: Path) -> float:
     import torch
 
     from gptcore.data import location
-    from gptcore.evals.evaluate import validation_loss
+    from gptcore.evals.validation import validation_loss
     from gptcore.model.gpt import GPT
     from gptcore.overrides import load_config
 

@@ -12,10 +12,11 @@ import torch
 from lm_eval.api.instance import Instance
 from lm_eval.models.huggingface import HFLM
 
-from gptcore.config import CODE_ROOTS, ModelConfig
+from gptcore.config import ModelConfig
 from gptcore.evals.scorers.harness import GPTHarness, run_tasks
 from gptcore.model.gpt import GPT
 from gptcore.model.hf import export_hf
+from gptcore.security import CODE_ROOTS
 
 pytestmark = pytest.mark.slow
 
@@ -183,8 +184,9 @@ def test_task_code_loads_only_from_an_allowed_root(tmp_path, monkeypatch):
     from pathlib import Path
 
     from gptcore.checkpoints import checkpoint
-    from gptcore.config import ConfigError, check_code_path
+    from gptcore.config import ConfigError
     from gptcore.overrides import load_config
+    from gptcore.security import check_code_path
 
     repo, marker = Path(__file__).resolve().parents[1], tmp_path / "marker"
     folder = evil_task(tmp_path / "outside" / "tasks", marker)

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from gptcore.config import NAME_MAX, ConfigError, check_name
+from gptcore.config import ConfigError
 from gptcore.overrides import from_dict, load_config
+from gptcore.security import NAME_MAX, check_name
 
 REPO = Path(__file__).resolve().parent.parent
 RULE = "is not a usable name: use 1 to 100 letters, digits, '.', '_' and '-'"
@@ -72,7 +73,8 @@ def test_a_saved_config_with_default_names_still_loads(tmp_path):
 
 
 def test_flow_overrides_must_write_inside_home(tmp_path, monkeypatch):
-    from flows.pretrain import ALLOW_OUTSIDE_HOME, check_config
+    from flows.pretrain import check_config
+    from integrations.write_dirs import ALLOW_OUTSIDE_HOME
 
     home, outside = tmp_path / "home", tmp_path / "elsewhere"
     (home / "runs").mkdir(parents=True), outside.mkdir()
@@ -132,7 +134,8 @@ def test_flow_write_dirs_are_never_the_servers_state_nor_another_runs(tmp_path, 
     """<home>/services (the TLS key, the MLflow auth config), the MLflow store and its auth folder, Prefect's
     home and another run's directory are refused as train.run_dir / data.dataset_dir, even on a worker that
     allows directories outside GPTPIPE_HOME; the run's own directory stays allowed."""
-    from flows.pretrain import ALLOW_OUTSIDE_HOME, check_config
+    from flows.pretrain import check_config
+    from integrations.write_dirs import ALLOW_OUTSIDE_HOME
 
     home, auth = tmp_path / "home", tmp_path / "mlflow-auth"
     runs = home / "runs"

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gptcore.config import ConfigError, check_code_path
+from gptcore.config import ConfigError
 from gptcore.evals.base import Context, Evaluation
+from gptcore.security import check_code_path
 
 # the precisions harness log-likelihoods can be scored in (gptcore/evals/scorers/harness_scoring.py
 # `scoring_context` implements each)

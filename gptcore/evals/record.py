@@ -6,13 +6,18 @@ the flow's no-op re-run compares these settings.
     missing_evaluations(done, ...)   the parts eval.json lacks for these settings
     merge_evaluations(done, new, ...) eval.json after computing `new`
     result_metrics(name, result)     a part's result as flat metrics (the logged model's, the eval table's)
+    checkpoint_metrics(ckpt, meta)   a checkpoint's measurements: what its registered version records
+    headlines(metrics)               each evaluation's headline number with its standard error
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from gptcore import evals
-from gptcore.checkpoints.run_files import finite
+from gptcore.checkpoints.run_files import EVAL_FILE, finite, val_loss_of
 from gptcore.config import RunConfig
+from gptcore.files import read_json
 
 
 def result_metrics(name: str, result) -> dict[str, float]:
@@ -82,3 +87,34 @@ def merge_evaluations(done: dict, new: dict, cfg: RunConfig, val: bool) -> dict:
             continue
         settings[name] = wanted
     return {**out, "settings": {"val": val_settings, "evaluations": settings}}
+
+
+def checkpoint_metrics(ckpt_dir: Path, meta: dict) -> dict[str, float]:
+    """The checkpoint's measurements, as metrics of its logged model: the val loss, and every evaluation's
+    numbers (each accuracy with its standard error, `<name>/<metric>_stderr`) from <ckpt>/eval.json (the
+    trainer's evaluation after the checkpoint, or the evaluate stage's), else from what meta.json recorded
+    under the evaluation's name (checkpoints written before eval.json existed). A non-finite val loss (a
+    diverged run) is left out, so such a version is never `best`."""
+    ev = read_json(ckpt_dir / EVAL_FILE, {})
+    values = {"val/loss": val_loss_of(ckpt_dir, meta), "train/step": meta["step"],
+              "train/tokens_seen": meta.get("tokens_seen"),
+              # what the run had cost at this step (gptcore/training/cost.py); absent in older checkpoints
+              "train/gpu_hours": meta.get("gpu_hours"), "train/cost_usd": meta.get("cost_usd")}
+    for name in evals.EVALUATIONS:
+        result = ev.get(name)
+        if not isinstance(result, dict) or "skipped" in result:  # none here: what an older meta.json recorded
+            result = meta.get(name) or result
+        values.update(result_metrics(name, result))
+    return {k: float(v) for k, v in values.items() if v is not None and not isinstance(v, bool)}
+
+
+def headlines(metrics: dict[str, float]) -> dict[str, str]:
+    """Each evaluation's headline metric among a version's metrics, with its standard error
+    ("hellaswag/acc_norm": "0.2950 ± 0.0046"): the numbers a registration reports."""
+    out = {}
+    for ev in evals.EVALUATIONS.values():
+        key = ev.headline_key
+        if key and key in metrics:
+            se = metrics.get(f"{key}_stderr")
+            out[key] = f"{metrics[key]:.4f}" + (f" ± {se:.4f}" if se is not None else "")
+    return out

@@ -24,8 +24,8 @@ import torch
 
 from gptcore import distributed, evals
 from gptcore.config import RunConfig
-from gptcore.evals.evaluate import mean_loss, validation_sums
 from gptcore.evals.record import eval_settings, result_metrics
+from gptcore.evals.validation import mean_loss, validation_sums
 from gptcore.model.gpt import GPT, evaluating
 from gptcore.model.tokenizer import decode, encode
 from gptcore.training.guard import FaultInjector

@@ -29,10 +29,10 @@ from lm_eval.api.task import Task
 from lm_eval.tasks import TaskManager, get_task_dict
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from gptcore.config import check_code_path
 from gptcore.evals.scorers.harness_scoring import BATCH_TOKENS, continuation_scores, scoring_context
 from gptcore.model.gpt import GPT, unwrap
 from gptcore.model.tokenizer import EOT, get_encoding
+from gptcore.security import check_code_path
 
 log = logging.getLogger(__name__)
 
