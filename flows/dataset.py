@@ -30,7 +30,6 @@ from gptcore.data import build, location
 from gptcore.data.shard_format import Manifest
 from gptcore.overrides import as_config
 from integrations.progress import PieceProgress, artifact_key
-from tasks.download import download_task
 from tasks.stage import FlowRun, Stage
 from tasks.tokenize import tokenize_piece_task
 
@@ -54,7 +53,7 @@ def tokenize_flow(cfg: dict) -> str:
 
 def tokenize_dataset(cfg: RunConfig | dict, task_runner: TaskRunner | None = None) -> str:
     """Run the `tokenize` flow (as a subflow when called inside a flow); returns the dataset directory.
-    Returns at once when the dataset is already complete (what the data stage's `stored` asks)."""
+    Returns at once when the dataset is already complete (what the tokenize stage's `stored` asks)."""
     c = as_config(cfg)
     if location.why_incomplete(c) is None:
         return str(location.dataset_dir(c))
@@ -74,7 +73,7 @@ def dask_runner(address: str):
     return DaskTaskRunner(address=address)
 
 
-# --- the pretrain flow's data stage (tasks/stage.py) ------------------------------------------------
+# --- the pretrain flow's tokenize stage (tasks/stage.py) ------------------------------------------------
 
 @dataclass
 class Dataset:
@@ -90,17 +89,17 @@ def describe(dataset_dir: str) -> Dataset:
                                        for split in ("train", "val")})
 
 
-class DataStage(Stage):
-    """download + tokenize-and-shard: stored when the dataset's manifest is complete and its shards check
-    out; tokenized on the Dask cluster at `dask_address` when one is given; the shard table artifact."""
-    name = "data"
+class TokenizeStage(Stage):
+    """tokenize-and-shard the downloaded source: stored when the dataset's manifest is complete and its
+    shards check out; tokenized on the Dask cluster at `dask_address` when one is given; the shard table
+    artifact."""
+    name = "tokenize"
 
     def stored(self, run: FlowRun) -> Dataset | None:
         complete = location.why_incomplete(run.cfg) is None
         return describe(str(location.dataset_dir(run.cfg))) if complete else None
 
     def work(self, run: FlowRun) -> Dataset:
-        download_task(run.cfg.to_dict())
         return describe(tokenize_dataset(run.cfg.to_dict(), task_runner=dask_runner(run.dask_address)))
 
     def reason(self, run: FlowRun, d: Dataset, ran: bool) -> str:
@@ -114,4 +113,4 @@ class DataStage(Stage):
         run.dataset_dir, run.tokens = d.dir, d.tokens
 
 
-STAGE = DataStage()
+STAGE = TokenizeStage()

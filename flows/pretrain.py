@@ -10,8 +10,9 @@ continues where it stopped. Every stage is a `Stage` (tasks/stage.py) in its own
 only composes them (STAGES): each first looks for its verified result (`stored`) and is skipped with the
 reason when it finds it, else does its work; either way it leaves one result on the FlowRun for the next:
 
-    data       flows/dataset.py: the dataset's manifest is complete and its shards check out (else download
-               and tokenize-and-shard)
+    download   tasks/download.py: not needed once the dataset is complete (else fetch and verify the source)
+    tokenize   flows/dataset.py: the dataset's manifest is complete and its shards check out (else
+               tokenize-and-shard the source, pieces mapped over a process pool or a Dask cluster)
     train      tasks/train.py: DONE + a checkpoint for this run identity (else the trainer resumes from its
                newest checkpoint)
     evaluate   tasks/evaluate.py: <checkpoint>/eval.json holds each part (validation, each evaluation) with
@@ -37,6 +38,7 @@ from pathlib import Path
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
+import tasks.download
 import tasks.evaluate
 import tasks.generate
 import tasks.register
@@ -92,8 +94,8 @@ def check_params(nproc: int, wait_seconds: float, model_name: str, dask_address:
 
 
 # the stages in order (each says which flow parameter, if any, turns it off)
-STAGES: list[Stage] = [dataset.STAGE, tasks.train.STAGE, tasks.evaluate.STAGE, tasks.register.STAGE,
-                       tasks.generate.STAGE]
+STAGES: list[Stage] = [tasks.download.STAGE, dataset.STAGE, tasks.train.STAGE, tasks.evaluate.STAGE,
+                       tasks.register.STAGE, tasks.generate.STAGE]
 
 
 @flow(name="pretrain", log_prints=True)

@@ -1,5 +1,5 @@
 """Prefect stage: tokenize-and-shard. The `tokenize-piece` task (one source piece, skipped when already
-verified); flows/dataset.py maps it over the pieces, cuts the shards, and is the pretrain flow's data stage.
+verified); flows/dataset.py maps it over the pieces, cuts the shards, and is the pretrain flow's tokenize stage.
 """
 
 from __future__ import annotations

@@ -46,7 +46,8 @@ def test_make_demo_runs_the_shipped_deployment_then_reuses_and_stops(tmp_path):
         # the shipped recipe: tiny-cpu, 120 steps, evaluated, registered, sampled
         assert field(out, "run").startswith("tiny-cpu  (step 120, DONE)")
         # the trainer evaluated its last checkpoint (HellaSwag skipped offline counts as done): the stage finds it
-        assert field(out, "stages") == "data ran, train ran, evaluate skipped, register ran, sample ran"
+        assert field(out, "stages") == "download ran, tokenize ran, train ran, evaluate skipped, register ran, " \
+                                       "sample ran"
         assert field(out, "evaluations").startswith("hellaswag: ")  # each evaluation's own summary line
         val = float(field(out, "final val loss"))
         hours = field(out, "GPU-hours")  # the run's device-hours, its cost (no price set) and its ETA (done)
@@ -68,8 +69,8 @@ def test_make_demo_runs_the_shipped_deployment_then_reuses_and_stops(tmp_path):
         out2 = second.stdout
         assert "already deployed:" in out2
         assert (field(out2, "Prefect UI"), field(out2, "MLflow UI")) == (prefect_ui, mlflow_ui)
-        assert field(out2, "stages") == "data skipped, train skipped, evaluate skipped, register skipped, " \
-                                        "sample skipped"
+        assert field(out2, "stages") == "download skipped, tokenize skipped, train skipped, evaluate skipped, " \
+                                        "register skipped, sample skipped"
         assert float(field(out2, "final val loss")) == val and field(out2, "MLflow model") == "models:/tiny-cpu/1"
         after = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file() and p.name != "train.lock"}
         assert after == before

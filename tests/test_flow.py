@@ -103,8 +103,8 @@ def test_end_to_end_then_rerun_is_a_no_op(prefect_stack):
     assert summary["step"] == 8 and summary["done"] is True
     # the trainer evaluated its last checkpoint (val + HellaSwag); the stage added only the harness tasks,
     # which the trainer does not run (eval.harness.interval=0), as their own task run
-    assert summary["stages"] == {"data": "ran", "train": "ran", "evaluate": "ran", "register": "ran",
-                                 "sample": "ran"}
+    assert summary["stages"] == {"download": "ran", "tokenize": "ran", "train": "ran", "evaluate": "ran",
+                                 "register": "ran", "sample": "ran"}
     evaluation = json.loads((Path(summary["checkpoint"]) / "eval.json").read_text())
     assert evaluation["by"] == "trainer"
     assert set(evaluation["settings"]["evaluations"]) == {"hellaswag", "harness"}
@@ -163,13 +163,15 @@ def test_end_to_end_then_rerun_is_a_no_op(prefect_stack):
     fr2 = run_deployment_and_wait(params)
     assert fr2.state.is_completed(), fr2.state.message
     s2 = {r["key"]: json.loads(r["value"]) for r in artifacts(fr2.id)["pretrain-summary"]}
-    assert s2["stages"] == {s: "skipped" for s in ("data", "train", "evaluate", "register", "sample")}
+    assert s2["stages"] == {s: "skipped" for s in ("download", "tokenize", "train", "evaluate", "register", "sample")}
     assert s2["model_version"] == "models:/micro-e2e/1" and s2["val_loss"] == summary["val_loss"]
     # every stage is still a task run in the UI's graph: completed at once, "Skipped", with the reason
     skipped = task_run_states(fr2.id)
-    assert sorted(skipped) == ["data", "evaluate step 8", "register micro-e2e step 8", "sample", "train e2e"], skipped
+    assert sorted(skipped) == ["download", "evaluate step 8", "register micro-e2e step 8", "sample", "tokenize",
+                              "train e2e"], skipped
     assert all(t == "COMPLETED" and n == "Skipped" and m.startswith("skipped: ") for t, n, m in skipped.values())
-    assert "train tokens" in skipped["data"][2] and "is DONE at step 8" in skipped["train e2e"][2]
+    assert "train tokens" in skipped["tokenize"][2] and "is DONE at step 8" in skipped["train e2e"][2]
+    assert "not needed: the dataset" in skipped["download"][2]  # the source is not re-checked for a complete dataset
     # no work, asserted as work: no task but the Skipped markers ran (above), no file changed (below), and the
     # flow process imports neither torch nor mlflow (the probe at the end); not a number of seconds
     after = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file() and p.name != "train.lock"}

@@ -182,7 +182,7 @@ def test_every_stage_is_a_stage_in_its_own_module_and_the_flow_only_composes_the
     from flows import pretrain
     from tasks.stage import Stage
 
-    assert [s.name for s in pretrain.STAGES] == ["data", "train", "evaluate", "register", "sample"]
+    assert [s.name for s in pretrain.STAGES] == ["download", "tokenize", "train", "evaluate", "register", "sample"]
     homes = [type(s).__module__ for s in pretrain.STAGES]
     assert homes == ["flows.dataset", "tasks.train", "tasks.evaluate", "tasks.register", "tasks.generate"]
     for stage in pretrain.STAGES:
