@@ -184,7 +184,8 @@ def test_every_stage_is_a_stage_in_its_own_module_and_the_flow_only_composes_the
 
     assert [s.name for s in pretrain.STAGES] == ["download", "tokenize", "train", "evaluate", "register", "sample"]
     homes = [type(s).__module__ for s in pretrain.STAGES]
-    assert homes == ["flows.dataset", "tasks.train", "tasks.evaluate", "tasks.register", "tasks.generate"]
+    assert homes == ["tasks.download", "flows.dataset", "tasks.train", "tasks.evaluate", "tasks.register",
+                     "tasks.generate"]
     for stage in pretrain.STAGES:
         assert isinstance(stage, Stage) and type(stage).stored is not Stage.stored, stage
     for module in ("tokenize", "train", "evaluate", "register", "generate"):
