@@ -98,7 +98,8 @@ def _read_checkpoint(ckpt_dir: Path) -> tuple[dict, str, Path]:
     model.safetensors + meta.json (what a version logs): the step itself, or for a sharded step (FSDP2)
     its consolidation, written once on the CPU from the verified shards (checkpoint.consolidate). Why here
     and not in the trainer: only registered steps need one file, and the trainer never gathers the model."""
-    if (ckpt_dir / "meta.json").is_file() and read_meta(ckpt_dir).get("format") == SHARDED:
+    meta = read_meta(ckpt_dir) if (ckpt_dir / "meta.json").is_file() else {}
+    if meta.get("format") == SHARDED:
         from gptcore.checkpoints.checkpoint import consolidate  # torch: only for a sharded step's first registration
 
         try:
@@ -112,9 +113,8 @@ def _read_checkpoint(ckpt_dir: Path) -> tuple[dict, str, Path]:
         raise RegistryError(f"{ckpt_dir} is not a checkpoint (needs meta.json and model.safetensors, or a "
                             "sharded step's shards/); pass a directory like "
                             "<home>/runs/<run>/checkpoints/step_00001000")
-    meta = read_meta(ckpt_dir)
     sha = file_sha256(whole / "model.safetensors")
-    recorded = read_meta(whole).get("model_sha256")
+    recorded = (meta if whole == ckpt_dir else read_meta(whole)).get("model_sha256")
     if recorded and recorded != sha:
         raise RegistryError(f"{whole}/model.safetensors has sha256 {sha} but its meta.json records "
                             f"{recorded}: the checkpoint is corrupt; register another one")

@@ -72,7 +72,8 @@ def start_save(tmp: Path, model: torch.nn.Module, optimizer, group) -> Future | 
     non-finite weights)."""
     target = unwrap(model)
     weights, optim = get_state_dict(target, optimizer)
-    finite = all(bool(torch.isfinite(_local(v)).all()) for v in weights.values() if v.is_floating_point())
+    checks = [torch.isfinite(_local(v)).all() for v in weights.values() if v.is_floating_point()]
+    finite = bool(torch.stack(checks).all()) if checks else True  # one host read, not one per tensor
     if not all(distributed.all_gather_object(finite)):
         return None
     return dcp.async_save({"model": weights, "optim": optim}, checkpoint_id=str(Path(tmp) / SHARDS_DIR),
