@@ -304,3 +304,37 @@ def test_a_sharded_step_is_written_whole_verified_per_file_loaded_anywhere_and_c
             C.load_for_resume(step, plain)
     finally:
         dist.destroy_process_group()
+
+
+def test_a_whole_checkpoint_loads_into_a_sharded_model_and_its_optimizer(tmp_path):
+    """ddp -> fsdp: a whole step (written by DDP or one rank) goes into an FSDP2 model's shards, weights
+    and AdamW moments both (parallel.load_optimizer), in one process on one gloo rank."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from gptcore.training import parallel
+
+    plain, plain_opt = trained_model(seed=1)
+    ck = save(tmp_path, 3, plain, plain_opt)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(2)  # other weights than the checkpoint's
+        m = GPT(model_preset("micro"))
+        mesh = init_device_mesh("cpu", (1,))
+        for block in m.transformer.h:
+            fully_shard(block, mesh=mesh)
+        fully_shard(m, mesh=mesh)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        state = C.load_for_resume(ck, m, load=False)[1]  # what rank 0 checks before every rank loads
+        C.load_into(m, ck)
+        parallel.load_optimizer(m, opt, state["optimizer"])
+        full = StateDictOptions(full_state_dict=True)
+        got = get_model_state_dict(m, options=full)
+        assert all(torch.equal(got[k], v) for k, v in plain.state_dict().items())
+        moments = get_optimizer_state_dict(m, opt, options=full)["state"]
+        want = get_optimizer_state_dict(plain, plain_opt, options=full)["state"]
+        assert moments.keys() == want.keys() and all(
+            torch.equal(moments[k]["exp_avg"], want[k]["exp_avg"]) for k in want)
+    finally:
+        dist.destroy_process_group()
