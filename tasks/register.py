@@ -45,8 +45,9 @@ from prefect.cache_policies import NO_CACHE
 from gptcore.checkpoints.run_files import (
     CONSOLIDATED_DIR,
     RUN_FILE,
-    SHARDED,
     CheckpointError,
+    consolidation_source,
+    is_sharded,
     read_meta,
 )
 from gptcore.config import ConfigError
@@ -99,7 +100,7 @@ def _read_checkpoint(ckpt_dir: Path) -> tuple[dict, str, Path]:
     its consolidation, written once on the CPU from the verified shards (checkpoint.consolidate). Why here
     and not in the trainer: only registered steps need one file, and the trainer never gathers the model."""
     meta = read_meta(ckpt_dir) if (ckpt_dir / "meta.json").is_file() else {}
-    if meta.get("format") == SHARDED:
+    if is_sharded(meta):
         from gptcore.checkpoints.checkpoint import consolidate  # torch: only for a sharded step's first registration
 
         try:
@@ -124,10 +125,10 @@ def _read_checkpoint(ckpt_dir: Path) -> tuple[dict, str, Path]:
 def _known_sha(ckpt_dir: Path, meta: dict) -> str | None:
     """The whole model's sha256 as recorded (no hashing, no torch): meta.json's, or a sharded step's
     consolidation's. None for a sharded step not consolidated yet, which no registration has seen."""
-    if meta.get("format") != SHARDED:
+    if not is_sharded(meta):
         return meta.get("model_sha256")
     done = read_json(ckpt_dir / CONSOLIDATED_DIR / "meta.json", {})
-    same = done.get("consolidated_from") == {k: meta.get(k) for k in ("shards_sha256", "trainer_sha256")}
+    same = done.get("consolidated_from") == consolidation_source(meta)
     return done.get("model_sha256") if same else None
 
 
@@ -319,7 +320,7 @@ def registered_version(ckpt_dir: str | Path, model_name: str | None = None,
     ckpt_dir = Path(ckpt_dir)
     meta = read_meta(ckpt_dir)
     sha = _known_sha(ckpt_dir, meta)
-    if sha is None and meta.get("format") != SHARDED:  # a whole checkpoint that records none: hash the file
+    if sha is None and not is_sharded(meta):  # a whole checkpoint that records none: hash the file
         sha = _read_checkpoint(ckpt_dir)[1]
     if sha is None:
         return None  # a sharded step not consolidated yet: never registered

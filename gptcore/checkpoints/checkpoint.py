@@ -44,6 +44,8 @@ from gptcore.checkpoints.run_files import (
     CheckpointError,
     best_checkpoint,
     checkpoints_dir,
+    consolidation_source,
+    is_sharded,
     list_checkpoints,
     newest_healthy,
     read_meta,
@@ -205,7 +207,7 @@ def load_for_resume(ckpt_dir: Path, model: torch.nn.Module, load: bool = True) -
 
 def _load_for_resume(ckpt_dir: Path, model: torch.nn.Module, load: bool) -> tuple[dict, dict]:
     meta = read_meta(ckpt_dir)
-    if sharded.is_sharded(meta):
+    if is_sharded(meta):
         return meta, _load_sharded(ckpt_dir, meta, model, load)
     for name in (MODEL_FILE, TRAINER_FILE):
         if not (ckpt_dir / name).is_file():
@@ -229,7 +231,7 @@ def _load_sharded(ckpt_dir: Path, meta: dict, model: torch.nn.Module, load: bool
     sharded.check_fits(ckpt_dir, model)
     state = load_trainer_state(ckpt_dir)
     if load:
-        load_into(model, ckpt_dir)
+        sharded.load_weights(model, ckpt_dir)
     # restore() reads the optimizer's state from the shards once the optimizer exists
     return {**state, "optimizer_shards": str(ckpt_dir)}
 
@@ -237,7 +239,7 @@ def _load_sharded(ckpt_dir: Path, meta: dict, model: torch.nn.Module, load: bool
 def load_into(model: torch.nn.Module, ckpt_dir: Path) -> None:
     """A verified checkpoint's weights into `model`, whichever format the step has (collective for a
     sharded model: every rank calls it)."""
-    if sharded.is_sharded(read_meta(ckpt_dir)):
+    if is_sharded(read_meta(ckpt_dir)):
         sharded.load_weights(model, ckpt_dir)
     else:
         load_weights(model, ckpt_dir / MODEL_FILE)
@@ -270,7 +272,7 @@ def load_model(ckpt_dir: Path, device="cpu", verify: bool = True) -> tuple[GPT, 
         raise CheckpointError(f"{ckpt_dir}/{META_FILE} has no usable model_config ({e}); the checkpoint is "
                               "corrupt or was not written by this pipeline") from e
     model = GPT(model_cfg)
-    if sharded.is_sharded(meta):  # the whole model from every rank's shard, in this process alone
+    if is_sharded(meta):  # the whole model from every rank's shard, in this process alone
         if verify:
             sharded.verify(ckpt_dir, meta)
         sharded.check_fits(ckpt_dir, model)
@@ -292,10 +294,10 @@ def consolidate(ckpt_dir: Path) -> Path:
     same. Its meta.json is the step's with the consolidated file's model_sha256 and no shard list."""
     ckpt_dir = Path(ckpt_dir)
     meta = read_meta(ckpt_dir)
-    if not sharded.is_sharded(meta):
+    if not is_sharded(meta):
         return ckpt_dir
     out = ckpt_dir / CONSOLIDATED_DIR
-    source = {k: meta[k] for k in ("shards_sha256", "trainer_sha256")}
+    source = consolidation_source(meta)
     if (out / META_FILE).is_file() and (out / MODEL_FILE).is_file():
         done = read_meta(out)
         if done.get("consolidated_from") == source and file_sha256(out / MODEL_FILE) == done.get("model_sha256"):

@@ -31,6 +31,17 @@ CONSOLIDATED_DIR = "consolidated"  # a sharded step's whole model, once register
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 
+def is_sharded(meta: dict) -> bool:
+    """Whether a step's meta.json describes a sharded step (gptcore/checkpoints/sharded.py)."""
+    return meta.get("format") == SHARDED
+
+
+def consolidation_source(meta: dict) -> dict:
+    """What a sharded step's consolidated model was made from (its consolidated/meta.json records it):
+    reused while this is the same, made again otherwise."""
+    return {k: meta.get(k) for k in ("shards_sha256", "trainer_sha256")}
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete, corrupt, or does not fit the model; the message says what."""
 

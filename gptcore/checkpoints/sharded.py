@@ -44,13 +44,9 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from gptcore import distributed
-from gptcore.checkpoints.run_files import META_FILE, SHARDED, SHARDS_DIR, CheckpointError
+from gptcore.checkpoints.run_files import META_FILE, SHARDS_DIR, CheckpointError
 from gptcore.files import READ_ERRORS, file_sha256
 from gptcore.model.gpt import unwrap
-
-
-def is_sharded(meta: dict) -> bool:
-    return meta.get("format") == SHARDED
 
 
 def saving_group():
