@@ -128,7 +128,8 @@ def test_the_family_row_trains_350m_and_1558m_depths_with_the_probe_and_checkpoi
     """A lease's second call (--rows family): gpt2-350m and gpt2-1558m through the trainer with
     micro_batch=auto, 1558m with selective activation checkpointing; on CPU at width 64 (the path only)."""
     out = tmp_path / "rows.json"
-    r = gpu_check("--device", "cpu", "--rows", "family", "--out", str(out), timeout=600)
+    r = gpu_check("--device", "cpu", "--rows", "family", "--family", "gpt2-350m:none,gpt2-1558m:selective", "--out",
+                  str(out), timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     (row,) = json.loads(out.read_text())["rows"]
     assert row["status"] == "info", row
@@ -145,6 +146,8 @@ def test_rows_past_the_budget_are_reported_not_run(tmp_path):
     assert "budget of 0 s was spent" in rows[0]["detail"]
     bad = gpu_check("--device", "cpu", "--rows", "nope", timeout=120)
     assert bad.returncode == 2 and "--rows: unknown nope" in bad.stderr
+    typo = gpu_check("--device", "cpu", "--rows", "family", "--family", "gpt2-774:none", timeout=120)
+    assert typo.returncode == 2 and "--family: gpt2-774:none is not a preset:checkpointing pair" in typo.stderr
 
 
 def test_a_run_past_the_deadline_is_killed_and_its_row_fails_without_ending_the_table(tmp_path):
