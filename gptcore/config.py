@@ -13,6 +13,7 @@ import typing
 from dataclasses import asdict, dataclass, field, fields
 
 # ConfigError is the security checks' error too, so it lives below this module (no import circle)
+from gptcore.coerce import coerce
 from gptcore.security import NAME_KEYS, ConfigError, check_name
 
 # Caps on a model's shape: gpt2-xl (48 layers, 25 heads, 1600 wide, 1.6B parameters) and room around it,
@@ -391,30 +392,7 @@ class RunConfig:
         return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 
 
-# --- a setting from text: the settings types convert what overrides and saved configs give ---------
-
-def coerce(value: str, typ: type, key: str):
-    """Turn an override string into the field's type, with an error that names the key."""
-    if typ == int | str:  # a number or a word (train.micro_batch: 16 or auto)
-        text = str(value).replace("_", "")
-        return int(text) if text.isdigit() else value
-    if isinstance(value, typ) and not (typ is int and isinstance(value, bool)):
-        return value
-    try:
-        if typ is bool:
-            if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on"):
-                return True
-            if isinstance(value, str) and value.lower() in ("0", "false", "no", "off"):
-                return False
-            raise ValueError(value)
-        if typ is int:
-            return int(str(value).replace("_", ""))
-        if typ is float:
-            return float(value)
-        return str(value)
-    except ValueError:
-        raise ConfigError(f"{key}={value!r} is not a valid {typ.__name__}") from None
-
+# --- an evaluation's field from text (overrides, presets, saved configs): typed through the registry ---
 
 def eval_option(name: str, option: str, value):
     """`value` typed as evaluation `name`'s field `option`; ConfigError for an evaluation or a field it lacks."""

@@ -17,12 +17,12 @@ import typing
 from dataclasses import fields
 from pathlib import Path
 
+from gptcore.coerce import coerce
 from gptcore.config import (
     EVAL_SECTIONS,
     ConfigError,
     EvalConfig,
     RunConfig,
-    coerce,
     eval_option,
 )
 from gptcore.presets import preset

@@ -214,17 +214,19 @@ def test_no_module_of_an_entrypoint_folder_shadows_the_standard_library():
 
 def test_config_holds_settings_only():
     """gptcore/config.py is the settings classes and their checks: the presets (presets.py), the parsing of
-    files and overrides (overrides.py), the security checks on names and code folders (security.py) and
-    the pipeline home (files.py) each live in their own module, and the flow's write-directory policy and
-    MLflow links in integrations/ (write_dirs.py, mlflow_links.py), not in flows/pretrain.py."""
+    files and overrides (overrides.py), a value from text (coerce.py), the security checks on names and code
+    folders (security.py) and the pipeline home (files.py) each live in their own module, and the flow's
+    write-directory policy and MLflow links in integrations/ (write_dirs.py, mlflow_links.py), not in
+    flows/pretrain.py."""
     import gptcore.config as config
     from flows import pretrain
 
     own = {n for n, v in vars(config).items() if getattr(v, "__module__", None) == "gptcore.config"}
     elsewhere = {"check_name", "check_code_path", "code_roots", "MODEL_PRESETS", "PRESETS", "preset", "model_preset",
-                 "load_config", "apply_overrides", "from_dict", "flatten", "RENAMED_KEYS", "pipeline_home"}
+                 "load_config", "apply_overrides", "from_dict", "flatten", "RENAMED_KEYS", "pipeline_home",
+                 "coerce"}
     assert not own & elsewhere, own & elsewhere
-    assert not {n for n in elsewhere if n in vars(config) and n not in ("check_name",)}, "config re-exports"
+    assert not {n for n in elsewhere if n in vars(config) and n not in ("check_name", "coerce")}, "config re-exports"
     flow_own = {n for n, v in vars(pretrain).items() if getattr(v, "__module__", None) == "flows.pretrain"}
     assert not flow_own & {"check_write_dirs", "check_not_protected", "server_dirs", "owning_run", "mlflow_links",
                            "flow_links"}, flow_own
