@@ -102,6 +102,7 @@ def test_the_lease_script_runs_every_row_on_cpu_on_a_bare_image_and_keeps_everyt
     assert order[:4] == ["reference", "train gpt2-shaped", "outside steps gpt2-shaped", "harness parity"], order
     assert "RuntimeError: injected failure (--fail-row)" in table
     assert "killed mid-run: True" in table and "auto dtype float32)" in table
+    assert "8 synthetic examples each" in table  # no real HellaSwag offline: the synthetic set, not the fixture
     assert "consistency check" in table and "micro: micro_batch 8 of at most 8" in table and "loss=plain" in table
     assert "over 2 alternated rounds (ABBA;" in table and "reference: our stand-in" in table
     assert "micro-batch ours 2 (2) vs reference 2" in table
@@ -209,3 +210,37 @@ def test_the_reference_runs_to_its_last_step_and_saves_its_checkpoint(tmp_path):
                              "c = torch.load(sys.argv[1], weights_only=False)['config']; print(c.n_embd)",
                              str(cwd / "log" / "model_00003.pt")], capture_output=True, text=True, timeout=120)
     assert loaded.stdout.strip() == "32", loaded.stderr[-2000:]
+
+
+def test_the_synthetic_hellaswag_costs_per_example_what_the_whole_set_does(tmp_path):
+    """The outside-steps row times HellaSwag per example and projects it to 10,042 examples; on a device
+    without the real file it scores the synthetic set. Counted in padded tokens through the scorer's own
+    bucketing at CUDA's batch (the forwards a GPU runs), 1,000 synthetic examples cost within 10% of
+    10,042 per example, while the 7-example fixture that leases 1-3 timed cost over twice as much (one
+    8,192-token forward for 7 examples): its projection overstated HellaSwag's share."""
+    import math
+
+    from benchmarks.gpu_check import FIXTURE, SYNTHETIC_EXAMPLES, synthetic_hellaswag
+    from gptcore.evals.scorers.hellaswag import bucket_lengths, example_rows, make_example, read_records
+
+    def padded_per_example(path: Path) -> float:
+        records, buckets, per_bucket = read_records(path), bucket_lengths(1024), {}
+        for r in records:
+            longest = max(len(t) for t, _ in example_rows(make_example(*r), 1024))
+            b = next(x for x in buckets if x >= longest)
+            per_bucket[b] = per_bucket.get(b, 0) + 1
+        tokens = 0
+        for length, n in per_bucket.items():
+            per_batch = max(1, 8192 // (4 * length))  # the scorer's examples per forward on CUDA
+            tokens += math.ceil(n / per_batch) * 4 * per_batch * length
+        return tokens / len(records)
+
+    lease = synthetic_hellaswag(tmp_path / "lease.jsonl", SYNTHETIC_EXAMPLES["cuda"])
+    whole = synthetic_hellaswag(tmp_path / "whole.jsonl", 10_042)
+    assert len(read_records(lease)) == 1000 and len(read_records(whole)) == 10_042
+    lengths = [len(t) for r in read_records(lease) for t, _ in example_rows(make_example(*r), 1024)]
+    assert min(lengths) < 40 and max(lengths) > 150  # HellaSwag's range of row lengths, ~30-160 tokens
+    assert padded_per_example(lease) <= 1.10 * padded_per_example(whole)
+    assert padded_per_example(FIXTURE) > 2 * padded_per_example(whole)
+    before = lease.read_bytes()
+    assert synthetic_hellaswag(lease, 5) == lease and lease.read_bytes() == before  # written once
