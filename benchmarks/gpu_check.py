@@ -77,7 +77,7 @@ FIXTURE = ROOT / "tests" / "fixtures" / "hellaswag_mini.jsonl"
 STANDIN = ROOT / "benchmarks" / "reference_standin.py"
 HELLASWAG_LIMIT = 200  # examples scored per HellaSwag evaluation when the real dataset is cached
 # examples of the synthetic set when it is not (the device machine has no internet): enough full batches that
-# the per-example time is a full batch's (the few padded last batches of each length add ~10% on CUDA)
+# the per-example time is a full batch's (the padded last batch of each length adds ~5% on CUDA)
 SYNTHETIC_EXAMPLES = {"cuda": 1000, "cpu": 8}
 SYNTHETIC_FILE = "hellaswag_synthetic.jsonl"
 HELLASWAG_FULL = 10_042  # examples in HellaSwag's validation split: what gpt2-124m's evaluations score
@@ -275,9 +275,10 @@ def synthetic_hellaswag(path: Path, n: int) -> Path:
     """`n` HellaSwag-format examples with the real set's spread of lengths, made of the fixture's words: what
     the outside-steps row times HellaSwag on when the real file is not cached. Its time per example must come
     from full batches: the 7-example fixture, which leases 1-3 scored, filled 7 of the 64 example slots of
-    the one CUDA batch it made (8,192 tokens at length 32), so its time per example was several times a full
-    batch's, and the projection to 10,042 examples with it. Contexts of 15-90 words and endings of 5-35
-    (rows of ~30-160 tokens, HellaSwag's range); the text is noise: the accuracy means nothing, the time does.
+    the one CUDA batch it made (8,192 tokens at length 32): 2.2x the padded tokens per example of a whole
+    set's batches, and the projection to 10,042 examples was overstated with it. Contexts of 15-90 words and
+    endings of 5-35 (rows of ~30-160 tokens, HellaSwag's range); the text is noise: the accuracy means nothing,
+    the time does.
     Written once (to a temporary name, then renamed)."""
     import random
 
