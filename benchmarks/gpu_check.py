@@ -674,15 +674,17 @@ FAMILY_STEPS = 8  # per size; tokens/s from the steps after WARM (compile)
 
 
 def family_sizes(text: str) -> list[tuple[str, str]]:
-    """'preset:checkpointing,...' as (preset, mode) pairs, refused with the choices when a name is unknown."""
+    """'preset:checkpointing,...' as (preset, mode) pairs, each checked by the config itself (its presets and
+    train.activation_checkpointing's choices), refused with its reason otherwise."""
     from gptcore.config import ConfigError
-    from gptcore.presets import PRESETS
+    from gptcore.overrides import load_config
 
     pairs = [tuple(item.split(":", 1)) if ":" in item else (item, "none") for item in text.split(",") if item]
     for preset, mode in pairs:
-        if preset not in PRESETS or mode not in ("none", "selective", "full"):
-            raise ConfigError(f"--family: {preset}:{mode} is not a preset:checkpointing pair; presets "
-                              f"{', '.join(sorted(PRESETS))}, checkpointing none, selective or full")
+        try:
+            load_config(preset, {"train.activation_checkpointing": mode})
+        except ConfigError as e:
+            raise ConfigError(f"--family: {preset}:{mode} is not a preset:checkpointing pair ({e})") from None
     return pairs
 
 

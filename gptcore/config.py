@@ -12,8 +12,9 @@ import json
 import typing
 from dataclasses import asdict, dataclass, field, fields
 
-# ConfigError is the security checks' error too, so it lives below this module (no import circle)
 from gptcore.coerce import coerce
+
+# ConfigError is the security checks' error too, so it lives below this module (no import circle)
 from gptcore.security import NAME_KEYS, ConfigError, check_name
 
 # Caps on a model's shape: gpt2-xl (48 layers, 25 heads, 1600 wide, 1.6B parameters) and room around it,
