@@ -44,6 +44,7 @@ from prefect.cache_policies import NO_CACHE
 
 from gptcore.checkpoints.run_files import (
     CONSOLIDATED_DIR,
+    META_FILE,
     RUN_FILE,
     CheckpointError,
     consolidation_source,
@@ -99,7 +100,7 @@ def _read_checkpoint(ckpt_dir: Path) -> tuple[dict, str, Path]:
     model.safetensors + meta.json (what a version logs): the step itself, or for a sharded step (FSDP2)
     its consolidation, written once on the CPU from the verified shards (checkpoint.consolidate). Why here
     and not in the trainer: only registered steps need one file, and the trainer never gathers the model."""
-    meta = read_meta(ckpt_dir) if (ckpt_dir / "meta.json").is_file() else {}
+    meta = read_meta(ckpt_dir) if (ckpt_dir / META_FILE).is_file() else {}
     if is_sharded(meta):
         from gptcore.checkpoints.checkpoint import consolidate  # torch: only for a sharded step's first registration
 
@@ -110,7 +111,7 @@ def _read_checkpoint(ckpt_dir: Path) -> tuple[dict, str, Path]:
                                 "checkpoint") from e
     else:
         whole = ckpt_dir
-    if not (whole / "meta.json").is_file() or not (whole / "model.safetensors").is_file():
+    if not (whole / META_FILE).is_file() or not (whole / "model.safetensors").is_file():
         raise RegistryError(f"{ckpt_dir} is not a checkpoint (needs meta.json and model.safetensors, or a "
                             "sharded step's shards/); pass a directory like "
                             "<home>/runs/<run>/checkpoints/step_00001000")
@@ -127,7 +128,7 @@ def _known_sha(ckpt_dir: Path, meta: dict) -> str | None:
     consolidation's. None for a sharded step not consolidated yet, which no registration has seen."""
     if not is_sharded(meta):
         return meta.get("model_sha256")
-    done = read_json(ckpt_dir / CONSOLIDATED_DIR / "meta.json", {})
+    done = read_json(ckpt_dir / CONSOLIDATED_DIR / META_FILE, {})
     same = done.get("consolidated_from") == consolidation_source(meta)
     return done.get("model_sha256") if same else None
 
@@ -194,7 +195,7 @@ def _log_model(mlc, uri: str, ckpt_dir: Path, whole: Path, meta: dict, name: str
             # the inference weights: the checkpoint without its trainer state
             ck = Path(tmp) / "checkpoint"
             ck.mkdir()
-            for f in ("model.safetensors", "meta.json"):
+            for f in ("model.safetensors", META_FILE):
                 shutil.copy2(whole / f, ck / f)
             mlflow.pyfunc.log_model(
                 name=name, python_model=str(MODEL_FILE), artifacts={"checkpoint": str(ck)},
