@@ -182,6 +182,9 @@ def worker_env(extra: dict | None = None) -> dict:
     return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(extra or {})}
 
 
+OURS_ENV: dict = {}  # --ours-env: a setting tried on our side of the reference row only (say, an Inductor knob)
+
+
 def compile_cache(work: Path, side: str) -> dict:
     """The reference's own Inductor/Triton cache, shared by its rounds; ours use the one main sets for every
     run of the project's code (its train rows too). The second run of a side skips most of its compile: wall
@@ -488,7 +491,7 @@ def run_ours(work: Path, dataset: Path, device: str, shape: dict, name: str) -> 
                  "eval.sample_interval": 0, "eval.sample_tokens": 8,
                  **{f"model.{k}": v for k, v in shape["model"].items()}}
     proc = subprocess.Popen(torchrun_cmd(shape["preset"], overrides, 1), cwd=ROOT,
-                            env=worker_env(compile_cache(work, "ours")), stdout=open(log, "w"),
+                            env=worker_env({**compile_cache(work, "ours"), **OURS_ENV}), stdout=open(log, "w"),
                             stderr=subprocess.STDOUT, start_new_session=True)
     rc = wait(proc, 600)
     rows = [r for r in read_metrics(run / "metrics.jsonl", "train") if WARM < r["step"] < REFERENCE_STEPS]
@@ -566,7 +569,8 @@ def check_reference(work: Path, dataset: Path, device: str, file: Path | None, r
               f"MFU {fpt * ours_tps / rate:.1%} vs {fpt * ref_tps / rate:.1%} of the {rate / 1e12:.1f} TFLOP/s "
               f"matmul rate measured now{memory}; micro-batch ours {'/'.join(map(str, sizes))} "
               f"({shape['ours_micro']}) vs reference {shape['B']}, T={shape['T']}, {shape['total']:,}-token "
-              f"steps, compile={shape['compile']}; reference: {which}")
+              f"steps, compile={shape['compile']}; reference: {which}"
+              + (f"; ours with {' '.join(f'{k}={v}' for k, v in OURS_ENV.items())}" if OURS_ENV else ""))
     return (ratio >= REFERENCE_TARGET) if (real and device == "cuda") else None, detail
 
 
@@ -891,6 +895,9 @@ def main(argv: list[str] | None = None) -> int:
                                               "after each row (checkpoints and data left out)")
     ap.add_argument("--family", default=FAMILY, help="the family row's preset:checkpointing pairs, comma-separated "
                                                      f"(default {FAMILY})")
+    ap.add_argument("--ours-env", action="append", default=[], metavar="KEY=VALUE",
+                    help="set this in the environment of our side of the reference row only (repeatable): "
+                         "to measure a knob, e.g. TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1, against the reference")
     ap.add_argument("--speed-steps", type=int, default=20)
     ap.add_argument("--speed-rounds", type=int, default=3)
     ap.add_argument("--fail-row", help="make the named row raise (to test that the table survives it)")
@@ -908,6 +915,10 @@ def main(argv: list[str] | None = None) -> int:
     chosen = default if a.rows == "default" else set(ROWS) if a.rows == "all" else set(a.rows.split(","))
     if chosen - set(ROWS):
         ap.error(f"--rows: unknown {', '.join(sorted(chosen - set(ROWS)))}; choose from {', '.join(ROWS)}")
+    bad = [kv for kv in a.ours_env if "=" not in kv]
+    if bad:
+        ap.error(f"--ours-env {bad[0]!r}: write KEY=VALUE")
+    OURS_ENV.update(kv.split("=", 1) for kv in a.ours_env)
     from gptcore.config import ConfigError
 
     try:
@@ -920,7 +931,8 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda", 0) if a.device == "cuda" else torch.device("cpu")
     name = torch.cuda.get_device_name(0) if a.device == "cuda" else "CPU"
     autocast = str(select_dtype("auto", device)).removeprefix("torch.")
-    header = {"device": f"{ndev} x {name}", "torch": torch.__version__, "auto_dtype": autocast}
+    header = {"device": f"{ndev} x {name}", "torch": torch.__version__, "auto_dtype": autocast,
+              **({"ours_env": OURS_ENV} if OURS_ENV else {})}
     print(f"gpu_check on {ndev} x {name} (torch {torch.__version__}, auto dtype {autocast})", flush=True)
     tol = 5e-2 if a.device == "cuda" else 1e-4  # bf16 + compiled kernels vs fp32 CPU
     table = Table(a.out, header, a.budget_s, a.fail_row)

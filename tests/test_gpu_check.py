@@ -89,8 +89,8 @@ def test_the_lease_script_runs_every_row_on_cpu_on_a_bare_image_and_keeps_everyt
            "BUDGET_S": "1500", "DEADLINE_S": "1700", "PYTHON": sys.executable}
     (tmp_path / "work").mkdir()
     r = subprocess.run(["bash", "benchmarks/gpu_lease.sh", "--device", "cpu", "--work", str(tmp_path / "work"),
-                        "--fail-row", "harness parity"], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=1800)
+                        "--fail-row", "harness parity", "--ours-env", "TORCH_CPP_LOG_LEVEL=INFO"], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=1800)
     assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
     table = r.stdout.split("gpu_check on", 1)[1]
     for row in ("info    micro-batch auto", "PASS    train gpt2-shaped", "info    outside steps gpt2-shaped",
@@ -123,6 +123,11 @@ def test_the_lease_script_runs_every_row_on_cpu_on_a_bare_image_and_keeps_everyt
                  "micro/resume2.log"):
         assert name in kept, kept
     assert not any("checkpoints" in n or n.endswith((".pt", ".bin", ".npy")) for n in kept)
+    # --ours-env (a knob tried against the reference, lease 4) reaches our side of the row and only ours
+    assert rows["ours_env"] == {"TORCH_CPP_LOG_LEVEL": "INFO"} and "ours with TORCH_CPP_LOG_LEVEL=INFO" in table
+    with tarfile.open(out / "logs.tar.gz") as tar:
+        logs = {n: tar.extractfile(n).read().decode() for n in ("reference/ours-0.log", "reference/reference-0.log")}
+    assert "[c10d]" in logs["reference/ours-0.log"] and "[c10d]" not in logs["reference/reference-0.log"]
 
 
 def test_the_family_row_trains_350m_and_1558m_depths_with_the_probe_and_checkpointing(tmp_path):
