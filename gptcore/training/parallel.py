@@ -34,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gptcore import distributed
 from gptcore.config import RunConfig
-from gptcore.model.gpt import GPT
+from gptcore.model.gpt import GPT, build_on
 
 STATE_BYTES_PER_PARAM = 16  # fp32 weights 4 + gradients 4 + AdamW's two moments 8
 DDP_SHARE = 0.4  # auto: DDP while the states take at most this share of a rank's memory (activations need the rest)
@@ -159,7 +159,7 @@ class EvalReplica:
 
     def __init__(self, sharded: GPT, device: torch.device):
         self.sharded = sharded
-        self.model = GPT(sharded.config).to(device)
+        self.model = build_on(sharded.config, device)
 
     def refresh(self) -> None:
         full = get_model_state_dict(self.sharded, options=StateDictOptions(full_state_dict=True))

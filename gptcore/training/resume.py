@@ -27,7 +27,7 @@ from gptcore.data.loader import ShardLoader, open_dataset, verify_hashes
 from gptcore.data.location import SHARD_HASHES, dataset_dir  # the hash cache's name; the run dir keeps a copy
 from gptcore.data.shard_format import Manifest
 from gptcore.files import read_json
-from gptcore.model.gpt import GPT
+from gptcore.model.gpt import GPT, build_on
 from gptcore.runlock import RunLock
 from gptcore.training import parallel
 
@@ -71,7 +71,7 @@ def prepare(cfg: RunConfig, rank: int) -> Prepared | None:
             verify_or_rebuild(cfg, data_dir, manifest, run_dir / SHARD_HASHES)
         env = distributed.select(cfg.train)
         torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
-        model = GPT(cfg.model).to(env.device)
+        model = build_on(cfg.model, env.device)
         ckpt, trainer_state = resume_point(run_dir, model, master=rank == 0)
     except BaseException:
         if lock is not None:
