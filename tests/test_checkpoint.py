@@ -42,7 +42,10 @@ def test_roundtrip_tied_weight_stored_once(tmp_path):
         ["meta.json", "model.safetensors", "trainer.pt"]
     stored = load_file(ck / "model.safetensors")
     assert "transformer.wte.weight" in stored and "lm_head.weight" not in stored
+    rng = torch.random.get_rng_state()
     loaded, meta = C.load_model(ck)
+    # no random init drawn only to be overwritten (1.6 s a load at gpt2's size): the generator is untouched
+    assert torch.equal(torch.random.get_rng_state(), rng)
     assert same_weights(m, loaded)
     assert loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()  # still tied
     assert meta["step"] == 7 and meta["model_config"]["n_layer"] == 2 and len(meta["model_sha256"]) == 64

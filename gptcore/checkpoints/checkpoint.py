@@ -54,7 +54,7 @@ from gptcore.checkpoints.run_files import (
 )
 from gptcore.config import ConfigError, model_config_from
 from gptcore.files import READ_ERRORS, atomic_dir, file_sha256, hashed_write, publish_dir, start_dir, temp_name
-from gptcore.model.gpt import GPT, clean_state_dict, unwrap
+from gptcore.model.gpt import GPT, clean_state_dict, empty_on_host, unwrap
 
 MODEL_FILE = "model.safetensors"
 TRAINER_FILE = "trainer.pt"
@@ -271,7 +271,7 @@ def load_model(ckpt_dir: Path, device="cpu", verify: bool = True) -> tuple[GPT, 
     except (ConfigError, TypeError) as e:
         raise CheckpointError(f"{ckpt_dir}/{META_FILE} has no usable model_config ({e}); the checkpoint is "
                               "corrupt or was not written by this pipeline") from e
-    model = GPT(model_cfg)
+    model = empty_on_host(model_cfg)  # every weight is loaded below, strictly
     if is_sharded(meta):  # the whole model from every rank's shard, in this process alone
         if verify:
             sharded.verify(ckpt_dir, meta)
