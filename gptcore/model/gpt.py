@@ -187,7 +187,7 @@ def build_on(cfg: ModelConfig, device: torch.device | str) -> GPT:
 def empty_on_host(cfg: ModelConfig) -> GPT:
     """A GPT with host memory for its weights and no initialisation, for a caller that loads every weight
     next (a checkpoint, strictly): drawing 124M random numbers only to overwrite them took 1.6 s per load
-    here (gpt2-1558m: ~15 s), paid by each stage that reads a checkpoint."""
+    here (gpt2-1558m: 15 s on one thread), paid by each stage that reads a checkpoint."""
     with torch.device("meta"):
         model = GPT(cfg)
     model.to_empty(device="cpu")
