@@ -182,9 +182,6 @@ def worker_env(extra: dict | None = None) -> dict:
     return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(extra or {})}
 
 
-OURS_ENV: dict = {}  # --ours-env: a setting tried on our side of the reference row only (say, an Inductor knob)
-
-
 def compile_cache(work: Path, side: str) -> dict:
     """The reference's own Inductor/Triton cache, shared by its rounds; ours use the one main sets for every
     run of the project's code (its train rows too). The second run of a side skips most of its compile: wall
@@ -471,9 +468,10 @@ def reference_data(dataset: Path, folder: Path) -> Path:
     return folder
 
 
-def run_ours(work: Path, dataset: Path, device: str, shape: dict, name: str) -> tuple[float, float | None, int]:
-    """The project's trainer through torchrun, as users launch it: (tokens/s after the warm-up, peak GiB,
-    the micro-batch it ran)."""
+def run_ours(work: Path, dataset: Path, device: str, shape: dict, name: str,
+             extra_env: dict) -> tuple[float, float | None, int]:
+    """The project's trainer through torchrun, as users launch it, with `extra_env` (--ours-env) in its
+    environment: (tokens/s after the warm-up, peak GiB, the micro-batch it ran)."""
     from gptcore.files import read_json
     from gptcore.launch import torchrun_cmd
     from gptcore.metrics import read_metrics
@@ -491,7 +489,7 @@ def run_ours(work: Path, dataset: Path, device: str, shape: dict, name: str) -> 
                  "eval.sample_interval": 0, "eval.sample_tokens": 8,
                  **{f"model.{k}": v for k, v in shape["model"].items()}}
     proc = subprocess.Popen(torchrun_cmd(shape["preset"], overrides, 1), cwd=ROOT,
-                            env=worker_env({**compile_cache(work, "ours"), **OURS_ENV}), stdout=open(log, "w"),
+                            env=worker_env({**compile_cache(work, "ours"), **extra_env}), stdout=open(log, "w"),
                             stderr=subprocess.STDOUT, start_new_session=True)
     rc = wait(proc, 600)
     rows = [r for r in read_metrics(run / "metrics.jsonl", "train") if WARM < r["step"] < REFERENCE_STEPS]
@@ -525,7 +523,7 @@ def run_reference(file: Path, folder: Path, shape: dict, name: str) -> tuple[flo
     return statistics.median(measured), parse_peak_memory(out)
 
 
-def check_reference(work: Path, dataset: Path, device: str, file: Path | None, rounds: int,
+def check_reference(work: Path, dataset: Path, device: str, file: Path | None, rounds: int, ours_env: dict,
                     ctx: dict) -> tuple[bool | None, str]:
     """Ours against the reference in `rounds` ABBA rounds in this run; the median of the per-round ratios
     counts (with two rounds, their mean: the row says which)."""
@@ -545,7 +543,7 @@ def check_reference(work: Path, dataset: Path, device: str, file: Path | None, r
         pair = (("ours", "reference") if r % 2 == 0 else ("reference", "ours"))
         for side in pair:
             if side == "ours":
-                ours.append(run_ours(work, dataset, device, shape, f"ours-{r}"))
+                ours.append(run_ours(work, dataset, device, shape, f"ours-{r}", ours_env))
             else:
                 theirs.append(run_reference(file, folder, shape, f"reference-{r}"))
         ratios.append(ours[-1][0] / theirs[-1][0])
@@ -570,7 +568,7 @@ def check_reference(work: Path, dataset: Path, device: str, file: Path | None, r
               f"matmul rate measured now{memory}; micro-batch ours {'/'.join(map(str, sizes))} "
               f"({shape['ours_micro']}) vs reference {shape['B']}, T={shape['T']}, {shape['total']:,}-token "
               f"steps, compile={shape['compile']}; reference: {which}"
-              + (f"; ours with {' '.join(f'{k}={v}' for k, v in OURS_ENV.items())}" if OURS_ENV else ""))
+              + (f"; ours with {' '.join(f'{k}={v}' for k, v in ours_env.items())}" if ours_env else ""))
     return (ratio >= REFERENCE_TARGET) if (real and device == "cuda") else None, detail
 
 
@@ -918,7 +916,7 @@ def main(argv: list[str] | None = None) -> int:
     bad = [kv for kv in a.ours_env if "=" not in kv]
     if bad:
         ap.error(f"--ours-env {bad[0]!r}: write KEY=VALUE")
-    OURS_ENV.update(kv.split("=", 1) for kv in a.ours_env)
+    ours_env = dict(kv.split("=", 1) for kv in a.ours_env)  # our side of the reference row only
     from gptcore.config import ConfigError
 
     try:
@@ -932,7 +930,7 @@ def main(argv: list[str] | None = None) -> int:
     name = torch.cuda.get_device_name(0) if a.device == "cuda" else "CPU"
     autocast = str(select_dtype("auto", device)).removeprefix("torch.")
     header = {"device": f"{ndev} x {name}", "torch": torch.__version__, "auto_dtype": autocast,
-              **({"ours_env": OURS_ENV} if OURS_ENV else {})}
+              **({"ours_env": ours_env} if ours_env else {})}
     print(f"gpu_check on {ndev} x {name} (torch {torch.__version__}, auto dtype {autocast})", flush=True)
     tol = 5e-2 if a.device == "cuda" else 1e-4  # bf16 + compiled kernels vs fp32 CPU
     table = Table(a.out, header, a.budget_s, a.fail_row)
@@ -951,7 +949,7 @@ def main(argv: list[str] | None = None) -> int:
         # own train run (outside steps, checkpoint blocking), harness parity, then the rest
         if "reference" in chosen:
             table.run("reference", check_reference, work / "reference", dataset, a.device, a.reference,
-                      a.reference_rounds, ctx)
+                      a.reference_rounds, ours_env, ctx)
         if "train" in chosen:
             t = train_row(table, work, dataset, a.device, all_shapes, big, ndev, ctx)
             if f"train {big}" in ctx:
