@@ -23,8 +23,10 @@ module-level `pytest.importorskip`) and xfail/xpass outcomes count as skips for 
 import importlib
 import inspect
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 
 import pytest
@@ -56,6 +58,23 @@ def ds(tmp_path_factory):
     from tests.test_train_utils import make_dataset  # the helpers import torch: only for modules that train
 
     return make_dataset(tmp_path_factory.mktemp("ds"))
+
+
+# A whole run peaks at 1.3 GB under the temporary directory (checkpoints, datasets, server homes; ci17 in
+# docs/testing.md), on top of the 2.4 GB venv. Below this, tests fail one by one with ENOSPC in whatever
+# they write, hundreds of errors that hide the cause: refuse at the start instead, with the cause named.
+MIN_FREE_GB = float(os.environ.get("GPTPIPE_TEST_MIN_FREE_GB", "3"))
+
+
+def pytest_sessionstart(session):
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # the controller checks once for all workers
+        return
+    where = tempfile.gettempdir()
+    free_gb = shutil.disk_usage(where).free / 2**30
+    if free_gb < MIN_FREE_GB:
+        pytest.exit(f"only {free_gb:.1f} GB free in {where}; the suite needs {MIN_FREE_GB:g} GB there. Free "
+                    "space (old pytest-of-* directories, clones, torchinductor caches), point TMPDIR elsewhere, "
+                    "or set GPTPIPE_TEST_MIN_FREE_GB", returncode=pytest.ExitCode.USAGE_ERROR)
 
 
 def pytest_addoption(parser):

@@ -107,13 +107,17 @@ def test_export_loads_in_transformers_same_logits_and_greedy_tokens(tmp_path):
     assert torch.equal(mine, ref)
     assert len(set(mine[0, 8:].tolist())) > 1  # not a degenerate repeat that any model would match
 
-    # and back: the export reloads into an identical model
+    # and back: the export reloads into an identical model, drawing no random initialisation to overwrite
+    rng = torch.random.get_rng_state()
     again = load_hf_dir(out)
+    assert torch.equal(rng, torch.random.get_rng_state())
     sd, sd2 = ours.state_dict(), again.state_dict()
     for k in sd:
         want = sd[k][:N_VOCAB] if k in ("transformer.wte.weight", "lm_head.weight") else sd[k]
         got = sd2[k][:N_VOCAB] if k in ("transformer.wte.weight", "lm_head.weight") else sd2[k]
         assert torch.equal(want, got), k
+    assert not again.lm_head.weight[N_VOCAB:].any()  # padded ids are zeros, not leftover host memory
+    assert again.lm_head.weight.data_ptr() == again.transformer.wte.weight.data_ptr()
 
 
 def test_export_refuses_nonempty_dir_and_overwrites_on_request(tmp_path):

@@ -6,6 +6,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import EXPECTED_SKIPS, MARKING_FIXTURES
 
 TESTS = Path(__file__).resolve().parent
@@ -73,7 +75,7 @@ import pytest
 '''
 
 
-def run_suite(tmp_path: Path, body: str, *args: str):
+def run_suite(tmp_path: Path, body: str, *args: str, **env_vars: str):
     """Run pytest on one test file under this suite's conftest (as a plugin), with CI's options."""
     import os
     import subprocess
@@ -81,7 +83,7 @@ def run_suite(tmp_path: Path, body: str, *args: str):
 
     (tmp_path / "conftest.py").write_text('pytest_plugins = ["tests.conftest"]\n')
     (tmp_path / "test_case.py").write_text(SUITE.format(body=body))
-    env = {**os.environ, "PYTHONPATH": str(TESTS.parent)}
+    env = {**os.environ, "PYTHONPATH": str(TESTS.parent), **env_vars}
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path),
                            str(tmp_path / "test_case.py"), *args], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=300)
@@ -105,6 +107,16 @@ def test_an_unmarked_test_that_starts_a_process_fails(tmp_path):
             '    getattr(mod, "run")([sys.executable, "-c", "pass"], check=True)\n')
     r = run_suite(tmp_path, body.replace("import subprocess, sys", "import sys"))
     assert r.returncode != 0 and "started a process in its call (subprocess.Popen" in r.stdout, r.stdout[-2000:]
+
+
+def test_a_disk_too_full_for_the_suite_stops_it_at_the_start_naming_the_cause(tmp_path):
+    """CI once ran on a disk that old runs had filled: 200 tests failed one by one with ENOSPC. Now the run
+    stops before the first test, saying how much space there is, where, and what to do. (With room it runs:
+    the other run_suite tests here.)"""
+    r = run_suite(tmp_path, "def test_a():\n    pass\n", GPTPIPE_TEST_MIN_FREE_GB="1e9")
+    assert r.returncode == pytest.ExitCode.USAGE_ERROR, r.stdout[-2000:]
+    out = r.stdout + r.stderr
+    assert "GB free in" in out and "the suite needs 1e+09 GB there" in out and "1 passed" not in out, out[-2000:]
 
 
 def whole_suite_ids(session) -> tuple[list[str], list[str]] | None:

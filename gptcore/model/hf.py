@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from gptcore.config import ModelConfig
 from gptcore.files import READ_ERRORS, atomic_dir
-from gptcore.model.gpt import GPT, clean_state_dict, unwrap
+from gptcore.model.gpt import GPT, clean_state_dict, empty_on_host, unwrap
 from gptcore.model.tokenizer import EOT, N_VOCAB, hf_tokenizer_files
 
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -161,7 +161,8 @@ def load_hf_dir(path: str | Path, vocab_size: int = 50304, dropout: float = 0.0)
         hf = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as e:
         raise HFError(f"{cfg_file} is not valid JSON ({e}); re-download or re-export it") from None
-    model = GPT(model_config_from_hf(hf, vocab_size, dropout))
+    # every weight is loaded next (a missing one is refused), so no random initialisation is drawn first
+    model = empty_on_host(model_config_from_hf(hf, vocab_size, dropout))
     return load_hf_state_dict(model, _read_weights(path))
 
 
