@@ -67,7 +67,7 @@ MIN_FREE_GB = float(os.environ.get("GPTPIPE_TEST_MIN_FREE_GB", "3"))
 
 
 def pytest_sessionstart(session):
-    if os.environ.get("PYTEST_XDIST_WORKER"):  # the controller checks once for all workers
+    if hasattr(session.config, "workerinput"):  # an xdist worker: the controller checked once for all
         return
     where = tempfile.gettempdir()
     free_gb = shutil.disk_usage(where).free / 2**30
