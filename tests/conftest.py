@@ -23,7 +23,6 @@ module-level `pytest.importorskip`) and xfail/xpass outcomes count as skips for 
 import importlib
 import inspect
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -63,20 +62,22 @@ def ds(tmp_path_factory):
 # A whole run peaks at 1.3 GB under the temporary directory (checkpoints, datasets, server homes; ci17 in
 # docs/testing.md), on top of the 2.4 GB venv. Below this, tests fail one by one with ENOSPC in whatever
 # they write, hundreds of errors that hide the cause: refuse at the start instead, with the cause named.
-MIN_FREE_GB = "3"
+DEFAULT_MIN_FREE_GB = "3"
 
 
 def pytest_sessionstart(session):
     if hasattr(session.config, "workerinput"):  # an xdist worker: the controller checked once for all
         return
-    setting = os.environ.get("GPTPIPE_TEST_MIN_FREE_GB", MIN_FREE_GB)
+    setting = os.environ.get("GPTPIPE_TEST_MIN_FREE_GB", DEFAULT_MIN_FREE_GB)
     try:
         need_gb = float(setting)
     except ValueError:
         pytest.exit(f"GPTPIPE_TEST_MIN_FREE_GB={setting!r} is not a number of GB; set it to one (e.g. 3) or unset "
                     "it", returncode=pytest.ExitCode.USAGE_ERROR)
+    from gptcore.files import free_disk  # the project's free-space reader (download and tokenize planning)
+
     where = tempfile.gettempdir()
-    free_gb = shutil.disk_usage(where).free / 2**30
+    free_gb = free_disk(where) / 2**30
     if free_gb < need_gb:
         pytest.exit(f"only {free_gb:.1f} GB free in {where}; the suite needs {need_gb:g} GB there. Free "
                     "space (old pytest-of-* directories, clones, torchinductor caches), point TMPDIR elsewhere, "
