@@ -20,9 +20,16 @@ fails, naming the event, so a leak into the quick loop cannot pass CI. Skips at 
 module-level `pytest.importorskip`) and xfail/xpass outcomes count as skips for --fail-on-unexpected-skips.
 """
 
+import os
+
+# One OpenMP thread per process: two xdist workers share two cores with the processes their tests start, and
+# torch's default of a thread per core oversubscribes them (the in-process tests took 104-105 s with it and
+# 84-95 s without, docs/testing.md). Set before anything imports torch (libgomp reads it when it is loaded);
+# the xdist workers and every process a test starts inherit it; an OMP_NUM_THREADS already set wins.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import importlib
 import inspect
-import os
 import subprocess
 import sys
 import tempfile

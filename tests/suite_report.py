@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -58,7 +60,21 @@ def _is_worker(config) -> bool:
     return hasattr(config, "workerinput")  # an xdist worker: the controller reports
 
 
+def machine_probe() -> float:
+    """Seconds for a cold `import torch` in a new process: what every trainer, torchrun and server the
+    suite starts pays first, so the suite's wall time moves with it. The same code ran 28.5-29.6 min on
+    days when the machine was fast and 38.8 min on one when it was ~1/3 slower (docs/testing.md): this
+    line in the report tells the two causes, a slower machine and a heavier suite, apart."""
+    t = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import torch"], check=True, capture_output=True)
+    return time.perf_counter() - t
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_sessionstart(session):
+    # the probe on the xdist controller only, before its workers start (an idle machine), not in nested runs
+    if getattr(session.config.option, "numprocesses", None) and not _is_worker(session.config):
+        _start["probe"] = machine_probe()
     _start.update(wall=time.monotonic(), cpu=psutil.cpu_times())
 
 
@@ -89,10 +105,14 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     summed = sum(_by_file.values()) / 60
     tr.write_line(f"wall {wall / 60:.1f} min on {psutil.cpu_count()} cores, {workers or 'no'} xdist workers; "
                   f"cores busy {busy:.0%} of the wall time; test time summed over workers {summed:.1f} min")
+    if "probe" in _start:
+        tr.write_line(f"machine: a cold `import torch` took {_start['probe']:.2f} s at the start (2.2 s on "
+                      f"2026-11-27's slow day; compare before blaming the tests)")
     for path, seconds in rows[:25]:
         tr.write_line(f"  {seconds:7.1f} s  {_tests[path]:3d} tests  {path}")
     home = Path(os.environ.get("GPTPIPE_HOME", "var"))
     write_json(home / "test-durations.json", {"wall_s": round(wall, 1), "busy": round(busy, 3), "workers": workers,
+               "import_torch_s": round(_start["probe"], 2) if "probe" in _start else None,
                "files": {p: {"seconds": round(s, 1), "tests": _tests[p]} for p, s in rows}})
     if config.getoption("--write-file-durations"):  # make test-durations: the order of the next runs
         write_json(FILE_DURATIONS, {p: round(s, 1) for p, s in sorted(rows)})

@@ -75,7 +75,7 @@ import pytest
 '''
 
 
-def run_suite(tmp_path: Path, body: str, *args: str, **env_vars: str):
+def run_suite(tmp_path: Path, body: str, *args: str, **env_vars: str | None):
     """Run pytest on one test file under this suite's conftest (as a plugin), with CI's options."""
     import os
     import subprocess
@@ -84,6 +84,7 @@ def run_suite(tmp_path: Path, body: str, *args: str, **env_vars: str):
     (tmp_path / "conftest.py").write_text('pytest_plugins = ["tests.conftest"]\n')
     (tmp_path / "test_case.py").write_text(SUITE.format(body=body))
     env = {**os.environ, "PYTHONPATH": str(TESTS.parent), **env_vars}
+    env = {k: v for k, v in env.items() if v is not None}  # a setting given as None: left out
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path),
                            str(tmp_path / "test_case.py"), *args], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=300)
@@ -117,6 +118,17 @@ def test_a_disk_too_full_for_the_suite_stops_it_at_the_start_naming_the_cause(tm
     assert r.returncode == pytest.ExitCode.USAGE_ERROR, r.stdout[-2000:]
     out = r.stdout + r.stderr
     assert "GB free in" in out and "the suite needs 1e+09 GB there" in out and "1 passed" not in out, out[-2000:]
+
+
+def test_the_suite_runs_one_openmp_thread_per_process_unless_told_otherwise(tmp_path):
+    """Two workers on two cores: torch's default of a thread per core in every process oversubscribed them
+    (the in-process tests 104-105 s, against 84-95 s with one). conftest sets it before torch is imported,
+    so torch itself runs one thread; set after the import it would not reach the OpenMP pool."""
+    body = ('def test_threads():\n    import os, torch\n'
+            '    assert os.environ["OMP_NUM_THREADS"] == "1" and torch.get_num_threads() == 1, '
+            'torch.get_num_threads()\n')
+    r = run_suite(tmp_path, body, OMP_NUM_THREADS=None)
+    assert r.returncode == 0 and "1 passed" in r.stdout, r.stdout[-2000:]
 
 
 def whole_suite_ids(session) -> tuple[list[str], list[str]] | None:
