@@ -40,6 +40,7 @@ import pytest
 from tests.hub_standin import standin  # noqa: F401
 from tests.mlflow_server import mlflow_server  # noqa: F401
 from tests.prefect_stack import prefect_stack  # noqa: F401
+from tests.suite_report import is_xdist_worker
 
 pytest_plugins = ["tests.suite_report"]  # the time report at the end of every run
 
@@ -73,7 +74,7 @@ DEFAULT_MIN_FREE_GB = "3"
 
 
 def pytest_sessionstart(session):
-    if hasattr(session.config, "workerinput"):  # an xdist worker: the controller checked once for all
+    if is_xdist_worker(session.config):  # the controller checked once for all
         return
     setting = os.environ.get("GPTPIPE_TEST_MIN_FREE_GB", DEFAULT_MIN_FREE_GB)
     try:

@@ -56,8 +56,10 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda it: (-seconds.get(it.nodeid.split("::", 1)[0], unknown), position[id(it)]))
 
 
-def _is_worker(config) -> bool:
-    return hasattr(config, "workerinput")  # an xdist worker: the controller reports
+def is_xdist_worker(config) -> bool:
+    """An xdist worker (not a nested pytest that inherited a worker's environment): the controller
+    reports, and checks once for all."""
+    return hasattr(config, "workerinput")
 
 
 def machine_probe() -> float:
@@ -70,10 +72,10 @@ def machine_probe() -> float:
     return time.perf_counter() - t
 
 
-@pytest.hookimpl(tryfirst=True)
 def pytest_sessionstart(session):
-    # the probe on the xdist controller only, before its workers start (an idle machine), not in nested runs
-    if getattr(session.config.option, "numprocesses", None) and not _is_worker(session.config):
+    # the probe on the xdist controller only, not in nested runs; xdist's own sessionstart, which starts the
+    # workers, is trylast, so the machine is still idle here
+    if getattr(session.config.option, "numprocesses", None) and not is_xdist_worker(session.config):
         _start["probe"] = machine_probe()
     _start.update(wall=time.monotonic(), cpu=psutil.cpu_times())
 
@@ -94,7 +96,7 @@ def busy_share(before, after, wall: float) -> float:
 
 @pytest.hookimpl(trylast=True)
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    if _is_worker(config) or "wall" not in _start or not _tests:
+    if is_xdist_worker(config) or "wall" not in _start or not _tests:
         return  # a worker, or nothing ran (--collect-only): no report
     wall = time.monotonic() - _start["wall"]
     busy = busy_share(_start["cpu"], psutil.cpu_times(), wall)
