@@ -144,12 +144,25 @@ def test_the_family_row_trains_350m_and_1558m_depths_with_the_probe_and_checkpoi
 
 
 def test_rows_past_the_budget_are_reported_not_run(tmp_path):
+    """Past the budget a row that would use the device is not run, but one that reads what an earlier row
+    paid for still is (lease 6 lost its 0 s 'outside steps' row to the budget); a row missing what it
+    needs says so instead of failing (lease 6's guards alone: a RuntimeError and a FAIL)."""
     out = tmp_path / "rows.json"
-    r = gpu_check("--device", "cpu", "--rows", "micro-batch,harness", "--budget-s", "0", "--out", str(out), timeout=300)
+    r = gpu_check("--device", "cpu", "--rows", "micro-batch,harness,guards", "--budget-s", "0", "--out", str(out),
+                  timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
-    assert [(x["name"], x["status"]) for x in rows] == [("harness parity", "not run"), ("micro-batch auto", "not run")]
+    assert [(x["name"], x["status"]) for x in rows] == [
+        ("harness parity", "not run"), ("guards gpt2-shaped", "not run"), ("micro-batch auto", "not run")]
     assert "budget of 0 s was spent" in rows[0]["detail"]
+    assert rows[1]["detail"] == "needs tokens/s from the train gpt2-shaped, reference or speed row"
+    from benchmarks.gpu_check import Table
+
+    table = Table(None, {}, budget_s=0, fail_row=None)
+    table.t0 -= 1  # the budget is spent
+    table.run("launches a trainer", lambda: (True, "ran"))
+    table.run("outside steps", lambda: (True, "read"), costs_device_time=False)
+    assert [(x.name, x.status) for x in table.rows] == [("launches a trainer", "not run"), ("outside steps", "PASS")]
     bad = gpu_check("--device", "cpu", "--rows", "nope", timeout=120)
     assert bad.returncode == 2 and "--rows: unknown nope" in bad.stderr
     typo = gpu_check("--device", "cpu", "--rows", "family", "--family", "gpt2-774:none", timeout=120)
