@@ -1,10 +1,12 @@
 """How long a re-run of a finished `pretrain` flow takes: the nightly deployment's no-op case.
 
-    python -m benchmarks.bench_rerun [--rounds 5] [--imports 3] [--smoke]
+    python -m benchmarks.bench_rerun [--rounds 5] [--imports 3] [--smoke] [--api-url URL]
 
 Starts its own Prefect server, worker and MLflow server in a temporary home (free ports), deploys,
 runs a `micro` training run to completion once, then times `--rounds` re-runs of the same parameters
-through the server (each must skip every stage). For each re-run, from the server's state history:
+through the server (each must skip every stage). With --api-url it times them on a stack that is already
+running instead (its deployments made and its worker polling: after `make demo`, or the test suite's
+shared stack, which then pays no second start-up). For each re-run, from the server's state history:
 
     pickup    Scheduled -> Pending      the worker polls every 2 s (flows/services.py)
     start     Pending -> Running        the worker starts a process that imports Prefect and the flow
@@ -19,6 +21,8 @@ Targets (issue 15): flow <= 5 s and e2e <= 10 s, medians.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import statistics
 import subprocess
 import sys
@@ -71,28 +75,32 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--imports", type=int, default=3, help="cold imports timed of each module, for scale")
+    p.add_argument("--api-url", help="a running stack's Prefect API (e.g. http://127.0.0.1:4200/api), with "
+                                     "deployments/prefect.yaml deployed and a worker on its pool: no stack of its own")
     args = parse_args(p, argv, SMOKE)
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    with tempfile.TemporaryDirectory(prefix="gptpipe-bench-rerun-") as home:
-        stack = Stack(Path(home), prefect_port=0, mlflow_port=0, ui=False)
-        try:
+    with contextlib.ExitStack() as cleanup:
+        if args.api_url:
+            api_url, env = args.api_url, dict(os.environ)
+        else:
+            home = cleanup.enter_context(tempfile.TemporaryDirectory(prefix="gptpipe-bench-rerun-"))
+            stack = Stack(Path(home), prefect_port=0, mlflow_port=0, ui=False)
+            cleanup.callback(stack.down)
             print("starting Prefect server, worker and MLflow server ...", flush=True)
             stack.up()
             deploy(stack, force=True)
-            env = stack.env()
-            with temporary_settings({PREFECT_API_URL: stack.prefect_api_url}), get_client(sync_client=True) as c:
-                print("first run (trains the micro run to completion) ...", flush=True)
-                timed_run(c, PARAMS)
-                rows = []
-                for i in range(args.rounds):
-                    rows.append(timed_run(c, PARAMS))
-                    print(f"re-run {i + 1}: " + "  ".join(f"{k} {v:.2f}s" for k, v in rows[-1].items()), flush=True)
-            floor = [cold_import("flows.pretrain", env) for _ in range(args.imports)]
-            avoided = {m: [cold_import(m, env) for _ in range(args.imports)] for m in ("torch", "mlflow")}
-        finally:
-            stack.down()
+            api_url, env = stack.prefect_api_url, stack.env()
+        with temporary_settings({PREFECT_API_URL: api_url}), get_client(sync_client=True) as c:
+            print("first run (trains the micro run to completion, or finds it trained) ...", flush=True)
+            timed_run(c, PARAMS)
+            rows = []
+            for i in range(args.rounds):
+                rows.append(timed_run(c, PARAMS))
+                print(f"re-run {i + 1}: " + "  ".join(f"{k} {v:.2f}s" for k, v in rows[-1].items()), flush=True)
+        floor = [cold_import("flows.pretrain", env) for _ in range(args.imports)]
+        avoided = {m: [cold_import(m, env) for _ in range(args.imports)] for m in ("torch", "mlflow")}
     print(f"\nno-op re-run of a finished flow, {args.rounds} rounds (median, min-max)")
     for key in ("pickup", "start", "flow", "e2e"):
         xs = [r[key] for r in rows]

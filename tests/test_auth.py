@@ -1,7 +1,9 @@
 """A stack others can reach, with authentication on (devstack.services.Stack(auth=...), the same settings
 the compose stack uses when exposed): a real Prefect server with basic auth and a real MLflow server with
-its basic-auth app. Anonymous requests get 401; the worker, a flow run through it and the flow's MLflow
-writes (metrics, a registered model version) work with the credentials.
+its basic-auth app. Anonymous requests get 401 and the worker's credentials work. A flow run through such a
+stack, its MLflow writes included (every step's metrics, a registered version, an alias), is
+tests/test_postgres_stack.py's: the production stack, with the same authentication plus TLS and PostgreSQL
+(until 2026-11-27 this file ran a second one on SQLite, 90 s of the suite for the same assertions).
 
 What the worker account cannot do (issue #34): fetch or replace MLflow's user database through the
 artifact proxy (measured on a real server laid out as docker-compose.yml lays it out, after reproducing the
@@ -72,29 +74,6 @@ def test_anonymous_requests_get_401(secured):
     assert status(search) == 401
     assert status(search, user="worker:wrong") == 401
     assert status(search, user=f"worker:{AUTH.mlflow_worker_password}") == 200
-
-
-def test_a_flow_run_with_credentials_trains_tracks_and_registers(secured, monkeypatch):
-    from mlflow import MlflowClient
-    from prefect.settings import temporary_settings
-
-    from devstack.demo import deploy
-    from tests.prefect_stack import run_deployment_and_wait
-
-    assert deploy(secured, force=True)
-    params = {"preset": "micro", "model_name": "micro-auth", "evaluate": False,
-              "overrides": {"train.max_steps": 4, "train.run_name": "auth", "train.checkpoint_interval": 4,
-                            "eval.eval_interval": 4, "eval.sample_interval": 0}}
-    with temporary_settings(secured.prefect_settings()):
-        fr = run_deployment_and_wait(params, timeout=300)
-    assert fr.state.is_completed(), fr.state.message
-    for k, v in secured.env().items():
-        if k.startswith("MLFLOW_TRACKING_"):
-            monkeypatch.setenv(k, v)
-    mlc = MlflowClient(secured.mlflow_uri, registry_uri=secured.mlflow_uri)
-    mv = mlc.get_model_version("micro-auth", "1")  # the register stage wrote through basic auth
-    assert sorted(m.step for m in mlc.get_metric_history(mv.run_id, "train/loss")) == [1, 2, 3, 4]
-    assert set(mv.aliases) >= {"best"}  # the worker moved an alias of the model it created
 
 
 # --- the user database out of reach (issue #34, item 1) ----------------------------------------------
@@ -207,7 +186,7 @@ def test_the_worker_gets_only_what_the_pipeline_needs(secured):
     assert status(f"{api3}/users/permissions/grant", grant, WORKER) == 403
 
     # a model of its own: MLflow lets any signed-in user create one and makes the creator its MANAGE
-    # holder (the flow run above registers versions and moves aliases that way)
+    # holder (a flow run registers versions and moves aliases that way: tests/test_postgres_stack.py)
     assert status(f"{api}/registered-models/create", {"name": "worker-model"}, WORKER) == 200
     assert status(f"{api}/registered-models/get?name=worker-model", user=WORKER) == 200
 

@@ -399,21 +399,39 @@ def test_concurrent_runs_never_train_one_run_dir_twice(prefect_stack):
     assert "already complete at step 24" in second
 
 
-def test_bad_parameters_fail_the_flow_run_early(prefect_stack):
+BAD_PARAMETERS = {  # the message each one fails the flow run with
+    "unknown preset 'nope'": {"preset": "nope"},
+    "does not exist": {"preset": "micro", "overrides": {"data.source": "/nonexistent/corpus"}},
+    "unknown config key 'train.max_stepz'": {"preset": "micro", "overrides": {"train.max_stepz": 3}},
+    "nproc must be an integer >= 0": {"preset": "micro", "nproc": -1},
+    "wait_seconds must be >= 0": {"preset": "micro", "wait_seconds": -5},
+    "model_name 'bad name/x' is not a usable name": {"preset": "micro", "model_name": "bad name/x"},
+    "is not a Dask scheduler address": {"preset": "micro", "dask_address": "scheduler:8786"},
+    "train.run_name '../x' is not a usable name": {"preset": "micro", "overrides": {"train.run_name": "../x"}},
+    "is not a directory inside GPTPIPE_HOME": {"preset": "micro", "overrides": {"train.run_dir": "/tmp/elsewhere"}},
+}
+# through the server: one of each check the flow makes before any task (its parameters, the config, where it
+# writes: the worker's GPTPIPE_HOME); every message is checked against the flow's own checks below
+THROUGH_THE_SERVER = ("nproc must be an integer >= 0", "unknown preset 'nope'",
+                      "is not a directory inside GPTPIPE_HOME")
+
+
+def test_bad_parameters_fail_the_flow_run_early(prefect_stack, monkeypatch):
     from prefect.deployments import run_deployment
 
-    bad = {"unknown preset 'nope'": {"preset": "nope"},
-           "does not exist": {"preset": "micro", "overrides": {"data.source": "/nonexistent/corpus"}},
-           "unknown config key 'train.max_stepz'": {"preset": "micro", "overrides": {"train.max_stepz": 3}},
-           "nproc must be an integer >= 0": {"preset": "micro", "nproc": -1},
-           "wait_seconds must be >= 0": {"preset": "micro", "wait_seconds": -5},
-           "model_name 'bad name/x' is not a usable name": {"preset": "micro", "model_name": "bad name/x"},
-           "is not a Dask scheduler address": {"preset": "micro", "dask_address": "scheduler:8786"},
-           "train.run_name '../x' is not a usable name": {"preset": "micro",
-                                                          "overrides": {"train.run_name": "../x"}},
-           "is not a directory inside GPTPIPE_HOME": {"preset": "micro",
-                                                       "overrides": {"train.run_dir": "/tmp/elsewhere"}}}
-    runs = {msg: run_deployment("pretrain/tiny", parameters=p, timeout=0) for msg, p in bad.items()}
+    from flows.pretrain import check_config, check_params
+    from gptcore.config import ConfigError
+
+    runs = {msg: run_deployment("pretrain/tiny", parameters=BAD_PARAMETERS[msg], timeout=0)
+            for msg in THROUGH_THE_SERVER}
+    # the rest through the same two checks the flow makes first (a flow run per case cost ~5 s each)
+    monkeypatch.setenv("GPTPIPE_HOME", str(prefect_stack.home))  # as the worker's flow runs have it
+    for msg, p in BAD_PARAMETERS.items():
+        with pytest.raises(ConfigError) as e:
+            check_params(p.get("nproc", 1), p.get("wait_seconds", 0), p.get("model_name", "micro"),
+                         p.get("dask_address", ""))
+            check_config(p["preset"], p.get("overrides"), p.get("nproc", 1))
+        assert msg in str(e.value), (msg, str(e.value))
     for msg, fr in runs.items():
         fr = wait_final(fr.id, timeout=180)
         assert fr.state.is_failed(), (msg, fr.state)

@@ -133,6 +133,11 @@ def test_flow_run_end_to_end_on_postgres(postgres, tmp_path):  # noqa: F811
             mlc = MlflowClient(stack.mlflow_uri, registry_uri=stack.mlflow_uri)
             mv = mlc.get_model_version("micro-pg", "1")
             assert mv.tags["flow_run_id"] == str(fr.id)
+            # the flow's MLflow writes through basic auth: every step's metrics shipped while it trained, and
+            # the worker moved an alias of the model it created (test_auth.py's SQLite stack asked the same of
+            # a flow run of its own until 2026-11-27: this stack has the same auth, with TLS and PostgreSQL)
+            assert sorted(m.step for m in mlc.get_metric_history(mv.run_id, "train/loss")) == [1, 2, 3, 4]
+            assert "best" in mv.aliases
         # ... and in PostgreSQL itself: no SQLite file anywhere, the rows in the compose databases
         assert not (stack.home / "mlflow" / "mlflow.db").exists()
         assert not list((stack.home / "prefect").glob("*.db"))
