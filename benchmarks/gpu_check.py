@@ -207,11 +207,11 @@ class Trainer:
                 "eval.val_tokens": B * T * self.ndev, **hellaswag_settings(self.work, self.device),
                 **{f"model.{k}": v for k, v in self.shape["model"].items()}, **extra}
 
-    def start(self, run: Path, nproc: int, log: Path) -> subprocess.Popen:
+    def start(self, run: Path, nproc: int, log: Path, env: dict | None = None, **extra) -> subprocess.Popen:
         from gptcore.launch import torchrun_cmd
 
-        cmd = torchrun_cmd("micro", self.overrides(run, nproc), nproc)
-        return subprocess.Popen(cmd, cwd=ROOT, env=worker_env(), stdout=open(log, "w"), stderr=subprocess.STDOUT,
+        cmd = torchrun_cmd("micro", self.overrides(run, nproc, **extra), nproc)
+        return subprocess.Popen(cmd, cwd=ROOT, env=worker_env(env), stdout=open(log, "w"), stderr=subprocess.STDOUT,
                                 start_new_session=True)
 
     def run(self, name: str, nproc: int) -> tuple[int, dict[int, float], str]:
@@ -439,6 +439,43 @@ def check_resume(t: Trainer, nproc: int, reference: dict[int, float], tol: float
     ok = killed and rc == 0 and gap <= tol
     tail = "" if rc == 0 else f": {(t.work / 'resume2.log').read_text()[-400:]}"
     return ok, f"killed mid-run: {killed}, resumed exit {rc}, worst loss gap {gap:.2e} (tolerance {tol:.0e}){tail}"
+
+
+OOM_STEP = 2  # inside the allocator's recorded history (gptcore/training/memory.py: HISTORY_STEPS)
+
+
+def check_out_of_memory(t: Trainer) -> tuple[bool, str]:
+    """The out-of-memory defence on the device (issue 54; no run of leases 1-6 ever ran out of memory):
+    train.micro_batch=auto, and step 2's second forward pass raises torch.OutOfMemoryError
+    (GPTPIPE_TEST_FAULT=oom@2, eager: the hook that raises it is Python). The run must write its memory
+    record before the retry (on CUDA the allocator's counters and snapshot.pickle, what
+    https://pytorch.org/memory_viz reads, from the history recorded since the probe), retry that step at half
+    the micro-batch with the same data, and finish every step once."""
+    import pickle
+
+    from gptcore.metrics import read_metrics
+
+    run, log, B = t.work / "oom", t.work / "oom.log", t.shape["B"]
+    extra = {"train.micro_batch": "auto", "train.micro_batch_max": B, "train.compile": "false",
+             "train.max_steps": EVERY}
+    rc = wait(t.start(run, 1, log, {"GPTPIPE_TEST_FAULT": f"oom@{OOM_STEP}"}, **extra), 1800)
+    if rc != 0:
+        return False, f"exit {rc}: {log.read_text()[-600:]}"
+    folder = run / "memory" / f"oom-step{OOM_STEP}-rank0"
+    record = json.loads((folder / "record.json").read_text())
+    steps = [(r["step"], r["train/micro_batch"]) for r in read_metrics(run / "metrics.jsonl", "train")]
+    want = [(s, B if s < OOM_STEP else B // 2) for s in range(1, EVERY + 1)]
+    ok = record["step"] == OOM_STEP and record["retry_at"] == B // 2 and steps == want
+    detail = f"record.json at step {record['step']}, retried at {record['retry_at']}; steps (step, micro-batch) {steps}"
+    if t.device == "cuda":  # the part only a GPU runs: the allocator's counters and its snapshot
+        with open(folder / "snapshot.pickle", "rb") as f:
+            snapshot = pickle.load(f)
+        segments, cuda = snapshot.get("segments", []), record.get("cuda", {})
+        ok = ok and bool(segments) and cuda.get("total_bytes", 0) > 0
+        detail += (f"; allocator {cuda.get('allocated_bytes.all.current', 0) / 2**20:.0f} MiB allocated of "
+                   f"{cuda.get('total_bytes', 0) / 2**30:.0f} GiB; snapshot.pickle {len(segments)} segments, "
+                   f"{(folder / 'snapshot.pickle').stat().st_size / 2**20:.1f} MB")
+    return ok, detail
 
 
 def check_ranks(t: Trainer, two_ranks: dict[int, float], tol: float) -> tuple[bool, str]:
@@ -864,7 +901,8 @@ def shapes(device: str) -> dict[str, dict]:
                             "T": 64}}
 
 
-ROWS = ("micro-batch", "train", "reference", "harness", "guards", "resume", "ranks", "speed", "profile", "family")
+ROWS = ("micro-batch", "train", "reference", "harness", "guards", "resume", "ranks", "oom", "speed", "profile",
+        "family")
 
 
 def markdown(table: dict) -> str:
@@ -970,7 +1008,7 @@ def main(argv: list[str] | None = None) -> int:
                 table.skip(f"guards {big}", f"needs tokens/s from the train {big}, reference or speed row")
         if "micro-batch" in chosen:
             table.run("micro-batch auto", check_auto_micro_batch, device)
-        if chosen & {"train", "resume", "ranks"}:
+        if chosen & {"train", "resume", "ranks", "oom"}:
             train_row(table, work, dataset, a.device, all_shapes, "micro", ndev, ctx)
         micro = ctx.get("train micro")
         if "resume" in chosen:
@@ -983,6 +1021,11 @@ def main(argv: list[str] | None = None) -> int:
                 table.run(f"{ndev} ranks == 1 rank", check_ranks, micro[0], micro[1], tol)
             else:
                 table.skip(f"{ndev} ranks == 1 rank", "needs the train micro row")
+        if "oom" in chosen:
+            if micro:
+                table.run("out of memory", check_out_of_memory, micro[0])
+            else:
+                table.skip("out of memory", "needs the train micro row")
         if "family" in chosen:
             table.run("family", check_family, work / "family", dataset, device, sizes)
         if "speed" in chosen:

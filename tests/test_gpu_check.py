@@ -95,7 +95,7 @@ def test_the_lease_script_runs_every_row_on_cpu_on_a_bare_image_and_keeps_everyt
     table = r.stdout.split("gpu_check on", 1)[1]
     for row in ("info    micro-batch auto", "PASS    train gpt2-shaped", "info    outside steps gpt2-shaped",
                 "PASS    train micro", "info    reference", "FAIL    harness parity", "info    guards gpt2-shaped",
-                "PASS    resume after SIGKILL", "PASS    2 ranks == 1 rank"):
+                "PASS    resume after SIGKILL", "PASS    2 ranks == 1 rank", "PASS    out of memory"):
         assert row in table, table
     # by value: the reference first, then the preset's train run and its time outside steps, then parity
     order = [line[10:36].strip() for line in table.splitlines() if line.startswith("  ")]
@@ -109,7 +109,10 @@ def test_the_lease_script_runs_every_row_on_cpu_on_a_bare_image_and_keeps_everyt
     out = tmp_path / "out" / "gpu_check"
     rows = json.loads((out / "rows.json").read_text())
     assert [x["status"] for x in rows["rows"]].count("FAIL") == 1 and rows["passed"] is False
-    assert len(rows["rows"]) == 9 and rows["device"] == "2 x CPU"
+    assert len(rows["rows"]) == 10 and rows["device"] == "2 x CPU"
+    oom = next(x for x in rows["rows"] if x["name"] == "out of memory")  # memory record, retry at half, every step
+    assert "record.json at step 2, retried at 1; steps (step, micro-batch) [(1, 2), (2, 1), (3, 1), (4, 1)]" \
+        in oom["detail"], oom
     assert json.loads(r.stdout.strip().splitlines()[-1]) == {"passed": False}
     assert (out / "gpu_check.log").read_text() == r.stdout
     env_txt = (out / "env.txt").read_text()
@@ -120,7 +123,7 @@ def test_the_lease_script_runs_every_row_on_cpu_on_a_bare_image_and_keeps_everyt
     for name in ("reference/ours-0.log", "reference/ours-1.log", "reference/reference-0.log",
                  "reference/reference-1.log", "reference/reference-cwd/log/log.txt",
                  "gpt2-shaped/train-gpt2-shaped.log", "gpt2-shaped/train-gpt2-shaped/metrics.jsonl",
-                 "micro/resume2.log"):
+                 "micro/resume2.log", "micro/oom/memory/oom-step2-rank0/record.json"):
         assert name in kept, kept
     assert not any("checkpoints" in n or n.endswith((".pt", ".bin", ".npy")) for n in kept)
     # --ours-env (a knob tried against the reference, lease 4) reaches our side of the row and only ours
