@@ -21,6 +21,10 @@
 #                              holds the admin password)
 #   MLFLOW_FLASK_SERVER_SECRET_KEY   signs UI sessions; unset: a random one per start
 #   TLS_CERT_FILE, TLS_KEY_FILE      both set: https (uvicorn's TLS), else plain http
+#   MLFLOW_SERVER_ENABLE_JOB_EXECUTION   default false here (MLflow's is true): the server's job runner is
+#                              for GenAI jobs (scorers, trace roll-ups) this pipeline never submits, and it
+#                              costs 7 huey consumer processes per server, each importing mlflow (~24 s of
+#                              CPU at every start, ~1 GB of memory; docs/testing.md). true turns it back on.
 # Bad settings exit 2 with the fix.
 set -eu
 
@@ -33,6 +37,8 @@ if [ -z "${MLFLOW_BACKEND_STORE_URI:-}" ]; then
     MLFLOW_BACKEND_STORE_URI="postgresql+psycopg2://${POSTGRES_USER:-mlflow}:${POSTGRES_PASSWORD}@${POSTGRES_HOST:-postgres}:${POSTGRES_PORT:-5432}/mlflow"
 fi
 export MLFLOW_BACKEND_STORE_URI
+MLFLOW_SERVER_ENABLE_JOB_EXECUTION=${MLFLOW_SERVER_ENABLE_JOB_EXECUTION:-false}
+export MLFLOW_SERVER_ENABLE_JOB_EXECUTION
 
 set -- --host "${MLFLOW_HOST:-0.0.0.0}" --port "${MLFLOW_PORT:-5000}" --workers "${MLFLOW_WORKERS:-2}" \
     --serve-artifacts --artifacts-destination "$artifacts"

@@ -10,6 +10,10 @@ The files run longest first (tests/file_durations.json, the per-file seconds of 
 test-durations` rewrites it), so that with two workers the long files overlap instead of the last one
 running alone. A file that grows past its share (docs/testing.md "The time budget") must share a fixture
 or be split before it lands.
+
+With `--dist loadfile` a work unit is a file, except the files that use the session's `prefect_stack`:
+they are one unit (STACK_FILES), so one worker runs them all and the suite starts one stack, not one per
+worker (xdist's own `pytest_xdist_make_scheduler` hook, below).
 """
 
 from __future__ import annotations
@@ -34,6 +38,30 @@ _tests: dict[str, int] = defaultdict(int)
 
 FILE_DURATIONS = Path(__file__).with_name("file_durations.json")
 UNMEASURED_S = 60.0  # a file not measured yet: in the middle
+# The files whose tests use `prefect_stack` (a Prefect server, worker and MLflow server: ~25 s of CPU to
+# start, then ~5% of a core while it idles for the rest of the run): one work unit, one worker, one stack.
+# tests/test_suite.py checks this list against the fixture's users.
+STACK_FILES = ("tests/test_flow.py", "tests/test_benchmarks.py", "tests/test_deployments.py")
+
+
+def work_unit(nodeid: str) -> str:
+    """What one xdist worker runs as a whole: the test's file, or "prefect_stack" for STACK_FILES."""
+    path = nodeid.split("::", 1)[0]
+    return "prefect_stack" if path in STACK_FILES else path
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadfile with work_unit() as the unit (a file, or the stack's files together); any other
+    --dist is xdist's own."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling  # xdist is only imported where it runs the suite
+
+    class FileScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    return FileScheduling(config, log)
 
 
 def pytest_configure(config):
@@ -45,15 +73,24 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Longest files first (a file not measured yet in the middle), each file's tests in their own order.
-    Every xdist worker collects the same order, as xdist requires."""
+    """Longest work units first (a file not measured yet in the middle; the stack's files by their sum),
+    in a unit its files longest first, each file's tests in their own order. Every xdist worker collects
+    the same order, as xdist requires."""
     try:
         seconds = json.loads(FILE_DURATIONS.read_text())
     except (OSError, ValueError):
         return
-    unknown = UNMEASURED_S
     position = {id(item): i for i, item in enumerate(items)}
-    items.sort(key=lambda it: (-seconds.get(it.nodeid.split("::", 1)[0], unknown), position[id(it)]))
+    files = {it.nodeid.split("::", 1)[0] for it in items}
+    unit_s: dict[str, float] = defaultdict(float)
+    for path in files:
+        unit_s[work_unit(path)] += seconds.get(path, UNMEASURED_S)
+
+    def key(it):
+        path = it.nodeid.split("::", 1)[0]
+        return -unit_s[work_unit(path)], work_unit(path), -seconds.get(path, UNMEASURED_S), position[id(it)]
+
+    items.sort(key=key)
 
 
 def is_xdist_worker(config) -> bool:

@@ -116,6 +116,19 @@ def test_the_nightly_schedules_as_the_server_holds_them(prefect_stack):
         assert d.work_pool_name == "gpu-pool", name
 
 
+def test_the_stacks_mlflow_server_starts_no_job_runner(prefect_stack):
+    """docker/start-mlflow.sh turns MLflow's GenAI job runner off (MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false):
+    with it on, every server start added 7 huey consumer processes (~24 s of CPU, ~1.4 GiB of memory) that
+    this pipeline never gives a job. The stack's MLflow server is the CLI and its uvicorn, nothing else."""
+    import psutil
+
+    from integrations.processes import tree_of
+
+    tree = [" ".join(psutil.Process(pid).cmdline()) for pid in tree_of(prefect_stack.mlflow.state()["pid"])]
+    assert not [c for c in tree if "huey" in c], tree
+    assert any("mlflow server" in c for c in tree) and any("uvicorn" in c for c in tree), tree
+
+
 # --- TLS on every path a flow run takes --------------------------------------------------------------
 
 CA_VARS = ("PREFECT_API_SSL_CERT_FILE", "MLFLOW_TRACKING_SERVER_CERT_PATH")  # what compose's worker trusts by

@@ -195,3 +195,51 @@ def test_xdist_runs_the_longest_file_first_whatever_its_number_of_tests(tmp_path
     first = list(dict.fromkeys(line.strip() for line in order.read_text().splitlines()))
     want = sorted(names, key=lambda n: -seconds[f"tests/{n}"])
     assert first == [f"tests.{n[:-3]}" for n in want] or first == [n[:-3] for n in want], first
+
+
+def test_the_stack_files_are_the_prefect_stack_users():
+    """tests/suite_report.py's STACK_FILES are one work unit so that one worker runs them and the suite
+    starts one `prefect_stack`: a new user of the fixture left out would start a second stack on the other
+    worker (a minute of CPU), and a file that stopped using it would tie the others to its worker."""
+    import re
+
+    from tests.suite_report import STACK_FILES
+
+    uses = re.compile(r"def \w+\([^)]*\bprefect_stack\b|getfixturevalue\(\"prefect_stack\"\)")
+    users = sorted(f"tests/{p.name}" for p in TESTS.glob("test_*.py") if uses.search(p.read_text()))
+    assert users == sorted(STACK_FILES), users
+
+
+def test_xdist_runs_the_stack_files_on_one_worker(tmp_path):
+    """Two xdist workers, the stack's files named as the real ones: test_flow.py (3 tests here) and
+    test_deployments.py run on one worker, one after the other. With a work unit per file the other worker,
+    given the one-test demo, would take test_deployments.py as soon as it asked (and start a second stack)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.suite_report import FILE_DURATIONS, STACK_FILES
+
+    seconds = json.loads(FILE_DURATIONS.read_text())
+    counts = {"test_flow.py": 3, "test_deployments.py": 1, "test_demo.py": 1, "test_hellaswag.py": 5,
+              "test_serving.py": 3}
+    assert {"tests/test_flow.py", "tests/test_deployments.py"} <= set(STACK_FILES)
+    # the order that makes the unit visible: per file, the demo would go out between the two stack files
+    assert seconds["tests/test_flow.py"] > seconds["tests/test_demo.py"] > seconds["tests/test_deployments.py"]
+    (tmp_path / "tests").mkdir()
+    ran = tmp_path / "ran.txt"
+    for name, count in counts.items():
+        body = "".join(f"def test_{i}():\n    import os\n    open({str(ran)!r}, 'a').write("
+                       f"os.environ['PYTEST_XDIST_WORKER'] + ' ' + __name__ + '\\n')\n\n" for i in range(count))
+        (tmp_path / "tests" / name).write_text(body)
+    env = {**os.environ, "PYTHONPATH": str(TESTS.parent)}
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "tests.suite_report", "-p", "no:cacheprovider",
+                        "-n", "2", "--dist", "loadfile", "tests"], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    lines = [line.split() for line in ran.read_text().splitlines()]
+    worker = {module.rsplit(".", 1)[-1]: w for w, module in lines}
+    assert worker["test_flow"] == worker["test_deployments"], lines
+    on_it = [module.rsplit(".", 1)[-1] for w, module in lines if w == worker["test_flow"]]
+    assert on_it[:4] == ["test_flow"] * 3 + ["test_deployments"], lines
