@@ -28,7 +28,8 @@ stop: install
 # everything (CI): real servers, torchrun, the demo's CLI; fails on a skip not listed in tests/conftest.py's
 # EXPECTED_SKIPS; ends with the 30 slowest tests and the suite's time report (tests/suite_report.py:
 # wall, cores busy, minutes per file). Two pytest-xdist workers, a whole file each at a time
-# (--dist loadfile: a module's fixtures are built once); TEST_WORKERS=0 runs it in one process
+# (--dist loadfile: a module's fixtures are built once; the files of the one server stack, prefect_stack,
+# go to one worker together: tests/suite_report.py); TEST_WORKERS=0 runs it in one process
 TEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 test: install
