@@ -24,7 +24,7 @@
 #   MLFLOW_SERVER_ENABLE_JOB_EXECUTION   default false here (MLflow's is true): the server's job runner is
 #                              for GenAI jobs (scorers, trace roll-ups) this pipeline never submits, and it
 #                              costs 7 huey consumer processes per server, each importing mlflow (~24 s of
-#                              CPU at every start, ~1 GB of memory; docs/testing.md). true turns it back on.
+#                              CPU at every start, ~1.4 GiB of memory; docs/testing.md). true turns it back on.
 # Bad settings exit 2 with the fix.
 set -eu
 

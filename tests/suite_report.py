@@ -50,6 +50,7 @@ def work_unit(nodeid: str) -> str:
     return "prefect_stack" if path in STACK_FILES else path
 
 
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: a run without xdist has no such hook
 def pytest_xdist_make_scheduler(config, log):
     """--dist loadfile with work_unit() as the unit (a file, or the stack's files together); any other
     --dist is xdist's own."""
