@@ -166,33 +166,42 @@ def test_the_readmes_test_counts_are_the_collected_ones(request):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
 
 
+def run_standin_files(tmp_path: Path, counts: dict[str, int], workers: int) -> list[tuple[str, str]]:
+    """Run stand-in test files (name -> number of tests) named as the suite's, under xdist with this suite's
+    report plugin and `--dist loadfile`, as `make test` runs; (xdist worker, module) of each test, in the
+    order they ran."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "tests").mkdir()
+    ran = tmp_path / "ran.txt"
+    for name, count in counts.items():
+        body = "".join(f"def test_{i}():\n    import os\n    open({str(ran)!r}, 'a').write("
+                       f"os.environ['PYTEST_XDIST_WORKER'] + ' ' + __name__ + '\\n')\n\n" for i in range(count))
+        (tmp_path / "tests" / name).write_text(body)
+    env = {**os.environ, "PYTHONPATH": str(TESTS.parent)}
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "tests.suite_report", "-p", "no:cacheprovider",
+                        "-n", str(workers), "--dist", "loadfile", "tests"], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    return [tuple(line.split()) for line in ran.read_text().splitlines()]
+
+
 def test_xdist_runs_the_longest_file_first_whatever_its_number_of_tests(tmp_path):
     """The schedule is tests/file_durations.json's (longest first): xdist's loadfile would otherwise hand
     out files by their number of tests, and the one-test demo (the longest file) ran last and alone. Three
     files named as measured ones, run by one xdist worker with this suite's report plugin: the order of
     their first tests is the measured order, not the count order."""
     import json
-    import os
-    import subprocess
-    import sys
 
     from tests.suite_report import FILE_DURATIONS
 
     seconds = json.loads(FILE_DURATIONS.read_text())
     names = ["test_demo.py", "test_hellaswag.py", "test_serving.py"]  # 1 test, 5 tests, 3 tests
     assert all(f"tests/{n}" in seconds for n in names)
-    (tmp_path / "tests").mkdir()
-    order = tmp_path / "order.txt"
-    for name, count in zip(names, (1, 5, 3), strict=True):
-        body = "".join(f"def test_{i}():\n    open({str(order)!r}, 'a').write(__name__ + '\\n')\n\n"
-                       for i in range(count))
-        (tmp_path / "tests" / name).write_text(body)
-    env = {**os.environ, "PYTHONPATH": str(TESTS.parent)}
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "tests.suite_report", "-p", "no:cacheprovider",
-                        "-n", "1", "--dist", "loadfile", "tests"], cwd=tmp_path, env=env, capture_output=True,
-                       text=True, timeout=300)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    first = list(dict.fromkeys(line.strip() for line in order.read_text().splitlines()))
+    ran = run_standin_files(tmp_path, dict(zip(names, (1, 5, 3), strict=True)), workers=1)
+    first = list(dict.fromkeys(module for _, module in ran))
     want = sorted(names, key=lambda n: -seconds[f"tests/{n}"])
     assert first == [f"tests.{n[:-3]}" for n in want] or first == [n[:-3] for n in want], first
 
@@ -215,9 +224,6 @@ def test_xdist_runs_the_stack_files_on_one_worker(tmp_path):
     test_deployments.py run on one worker, one after the other. With a work unit per file the other worker,
     given the one-test demo, would take test_deployments.py as soon as it asked (and start a second stack)."""
     import json
-    import os
-    import subprocess
-    import sys
 
     from tests.suite_report import FILE_DURATIONS, STACK_FILES
 
@@ -227,18 +233,7 @@ def test_xdist_runs_the_stack_files_on_one_worker(tmp_path):
     assert {"tests/test_flow.py", "tests/test_deployments.py"} <= set(STACK_FILES)
     # the order that makes the unit visible: per file, the demo would go out between the two stack files
     assert seconds["tests/test_flow.py"] > seconds["tests/test_demo.py"] > seconds["tests/test_deployments.py"]
-    (tmp_path / "tests").mkdir()
-    ran = tmp_path / "ran.txt"
-    for name, count in counts.items():
-        body = "".join(f"def test_{i}():\n    import os\n    open({str(ran)!r}, 'a').write("
-                       f"os.environ['PYTEST_XDIST_WORKER'] + ' ' + __name__ + '\\n')\n\n" for i in range(count))
-        (tmp_path / "tests" / name).write_text(body)
-    env = {**os.environ, "PYTHONPATH": str(TESTS.parent)}
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "tests.suite_report", "-p", "no:cacheprovider",
-                        "-n", "2", "--dist", "loadfile", "tests"], cwd=tmp_path, env=env, capture_output=True,
-                       text=True, timeout=300)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    lines = [line.split() for line in ran.read_text().splitlines()]
+    lines = run_standin_files(tmp_path, counts, workers=2)
     worker = {module.rsplit(".", 1)[-1]: w for w, module in lines}
     assert worker["test_flow"] == worker["test_deployments"], lines
     on_it = [module.rsplit(".", 1)[-1] for w, module in lines if w == worker["test_flow"]]
