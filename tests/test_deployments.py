@@ -19,7 +19,8 @@ import pytest
 import yaml
 
 from gptcore.overrides import load_config
-from tests.prefect_stack import flow_logs, run_deployment_and_wait
+from tests.prefect_stack import (flow_logs, pause_schedules, run_deployment_and_wait, schedule_copy, server_log_errors,
+                                 wait_final, wait_scheduled_run)
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deployments"
@@ -114,6 +115,31 @@ def test_the_nightly_schedules_as_the_server_holds_them(prefect_stack):
         assert d.global_concurrency_limit is not None and d.global_concurrency_limit.limit == 1, name
         assert d.concurrency_options is not None and d.concurrency_options.collision_strategy == "ENQUEUE", name
         assert d.work_pool_name == "gpu-pool", name
+
+
+def test_the_server_schedules_a_due_run_and_the_worker_runs_it(prefect_stack):
+    """What a nightly schedule does, minus the wait for 22:00: a copy of pretrain/tiny whose schedule is due in
+    seconds. The server's own scheduler service creates the flow run (auto-scheduled: no client asked for it)
+    and the stack's worker runs it to completion. On SQLAlchemy 2.1 with prefect 3.8.8 the scheduler failed
+    every minute and no run was ever created (#69)."""
+    from prefect.client.orchestration import get_client
+
+    params = {"preset": "micro", "register": False, "evaluate": False, "tracking": False,
+              "overrides": {"train.max_steps": 2, "train.run_name": "scheduled", "train.checkpoint_interval": 2,
+                            "eval.eval_interval": 0, "eval.sample_interval": 0}}
+    dep = schedule_copy("pretrain/tiny", f"tiny-scheduled-{uuid.uuid4().hex[:6]}", params, due_in=8.0)
+    try:
+        scheduled = wait_scheduled_run(dep, timeout=90)
+        fr = wait_final(scheduled.id, timeout=300)
+    finally:
+        pause_schedules(dep)
+    assert fr.state.is_completed(), (fr.state.message, server_log_errors(prefect_stack)[:5])
+    assert scheduled.auto_scheduled  # the scheduler service made it
+    with get_client(sync_client=True) as c:
+        assert [s.name for s in sorted(c.read_flow_run_states(fr.id), key=lambda s: s.timestamp)][0] == "Scheduled"
+    assert fr.parameters["overrides"]["train.run_name"] == "scheduled"
+    # it started when it was due, not when it was created
+    assert fr.start_time >= scheduled.expected_start_time
 
 
 def test_the_stacks_mlflow_server_starts_no_job_runner(prefect_stack):

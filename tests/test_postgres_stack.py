@@ -27,7 +27,8 @@ from devstack.services import Auth, Stack, mlflow_trusting
 from integrations.mlflow_store import signed_in_as
 from integrations.secrets import PASSWORD_BLOCK, save_mlflow_credentials
 from tests.postgres import postgres  # noqa: F401  (the fixture)
-from tests.prefect_stack import artifacts, run_deployment_and_wait
+from tests.prefect_stack import (artifacts, pause_schedules, run_deployment_and_wait, schedule_copy, server_log_errors,
+                                 wait_final, wait_scheduled_run)
 
 pytestmark = pytest.mark.slow
 COMPOSE = Path(__file__).resolve().parent.parent / "docker" / "docker-compose.yml"
@@ -123,6 +124,16 @@ def test_flow_run_end_to_end_on_postgres(postgres, tmp_path):  # noqa: F811
             fr = run_deployment_and_wait(params, timeout=240)
             assert fr.state.is_completed(), fr.state.message
             summary = {r["key"]: json.loads(r["value"]) for r in artifacts(fr.id)["pretrain-summary"]}
+            # the next night, on PostgreSQL: the server's scheduler creates the run (#69: on SQLAlchemy 2.1 it
+            # failed every minute), the worker runs it, and it continues the same run: nothing left to do
+            dep = schedule_copy("pretrain/tiny", "tiny-nightly-pg", params, due_in=8.0)
+            try:
+                nightly = wait_final(wait_scheduled_run(dep, timeout=90).id, timeout=240)
+            finally:
+                pause_schedules(dep)
+            assert nightly.auto_scheduled and nightly.state.is_completed(), nightly.state.message
+            assert pg.query("prefect", "SELECT auto_scheduled FROM flow_run WHERE id = %s", (str(nightly.id),)) \
+                == [(True,)]
         assert summary["step"] == 4
         assert {s: summary["stages"][s] for s in ("train", "register", "sample")} == \
             {"train": "ran", "register": "ran", "sample": "ran"}, summary["stages"]
@@ -148,6 +159,7 @@ def test_flow_run_end_to_end_on_postgres(postgres, tmp_path):  # noqa: F811
         assert pg.query("mlflow", "SELECT status FROM runs WHERE run_uuid = %s", (mv.run_id,)) == [("FINISHED",)]
         assert pg.query("prefect", "SELECT state_type FROM flow_run WHERE id = %s", (str(fr.id),)) == \
             [("COMPLETED",)]
+        assert server_log_errors(stack) == []
     finally:
         stack.down()
 
