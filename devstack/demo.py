@@ -10,7 +10,8 @@ What it does, all on 127.0.0.1 with state under the pipeline home ($GPTPIPE_HOME
 2. deploys deployments/prefect.yaml (`tiny` on cpu-pool, the nightly `gpt2-124m` on gpu-pool);
 3. runs `pretrain/tiny` through the server and streams the flow run's logs while the worker runs it;
 4. prints the tokens, final val loss, HellaSwag (or why it was skipped), the MLflow model version, a
-   sample of generated text and the UI addresses (read back from the flow run's summary artifact).
+   sample of generated text (read back from the flow run's summary artifact), the UI pages of the flow
+   run's artifacts, the MLflow run and the model version, and how long the flow run took.
 
 A second run reuses the servers and finds every stage's artifacts in place: it finishes in seconds and
 changes nothing.
@@ -95,6 +96,7 @@ def read_summary(flow_run_id) -> dict:
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
 
     from flows.pretrain import SUMMARY_KEY
+    from integrations.artifact_tables import from_rows
 
     with get_client(sync_client=True) as c:
         arts = c.read_artifacts(artifact_filter=ArtifactFilter(
@@ -102,20 +104,32 @@ def read_summary(flow_run_id) -> dict:
     if not arts:
         return {}
     rows = json.loads(arts[0].data) if isinstance(arts[0].data, str) else arts[0].data
-    return {r["key"]: json.loads(r["value"]) for r in rows}
+    return from_rows(rows)
 
 
-def mlflow_ui(uri: str) -> str:
-    """The pipeline experiment's page in model-training mode (MLflow's UI starts in GenAI mode), or the
-    server's home page in that mode when the experiment cannot be read."""
-    from integrations.mlflow_links import pipeline_link
+def flow_run_link(ui_url: str, flow_run_id, tab: str = "Artifacts") -> str:
+    """A flow run's page in the Prefect UI, open on `tab` (Logs, TaskRuns, Artifacts, Details, ...).
 
-    return pipeline_link(uri)
+    Prefect 3.8 serves two UIs: the new one under /v2 (where the server's root sends a browser) and the old
+    one at the root paths. The old one's flow-run page drops ?tab=Artifacts on a fresh load: that tab is
+    hidden until the page has read the run's state, and a tab it does not show is reset to Logs. The new
+    one's route validates ?tab= against its tab names (Artifacts among them) and keeps it."""
+    return f"{ui_url.rstrip('/')}/v2/runs/flow-run/{flow_run_id}?tab={tab}"
+
+
+def mlflow_lines(uri: str, s: dict) -> list[str]:
+    """The MLflow experiment, the run and the registered version, each page in model-training mode
+    (MLflow's UI starts in GenAI mode); the run's and the version's when the summary names them."""
+    from integrations.mlflow_links import pipeline_links
+
+    links = pipeline_links(uri, s.get("mlflow_run_id"), s.get("registered_name"), s.get("registered_version"))
+    labels = {"experiment": "MLflow UI", "run": "MLflow run", "model version": "MLflow version"}
+    return [f"{labels[k]:19}{link}" for k, link in links.items()]
 
 
 def cost_line(s: dict) -> str:
     """The run's device-hours so far, its cost and the ETA (gptcore/training/cost.py): what a long run's
-    operator asks first. Device-hours count CPU processes too, so the demo shows the same line a GPU run has."""
+    operator asks first. Device-hours: GPU-hours on GPUs, training processes' hours on a CPU (the demo's)."""
     from gptcore.training.cost import duration
 
     hours = s.get("gpu_hours")
@@ -128,7 +142,9 @@ def cost_line(s: dict) -> str:
     return f"{hours:.4f} ({cost}; {eta})"
 
 
-def report(s: dict, stack: Stack, seconds: float) -> str:
+def report(s: dict, stack: Stack, flow_run_id, startup_s: float, took_s: float) -> str:
+    """What the demo prints at the end; `took_s` is the flow run's own time (Running), `startup_s` what came
+    before it: the servers, the worker and the deployments."""
     val = s.get("val_loss")
     stages = ", ".join(f"{k} {v}" for k, v in (s.get("stages") or {}).items())
     return "\n".join([
@@ -139,7 +155,7 @@ def report(s: dict, stack: Stack, seconds: float) -> str:
         f"{s.get('val_tokens_in_dataset', 0):,} val tokens",
         f"tokens trained     {s.get('tokens_seen') or 0:,}",
         f"final val loss     {val:.4f}" if isinstance(val, float) else f"final val loss     {val}",
-        f"GPU-hours          {cost_line(s)}",
+        f"device-hours       {cost_line(s)}",
         *[f"{'evaluations' if i == 0 else '':19}{line}" for i, line in enumerate(s.get("evaluation_summary") or [])],
         f"MLflow model       {s.get('model_version')}",
         f"stages             {stages}",
@@ -147,9 +163,11 @@ def report(s: dict, stack: Stack, seconds: float) -> str:
         "  " + str(s.get("sample", "")).replace("\n", "\n  "),
         "",
         f"Prefect UI         {stack.prefect_ui_url}",
-        f"MLflow UI          {mlflow_ui(stack.mlflow_uri)}",
+        f"Prefect run        {flow_run_link(stack.prefect_ui_url, flow_run_id)}",
+        *mlflow_lines(stack.mlflow_uri, s),
         f"checkpoint         {s.get('checkpoint')}",
-        f"took               {seconds:.0f}s",
+        f"start-up           {startup_s:.0f}s (servers, worker, deployments; before the flow run)",
+        f"took               {took_s:.0f}s (the flow run)",
         "stop the servers:  python -m devstack.demo --stop   (make stop)",
         "=" * 78,
     ])
@@ -182,11 +200,12 @@ def main(argv: list[str] | None = None) -> int:
             params[k] = json.loads(v)
         except ValueError:
             params[k] = v
-    t0 = time.time()
+    t0 = time.monotonic()
     print(f"pipeline home {stack.home}; starting services (reused when already running) ...", flush=True)
     stack.up()
     print(f"Prefect {stack.prefect_ui_url}  MLflow {stack.mlflow_uri}  worker on pool {stack.pool}", flush=True)
     done = deploy(stack)
+    startup_s = time.monotonic() - t0
     print(f"{'deployed' if done else 'already deployed:'} {PREFECT_FILE.relative_to(REPO)}; running "
           f"{args.deployment} through the server", flush=True)
     from prefect.settings import temporary_settings
@@ -195,11 +214,12 @@ def main(argv: list[str] | None = None) -> int:
         fr = run_and_follow(args.deployment, params, args.timeout)
         if not fr.state.is_completed():
             print(f"\nerror: flow run {fr.name} ended {fr.state.name}: {fr.state.message}\n"
-                  f"logs: Prefect UI {stack.prefect_ui_url}/runs/flow-run/{fr.id}; worker log "
+                  f"logs: Prefect UI {flow_run_link(stack.prefect_ui_url, fr.id, 'Logs')}; worker log "
                   f"{stack.worker.log_path}", file=sys.stderr)
             return 1
         summary = read_summary(fr.id)
-    print(report(summary, stack, time.time() - t0))
+    # the flow run's own time in Running (the server's count): not the start-up, not the wait for the worker
+    print(report(summary, stack, fr.id, startup_s, fr.total_run_time.total_seconds()))
     return 0
 
 

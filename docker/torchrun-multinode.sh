@@ -6,7 +6,7 @@
 # Env:
 #   NNODES           number of nodes (default 1: a single-node --standalone run)
 #   NODE_RANK        this node's rank, 0..NNODES-1 (default: JOB_COMPLETION_INDEX of a Kubernetes
-#                    Indexed Job, else 0). Rank 0 must run on MASTER_ADDR for the static backend.
+#                    Indexed Job, else 0). Node 0 must run on MASTER_ADDR (both backends: it hosts the store).
 #   NPROC_PER_NODE   processes per node (default gpu: one per visible GPU; cpu/auto/an integer also work)
 #   MASTER_ADDR      host every node can reach (required when NNODES > 1)
 #   MASTER_PORT      rendezvous TCP port on MASTER_ADDR (default 29500)
@@ -17,9 +17,20 @@
 #   SHUTDOWN_TIMEOUT seconds torchrun gives its workers after SIGTERM before SIGKILL (default 300: time
 #                    for the stop checkpoint; keep the container's/pod's grace period above it); torch 2.11's
 #                    torchrun has no such flag: it is left out there, and torchrun's fixed 30 s apply
-#   TORCHRUN_EXTRA_ARGS  appended verbatim (word-split), e.g. "--rdzv-conf=timeout=1800"
+#   TORCHRUN_EXTRA_ARGS  appended verbatim (word-split), e.g. "--rdzv-conf=timeout=1800" (a --rdzv-conf
+#                    there is merged with the launcher's own)
+#   GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME  the interface the ranks talk over. Unset (NNODES > 1): the one
+#                    the kernel routes MASTER_ADDR through (`python -m gptcore.launch route`), so a host with
+#                    several interfaces, or whose hostname resolves to 127.0.0.1 (Debian's and Ubuntu's default
+#                    /etc/hosts), does not pick loopback or the wrong network
+#   MASTER_WAIT      seconds to wait for MASTER_ADDR to resolve (default 300: a pod's DNS record appears once
+#                    it runs); then the node exits 2 with the reason
 #   DRY_RUN=1        print the command instead of running it
-# NCCL_* variables (NCCL_SOCKET_IFNAME, NCCL_IB_HCA, ...) pass through to the trainers unchanged.
+# With NNODES > 1 every node also passes torchrun --local-addr (its own address on that route: the address
+# the workers are handed for the store, whatever the hostname resolves to), and the c10d rendezvous store is
+# hosted by node 0 when MASTER_ADDR is one of its own addresses (--rdzv-conf=is_host=true; every other node
+# is_host=false) instead of each guessing from its hostname. So NODE_RANK=0 is the node on MASTER_ADDR with
+# c10d too, and every node has its own NODE_RANK. NCCL_* variables (NCCL_IB_HCA, ...) pass through to the trainers unchanged.
 set -euo pipefail
 
 die() { echo "torchrun-multinode: $*" >&2; exit 2; }
@@ -42,6 +53,7 @@ is_int "$port" || die "MASTER_PORT must be a port number, got '$port'"
 shutdown=${SHUTDOWN_TIMEOUT:-300}
 is_int "$shutdown" || die "SHUTDOWN_TIMEOUT must be a number of seconds, got '$shutdown'"
 args=(--nproc-per-node="$nproc" --max-restarts="${MAX_RESTARTS:-0}")
+rdzv_conf=()
 # torchrun has --shutdown-timeout from torch 2.12; torch 2.11's exits 2 on it (gptcore/launch.py asks the
 # installed torchrun's own parser: 0 it has it, 3 it has not, anything else: could not ask, keep the flag)
 accepts=0
@@ -57,16 +69,44 @@ if [ "$nnodes" -eq 1 ]; then
 else
     [ -n "${MASTER_ADDR:-}" ] || die "MASTER_ADDR is required when NNODES=$nnodes > 1: the address of the \
 node that hosts the rendezvous (node 0), reachable from every node"
+    [[ "$backend" =~ ^(c10d|static)$ ]] || die "RDZV_BACKEND must be c10d or static, got '$backend'"
+    # a name that does not resolve yet (node 0's pod DNS record) is asked again for MASTER_WAIT seconds
+    wait_s=${MASTER_WAIT:-300}; [ "${DRY_RUN:-0}" = 1 ] && wait_s=0
+    is_host=0 route=
+    if route=$("${PYTHON:-python}" -m gptcore.launch route "$MASTER_ADDR" "$wait_s"); then
+        read -r ifname local_addr is_host <<<"$route"
+        export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-$ifname} NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-$ifname}
+        echo "torchrun-multinode: talking over $GLOO_SOCKET_IFNAME from $local_addr (GLOO_SOCKET_IFNAME, \
+NCCL_SOCKET_IFNAME=$NCCL_SOCKET_IFNAME)" >&2
+        args+=(--local-addr="$local_addr")
+    elif [ "${DRY_RUN:-0}" = 1 ]; then
+        echo "torchrun-multinode: MASTER_ADDR=$MASTER_ADDR is unknown here: on the node, --local-addr and the \
+socket interface come from its route to it" >&2
+    else
+        die "this node cannot reach MASTER_ADDR=$MASTER_ADDR (the line above says why)"
+    fi
     case "$backend" in
         c10d) args+=(--nnodes="$nnodes" --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$port"
-                     --rdzv-id="${RDZV_ID:-gpt2}") ;;
+                     --rdzv-id="${RDZV_ID:-gpt2}")
+              # said, never guessed: node 0 on MASTER_ADDR serves the store, every other node is a client
+              # (a guess from the hostname fails where it resolves to 127.0.0.1, and two guesses race)
+              if [ -n "${route:-}" ]; then
+                  if [ "$is_host" = 1 ] && [ "$node_rank" -eq 0 ]; then rdzv_conf+=(is_host=true)
+                  else rdzv_conf+=(is_host=false); fi
+              fi ;;
         static) args+=(--nnodes="$nnodes" --node-rank="$node_rank" --master-addr="$MASTER_ADDR"
                        --master-port="$port") ;;
-        *) die "RDZV_BACKEND must be c10d or static, got '$backend'" ;;
     esac
 fi
 # shellcheck disable=SC2206  # deliberate word splitting of a flag list
-[ -z "${TORCHRUN_EXTRA_ARGS:-}" ] || args+=(${TORCHRUN_EXTRA_ARGS})
+extra=(${TORCHRUN_EXTRA_ARGS:-})
+for a in ${extra[@]+"${extra[@]}"}; do  # one --rdzv-conf: torchrun keeps only the last one it is given
+    case "$a" in
+        --rdzv-conf=*|--rdzv_conf=*) rdzv_conf+=("${a#*=}") ;;
+        *) args+=("$a") ;;
+    esac
+done
+[ ${#rdzv_conf[@]} -eq 0 ] || args+=(--rdzv-conf="$(IFS=,; echo "${rdzv_conf[*]}")")
 
 cmd=("${PYTHON:-python}" -m torch.distributed.run "${args[@]}" "$@")
 echo "torchrun-multinode: node $node_rank of $nnodes, $(env | grep -c '^NCCL_' || true) NCCL_* variable(s) set" >&2

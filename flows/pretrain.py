@@ -23,7 +23,8 @@ reason when it finds it, else does its work; either way it leaves one result on 
 
 Tasks exchange paths and config dicts, never arrays. For the UI the flow publishes artifacts: the shard
 table, the eval table, links to the MLflow run and model version, the sample text, and a summary table
-(`pretrain-summary`, read back by `python -m devstack.demo`).
+(`pretrain-summary`: one row per value, plain, as integrations/artifact_tables.py writes it; read back by
+`python -m devstack.demo` with artifact_tables.from_rows).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from gptcore.config import ConfigError, RunConfig
 from gptcore.metrics import METRICS_FILE, read_metrics
 from gptcore.overrides import load_config
 from gptcore.security import check_name
+from integrations.artifact_tables import to_rows
 from integrations.mlflow_links import flow_links
 from integrations.progress import artifact_key
 from integrations.secrets import mlflow_credentials_from_prefect
@@ -127,8 +129,8 @@ def pretrain(preset: str = "tiny-cpu", overrides: dict | None = None, nproc: int
     create_table_artifact(run.rows, key=artifact_key(cfg.run_name, "stages"),
                           description="What this flow run did or skipped")
     summary = summarize(run)
-    create_table_artifact([{"key": k, "value": json.dumps(v)} for k, v in summary.items()], key=SUMMARY_KEY,
-                          description=f"Summary of run {cfg.run_name}")
+    # one row per value, shown plainly in the UI (stages.train | ran); read back with artifact_tables.from_rows
+    create_table_artifact(to_rows(summary), key=SUMMARY_KEY, description=f"Summary of run {cfg.run_name}")
     return summary
 
 
@@ -155,6 +157,10 @@ def summarize(run: FlowRun) -> dict:
         "evaluation_summary": list(evaluated.values()),
         "model_version": run.reg["model_uri"] if run.reg else None,
         "mlflow_uri": run.reg["tracking_uri"] if run.reg else None,
+        # what the demo's MLflow run and model version links are made of (integrations/mlflow_links.py)
+        "mlflow_run_id": run.reg["run_id"] if run.reg else None,
+        "registered_name": run.reg["name"] if run.reg else None,
+        "registered_version": run.reg["version"] if run.reg else None,
         "sample": run.sample["text"],
         "stages": {s["stage"]: s["status"] for s in run.rows},
     }

@@ -74,12 +74,18 @@ def select_loss(pref: str, device: torch.device) -> str:
     return "plain" if device.type == "cuda" else "fused"
 
 
+def uses_cuda(tc: TrainConfig) -> bool:
+    """Whether training runs on CUDA on this machine (train.device=auto: when a GPU is visible); the launcher
+    asks too, to name what its processes hold (GPU-hours or CPU-process-hours)."""
+    return tc.device == "cuda" or (tc.device == "auto" and torch.cuda.is_available())
+
+
 def select(tc: TrainConfig) -> Env:
     """This process's rank and hardware settings (from torchrun's environment; no communication)."""
     rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
     if tc.device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("train.device=cuda but no CUDA device is visible; use train.device=auto or cpu")
-    cuda = tc.device == "cuda" or (tc.device == "auto" and torch.cuda.is_available())
+    cuda = uses_cuda(tc)
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)

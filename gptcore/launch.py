@@ -4,6 +4,7 @@ image without Prefect or MLflow, so it lives here, beside the trainer.
 
     torchrun_cmd("gpt2-124m", {"train.max_steps": 100}, nproc=8, max_restarts=1)
     python -m gptcore.launch accepts --shutdown-timeout     # exit 0 when the installed torchrun has it
+    python -m gptcore.launch route 10.0.0.1                 # "eth1 10.0.0.2 0": interface, own address, host?
 
 The command is built from what the installed torchrun accepts (pyproject allows torch >= 2.11): torchrun
 has `--shutdown-timeout` only from torch 2.12, and torch 2.11's torchrun exits 2 on an argument it does
@@ -16,7 +17,10 @@ from __future__ import annotations
 # module through the train stage, and its no-op re-run must not import torch
 import contextlib
 import io
+import socket
 import sys
+import time
+from dataclasses import dataclass
 from functools import cache
 
 from gptcore.overrides import flatten
@@ -78,12 +82,83 @@ def torchrun_cmd(preset: str, overrides: dict | None, nproc: int, max_restarts: 
             "-m", "gptcore.training.train", preset, *override_args(overrides)]
 
 
+@dataclass(frozen=True)
+class Route:
+    """How this host reaches the rendezvous host: through `ifname`, from its own `local_addr`; `is_host` when
+    MASTER_ADDR is one of this host's own addresses (it serves the rendezvous store)."""
+    ifname: str
+    local_addr: str
+    is_host: bool
+
+
+class RouteError(ValueError):
+    pass
+
+
+def interface_addresses() -> dict[str, str]:
+    """IPv4 address -> interface name, for this host's interfaces that have one (Linux's SIOCGIFADDR: the
+    launcher runs on images without psutil)."""
+    import fcntl
+    import struct
+
+    out = {}
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))  # SIOCGIFADDR
+            except OSError:  # no IPv4 address on it
+                continue
+            out[socket.inet_ntoa(raw[20:24])] = name
+    return out
+
+
+def route_to(master_addr: str, wait_s: float = 0.0) -> Route:
+    """The interface and source address the kernel picks for `master_addr` (a UDP connect sends nothing: it
+    only asks the routing table). torchrun and gloo otherwise guess from the hostname, and on a host whose
+    /etc/hosts maps its hostname to 127.0.0.1 (Debian's and Ubuntu's default) they guess loopback: the c10d
+    rendezvous never sees node 0 as the store host, workers are handed an address no other host reaches,
+    and gloo connects to 127.0.0.1 (#66). The route names the interface the hosts share, whatever the
+    hostname says. A name that does not resolve yet (a Kubernetes pod's DNS record appears once the pod
+    runs) is asked again for up to `wait_s` seconds."""
+    end = time.monotonic() + wait_s
+    while True:
+        try:
+            ip = socket.getaddrinfo(master_addr, None, socket.AF_INET)[0][4][0]
+            break
+        except socket.gaierror as e:
+            if time.monotonic() >= end:
+                raise RouteError(f"MASTER_ADDR={master_addr!r} does not resolve on this host ({e}): give the "
+                                 "rendezvous host's address (e.g. 10.0.0.1) or a name every node resolves to "
+                                 "it") from None
+            time.sleep(2.0)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((ip, 9))
+        except OSError as e:
+            raise RouteError(f"no route from this host to MASTER_ADDR={master_addr} ({ip}): {e}") from None
+        src = probe.getsockname()[0]
+    nics = interface_addresses()
+    if src not in nics:
+        raise RouteError(f"the route to MASTER_ADDR={master_addr} ({ip}) leaves from {src}, which no interface of "
+                         "this host holds; set GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME yourself")
+    return Route(nics[src], src, is_host=ip == src or ip in nics)
+
+
 def main(argv: list[str]) -> int:
     """`python -m gptcore.launch accepts FLAG`: exit 0 when the installed torchrun has FLAG, 3 when it has
     not (for docker/torchrun-multinode.sh, which builds the same command in shell; any other exit means the
-    question could not be asked)."""
+    question could not be asked). `python -m gptcore.launch route MASTER_ADDR [WAIT_S]`: prints "IFNAME
+    LOCAL_ADDR IS_HOST(0|1)" (route_to), or an error line and exit 2."""
+    if len(argv) in (2, 3) and argv[0] == "route":
+        try:
+            r = route_to(argv[1], float(argv[2]) if len(argv) == 3 else 0.0)
+        except RouteError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(r.ifname, r.local_addr, int(r.is_host))
+        return 0
     if len(argv) != 2 or argv[0] != "accepts" or not argv[1].startswith("--"):
-        print("usage: python -m gptcore.launch accepts --FLAG", file=sys.stderr)
+        print("usage: python -m gptcore.launch accepts --FLAG | route MASTER_ADDR [WAIT_S]", file=sys.stderr)
         return 2
     return 0 if accepts(argv[1]) else 3
 

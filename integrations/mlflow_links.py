@@ -9,7 +9,8 @@ Runs, Models and the registry.
     experiment_link(uri, "1")             http://host:5000/#/experiments/1?workflowType=machine_learning
     run_link(uri, "1", run_id)            .../#/experiments/1/runs/<run_id>?workflowType=machine_learning
     model_version_link(uri, "tiny-cpu", 3)  .../#/models/tiny-cpu/versions/3?workflowType=machine_learning
-    pipeline_link(uri)                    the pipeline experiment's page (read over REST)
+    pipeline_links(uri, run_id, name, version)  the pipeline experiment's page (read over REST), the
+                                          run's and the model version's (what the demo prints)
     flow_links(reg, run_name)             a flow run's MLflow run and model version, as markdown
 """
 
@@ -50,13 +51,20 @@ def pipeline_experiment_id(uri: str) -> str | None:
     return (exp.get("experiment") or {}).get("experiment_id")
 
 
-def pipeline_link(uri: str) -> str:
-    """The pipeline experiment's page, or the server's experiments page while it cannot be read."""
+def pipeline_links(uri: str, run_id: str | None = None, name: str | None = None, version=None) -> dict[str, str]:
+    """{"experiment": the pipeline experiment's page, or the server's experiments page while it cannot be
+    read; "run": run `run_id`'s page (a run's page needs its experiment's id); "model version": version
+    `version` of registered model `name`}; a link only where its parts are known."""
     try:
         exp_id = pipeline_experiment_id(uri)
     except store.RestUnavailable:
         exp_id = None
-    return experiment_link(uri, exp_id) if exp_id else ui_link(uri, "experiments")
+    links = {"experiment": experiment_link(uri, exp_id) if exp_id else ui_link(uri, "experiments")}
+    if exp_id and run_id:
+        links["run"] = run_link(uri, exp_id, run_id)
+    if name and version is not None:
+        links["model version"] = model_version_link(uri, name, version)
+    return links
 
 
 def flow_links(reg: dict | None, run_name: str) -> str:

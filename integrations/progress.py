@@ -5,9 +5,11 @@ updated in place from <run_dir>/metrics.jsonl (at most every few seconds, from t
 trainer never waits on it), whose description reads
 
     step 4,210 / 19,073 · loss 3.41 · val 3.52 · 3.6M tok/s · MFU 41% · this run: ETA 1 h 10 min ·
-    whole run: ETA 5 h 10 min · cost $61.20 so far, $277.40 projected · MLflow run <link>
+    whole run: ETA 5 h 10 min · 24.48 GPU-hours so far (8 GPUs) · cost $61.20 so far, $277.40 projected ·
+    MLflow run <link>
 
-(the cost where train.price_per_gpu_hour is set: gptcore/training/cost.py)
+(MFU where the device's peak is known; on a CPU the hours are CPU-process-hours; the cost where
+train.price_per_gpu_hour is set: gptcore/training/cost.py)
 
 plus warnings in the flow run's log when metrics shipping to MLflow stalls, and an info line once it
 has caught up. Tokenizing: a progress artifact `<dataset>-tokenize` for the pieces done (PieceProgress).
@@ -22,7 +24,7 @@ import time
 from pathlib import Path
 
 from gptcore.metrics import METRICS_FILE, read_new_lines
-from gptcore.training.cost import duration
+from gptcore.training.cost import duration, hours_text
 
 HEALTH_WARN_SECONDS = 30.0  # tracking unreachable this long: say so in the flow run's log
 
@@ -56,14 +58,16 @@ class TrainProgress:
     """Tails metrics.jsonl from where it was when the train task started and publishes progress."""
 
     def __init__(self, run_dir: Path, run_name: str, max_steps: int, budget_s: float, shipper, log,
-                 every: float = 5.0):
+                 every: float = 5.0, world: int = 1, cuda: bool = False):
         self.path = Path(run_dir) / METRICS_FILE
         self.max_steps, self.budget_s = max_steps, budget_s
+        self.world, self.cuda = world, cuda  # the training processes, and whether each holds a GPU
         self.shipper, self.log, self.every = shipper, log, every
         self.offset = self.path.stat().st_size if self.path.is_file() else 0
         self.t0, self.last_publish = time.time(), 0.0
         self.first: tuple[float, int] | None = None  # (time, step) of the first step of this invocation
         self.step, self.loss, self.val, self.tok_s, self.mfu = 0, None, None, None, None
+        self.hours: float | None = None  # devices x wall hours of training so far (train/gpu_hours)
         self.cost: tuple[float, float] | None = None  # $ so far, $ projected (train.price_per_gpu_hour)
         self.artifact = ProgressArtifact(artifact_key(run_name, "training"), log)
         self.down_since: float | None = None  # tracking unreachable since
@@ -81,6 +85,7 @@ class TrainProgress:
                 if row.get("kind", "train") == "train":
                     self.step, self.loss = row["step"], row.get("train/loss")
                     self.tok_s, self.mfu = row.get("train/tokens_per_s"), row.get("train/mfu")
+                    self.hours = row.get("train/gpu_hours", self.hours)
                     if "train/cost_usd" in row:
                         self.cost = (row["train/cost_usd"], row["train/cost_projected_usd"])
                     if self.first is None:
@@ -103,6 +108,8 @@ class TrainProgress:
             to_end = (self.max_steps - self.step) / rate
             here = min(to_end, self.budget_s - (time.time() - self.t0)) if self.budget_s else to_end
             parts += [f"this run: ETA {duration(here)}", f"whole run: ETA {duration(to_end)}"]
+        if self.hours is not None:
+            parts.append(hours_text(self.hours, self.world, self.cuda))
         if self.cost is not None:
             parts.append(f"cost ${self.cost[0]:,.2f} so far, ${self.cost[1]:,.2f} projected")
         if self.shipper is not None and self.shipper.run_id:

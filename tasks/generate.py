@@ -154,7 +154,10 @@ class SampleStage(Stage):
         return sample_task(*self.asked(run))
 
     def reason(self, run: FlowRun, sample: dict, ran: bool) -> str:
-        return "" if ran else f"{run.ckpt}/{SAMPLE_FILE} holds text from {sample['model_uri'] or 'the checkpoint'}"
+        source = sample["model_uri"] or "the checkpoint"
+        if ran:  # what it generated, from what, and where the text is (the stages table shows this line)
+            return f"{sample['max_new_tokens']} tokens from {source} into {run.ckpt}/{SAMPLE_FILE}"
+        return f"{run.ckpt}/{SAMPLE_FILE} holds text from {source}"
 
     def keep(self, run: FlowRun, sample: dict) -> None:
         from prefect.artifacts import create_markdown_artifact

@@ -4,10 +4,10 @@
     leaderboard("tiny-cpu") -> DataFrame, one row per version:
         version, aliases, step, tokens_seen, val_loss, then each evaluation's headline metric (gptcore/evals)
         with its _stderr and _vs_best ("best", "within 2 SE": not told apart at this sample size, "better",
-        "worse"): hellaswag_acc_norm(_stderr, _vs_best); then every other metric the versions have, one column
-        each (cost_usd, gpu_hours: what the run had cost at that step; hellaswag_acc, harness_<task>_<metric>,
-        ...); optimizer, schedule, run_name, run_id,
-        manifest_id, model_id, created
+        "worse", "not measured": skipped or not run): hellaswag_acc_norm(_stderr, _vs_best); then every other
+        metric the versions have, one column each (cost_usd, gpu_hours: what the run had cost at that step;
+        hellaswag_acc, harness_<task>_<metric>, ...); optimizer, schedule, run_name, run_id, manifest_id,
+        model_id, created
 
 Measurements (val loss, every evaluation's numbers, step, tokens) are the metrics of each version's LoggedModel
 (what the MLflow UI's Models tab sorts by); identity (recipe, manifest id, run) comes from the version's tags. Three
@@ -147,7 +147,9 @@ def column_of(metric: str) -> str:
 def compared_with_best(board: pd.DataFrame, column: str) -> pd.Series:
     """Per version, how its `column` compares with the `best` version's: "best", "within 2 SE" (the
     difference is within two standard errors of the difference, sqrt(se_a^2 + se_b^2): noise at this
-    sample size), "better" or "worse"; None without the numbers (e.g. no standard error recorded)."""
+    sample size), "better" or "worse"; "not measured" for a version without the number (its evaluation
+    was skipped, e.g. offline, or not run); None when the numbers to compare are missing (e.g. no
+    standard error recorded, or `best` itself was not measured)."""
     out = pd.Series([None] * len(board), index=board.index, dtype=object)
     best = best_version(board) if len(board) else None
     if best is None:
@@ -155,7 +157,9 @@ def compared_with_best(board: pd.DataFrame, column: str) -> pd.Series:
     b = board[board["version"] == int(best)].iloc[0]
     for i, row in board.iterrows():
         a, se_a, vb, se_b = row[column], row[f"{column}_stderr"], b[column], b[f"{column}_stderr"]
-        if row["version"] == int(best):
+        if pd.isna(a):  # `best` is by val loss: a version that skipped this evaluation is not ranked on it
+            out[i] = "not measured"
+        elif row["version"] == int(best):
             out[i] = "best"
         elif not any(pd.isna(v) for v in (a, se_a, vb, se_b)):
             out[i] = ("within 2 SE" if abs(a - vb) <= 2 * math.sqrt(se_a ** 2 + se_b ** 2)

@@ -268,7 +268,10 @@ def train_task(cfg: dict, run_name: str, nproc: int, wait_seconds: float = 600.0
         # the trainer's lock record names this flow run, so a second trainer's error points at it
         env = dict(os.environ, GPTPIPE_LAUNCHED_BY=json.dumps({"flow_run_id": str(flow_run_id),
                                                                 "pid": os.getpid()}))
-        progress = TrainProgress(run_dir, run_name, cfg.train.max_steps, cfg.train.max_minutes * 60, shipper, log)
+        from gptcore.distributed import uses_cuda  # imports torch: only once there is training to do
+
+        progress = TrainProgress(run_dir, run_name, cfg.train.max_steps, cfg.train.max_minutes * 60, shipper, log,
+                                 world=nproc, cuda=uses_cuda(cfg.train))
         try:
             with launch_config(cfg) as path:
                 rc, tail = run_trainer(str(path), None, nproc, cfg.train.max_restarts, run_dir, log, env,

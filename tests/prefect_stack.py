@@ -10,6 +10,7 @@ Inside the fixture, this process's Prefect client talks to the stack's server.
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -37,9 +38,9 @@ def prefect_stack(tmp_path_factory):
             yield stack
         # after every test of the run: a server service that failed (the scheduler did, every minute, on
         # SQLAlchemy 2.1: #69) reaches no client and fails no request; only its log shows it
-        errors = server_log_errors(stack)
-        assert not errors, f"the Prefect server logged {len(errors)} ERROR lines during the suite:\n" + \
-            "\n".join(errors[:20])
+        errors = unexpected_server_errors(stack)
+        assert not errors, f"the Prefect server logged {len(errors)} ERRORs during the suite:\n" + \
+            "\n".join(e[-3000:] for e in errors[:5])
     finally:
         stack.down()
         hub.close()
@@ -182,10 +183,40 @@ def pause_schedules(deployment_id) -> None:
         c.pause_deployment(deployment_id)
 
 
+# Errors the Prefect server logs that are understood and harmless, each with why; anything else fails the run.
+KNOWN_SERVER_ERRORS = {
+    # test_concurrency_slot_set_up_by_many_flow_runs_at_once races 8 first uses of one limit: Prefect's upsert
+    # is read-then-create, the losers' inserts hit the unique name and are answered 409 (tasks/train.py
+    # prefect_slot takes that as "exists"); the server logs each as an exception in the request
+    r"UNIQUE constraint failed: concurrency_limit_v2\.name|UniqueViolationError.*concurrency_limit_v2":
+        "racing first uses of one concurrency limit (answered 409, handled by the client)",
+    # SQLite only (the demo's server; compose runs PostgreSQL): the worker-heartbeat write upgrades a read
+    # transaction, which WAL refuses at once when another write committed meanwhile (busy_timeout cannot
+    # help); the worker's next heartbeat, seconds later, lands
+    r"heartbeat persistence failed[\s\S]*database is locked":
+        "a worker heartbeat lost to SQLite write contention (the next one lands)",
+}
+
+
+def unexpected_server_errors(stack) -> list[str]:
+    """server_log_errors less the KNOWN_SERVER_ERRORS."""
+    return [e for e in server_log_errors(stack) if not any(re.search(p, e) for p in KNOWN_SERVER_ERRORS)]
+
+
 def server_log_errors(stack) -> list[str]:
-    """ERROR lines of the stack's Prefect server log (the scheduler and every other server service log there;
-    a failing service never reaches a client, so only its log shows it)."""
+    """ERROR records of the stack's Prefect server log, each with the traceback lines under it (the scheduler
+    and every other server service log there; a failing service never reaches a client, so only its log
+    shows it)."""
     log = stack.state_dir / "prefect-server.log"
     if not log.exists():
         return []
-    return [ln for ln in log.read_text(errors="replace").splitlines() if "| ERROR" in ln]
+    errors, current = [], None
+    for ln in log.read_text(errors="replace").splitlines():
+        if re.match(r"^\d\d:\d\d:\d\d\.\d+ \| ", ln):  # a new record ends the one before
+            current = None
+            if "| ERROR" in ln:
+                errors.append(ln)
+                current = len(errors) - 1
+        elif current is not None:
+            errors[current] += "\n" + ln
+    return errors

@@ -27,6 +27,7 @@ import yaml
 from devstack.services import Auth, Stack
 from integrations.mlflow_store import basic_auth, ensure_user, signed_in_as
 from tests.mlflow_server import MlflowServer
+from tests.prefect_stack import unexpected_server_errors
 
 pytestmark = pytest.mark.slow
 AUTH = Auth(prefect="gpt:prefect-password-1", mlflow_admin_password="admin-password-2",
@@ -61,6 +62,7 @@ def secured(tmp_path_factory):
     stack.up()
     try:
         yield stack
+        assert unexpected_server_errors(stack) == []  # 401s are answers, not server errors
     finally:
         stack.down()
 

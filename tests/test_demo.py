@@ -8,7 +8,9 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
+from urllib.request import Request, urlopen
 
 import pytest
 
@@ -40,7 +42,9 @@ def test_make_demo_runs_the_shipped_deployment_then_reuses_and_stops(tmp_path):
     home = tmp_path / "var"
     try:
         assert set(status(home).values()) == {"stopped"}
+        t0 = time.monotonic()
         first = demo(home)
+        wall = time.monotonic() - t0
         assert first.returncode == 0, (first.stdout[-3000:], first.stderr[-3000:])
         out = first.stdout
         # the shipped recipe: tiny-cpu, 120 steps, evaluated, registered, sampled
@@ -50,15 +54,29 @@ def test_make_demo_runs_the_shipped_deployment_then_reuses_and_stops(tmp_path):
                                        "sample ran"
         assert field(out, "evaluations").startswith("hellaswag: ")  # each evaluation's own summary line
         val = float(field(out, "final val loss"))
-        hours = field(out, "GPU-hours")  # the run's device-hours, its cost (no price set) and its ETA (done)
+        hours = field(out, "device-hours")  # the run's device-hours, its cost (no price set) and its ETA (done)
         assert re.fullmatch(r"\d+\.\d{4} \(no price set \(train.price_per_gpu_hour\); done\)", hours), hours
         assert float(hours.split()[0]) > 0
         assert val < 8.0, val  # an untrained model scores ~10.8; the tiny run ends near 6.3
         assert field(out, "MLflow model") == "models:/tiny-cpu/1"
         assert "Hello, I'm a language model," in out
         prefect_ui, mlflow_ui = field(out, "Prefect UI"), field(out, "MLflow UI")
-        # the experiment's page in model-training mode (MLflow's UI starts in GenAI mode)
+        # the experiment's, the run's and the version's pages in model-training mode (MLflow's UI starts in
+        # GenAI mode)
         assert re.fullmatch(r"http://127\.0\.0\.1:\d+/#/experiments/\d+\?workflowType=machine_learning", mlflow_ui)
+        assert re.fullmatch(re.escape(mlflow_ui.split("?")[0]) + r"/runs/\w+\?workflowType=machine_learning",
+                            field(out, "MLflow run"))
+        assert field(out, "MLflow version") == \
+            mlflow_ui.split("/#/")[0] + "/#/models/tiny-cpu/versions/1?workflowType=machine_learning"
+        # the flow run's artifacts, in Prefect's new UI (/v2), whose page keeps ?tab=Artifacts; the server
+        # serves that UI there (a page of the old UI would not name /v2/ for its scripts)
+        run_page = field(out, "Prefect run")
+        assert re.fullmatch(re.escape(prefect_ui) + r"/v2/runs/flow-run/[0-9a-f-]{36}\?tab=Artifacts", run_page)
+        with urlopen(Request(run_page, headers={"Accept": "text/html"}), timeout=30) as page:
+            assert page.status == 200 and "/v2/assets/" in page.read().decode()
+        # `took` is the flow run alone: the servers' start-up and the worker's pick-up are not in it
+        took, startup = float(field(out, "took").split("s ")[0]), float(field(out, "start-up").split("s ")[0])
+        assert 0 < took and 0 < startup and took + startup < wall, (took, startup, wall)
         assert set(status(home).values()) == {"running"}
 
         # again: the same servers (same addresses), every stage finds its artifacts, nothing changes

@@ -627,37 +627,45 @@ def test_multinode_single_node_is_standalone():
 
 
 def test_multinode_rendezvous_args():
-    r = torchrun_dry(
-        {
-            "NNODES": "4",
-            "NODE_RANK": "2",
-            "MASTER_ADDR": "node0",
-            "MASTER_PORT": "29400",
-            "NPROC_PER_NODE": "8",
-            "RDZV_ID": "run9",
-            "TORCHRUN_EXTRA_ARGS": "--rdzv-conf=timeout=900",
-        }
-    )
+    """Every node names its own address on the route to MASTER_ADDR (--local-addr: what the workers are handed,
+    whatever the hostname resolves to); node 0, when MASTER_ADDR is its own, hosts the rendezvous store
+    (is_host=true, merged into the user's --rdzv-conf: torchrun keeps only the last one)."""
+    common = {"NNODES": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29400", "NPROC_PER_NODE": "8",
+              "RDZV_ID": "run9", "TORCHRUN_EXTRA_ARGS": "--rdzv-conf=timeout=900"}
+    r = torchrun_dry(dict(common, NODE_RANK="2"))
     assert r.returncode == 0, r.stderr
     assert r.stdout.split()[3:] == [
         "--nproc-per-node=8",
         "--max-restarts=0",
         "--shutdown-timeout=300",
+        "--local-addr=127.0.0.1",
         "--nnodes=4",
         "--rdzv-backend=c10d",
-        "--rdzv-endpoint=node0:29400",
+        "--rdzv-endpoint=127.0.0.1:29400",
         "--rdzv-id=run9",
-        "--rdzv-conf=timeout=900",
+        "--rdzv-conf=is_host=false\\,timeout=900",  # printf %q quotes the comma
         "-m",
         "gptcore.training.train",
         "micro",
     ]
+    assert "talking over lo from 127.0.0.1" in r.stderr
+    r = torchrun_dry(dict(common, NODE_RANK="0"))
+    assert r.returncode == 0, r.stderr
+    assert "--rdzv-conf=is_host=true\\,timeout=900" in r.stdout
     # static backend: the node rank comes from a Kubernetes Indexed Job when NODE_RANK is not set
     r = torchrun_dry(
-        {"NNODES": "2", "JOB_COMPLETION_INDEX": "1", "MASTER_ADDR": "10.0.0.1", "RDZV_BACKEND": "static"}
+        {"NNODES": "2", "JOB_COMPLETION_INDEX": "1", "MASTER_ADDR": "127.0.0.1", "RDZV_BACKEND": "static"}
     )
     assert r.returncode == 0, r.stderr
-    assert "--nnodes=2 --node-rank=1 --master-addr=10.0.0.1 --master-port=29500" in r.stdout
+    assert "--nnodes=2 --node-rank=1 --master-addr=127.0.0.1 --master-port=29500" in r.stdout
+    # a MASTER_ADDR this node cannot resolve (after MASTER_WAIT) is named before torchrun waits on it; a dry
+    # run (printed on another machine) says the route is chosen on the node
+    r = torchrun_dry({"NNODES": "2", "MASTER_ADDR": "no-such-host.invalid"})
+    assert r.returncode == 0 and "--local-addr" not in r.stdout and "is_host" not in r.stdout
+    assert "is unknown here" in r.stderr
+    r = run([str(DOCKER / "torchrun-multinode.sh"), "-m", "gptcore.training.train", "micro"],
+            env=clean_env(PYTHON="python", NNODES="2", MASTER_ADDR="no-such-host.invalid", MASTER_WAIT="0"))
+    assert r.returncode == 2 and "MASTER_ADDR='no-such-host.invalid' does not resolve on this host" in r.stderr
 
 
 @pytest.mark.parametrize(
@@ -707,6 +715,10 @@ def test_multinode_two_nodes_rendezvous_for_real(tmp_path):
     ]
     try:
         outs = [p.communicate(timeout=90) for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        raise AssertionError([p.communicate() for p in procs]) from None
     finally:
         for p in procs:
             p.kill()

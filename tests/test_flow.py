@@ -16,6 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from integrations.artifact_tables import from_rows
 from tests.prefect_stack import artifacts, flow_logs, run_deployment_and_wait, task_run_states, task_runs, wait_final
 
 pytestmark = pytest.mark.slow
@@ -78,7 +79,7 @@ class Toy(Stage):
         return out
 
     def reason(self, run, result, ran):
-        return "" if ran else f"toy.json holds step {result['step']}"
+        return f"wrote toy.json for step {result['step']}" if ran else f"toy.json holds step {result['step']}"
 
 
 STAGE = Toy()
@@ -99,12 +100,16 @@ def test_end_to_end_then_rerun_is_a_no_op(prefect_stack):
     fr = run_deployment_and_wait(params)
     assert fr.state.is_completed(), fr.state.message
     arts = artifacts(fr.id)
-    summary = {r["key"]: json.loads(r["value"]) for r in arts["pretrain-summary"]}
+    summary = from_rows(arts["pretrain-summary"])
     assert summary["step"] == 8 and summary["done"] is True
     # the trainer evaluated its last checkpoint (val + HellaSwag); the stage added only the harness tasks,
     # which the trainer does not run (eval.harness.interval=0), as their own task run
     assert summary["stages"] == {"download": "ran", "tokenize": "ran", "train": "ran", "evaluate": "ran",
                                  "register": "ran", "sample": "ran"}
+    assert all(r["detail"] for r in arts["e2e-stages"]), arts["e2e-stages"]  # each stage says what it did
+    # the summary table's cells are plain values, not JSON text (integrations/artifact_tables.py)
+    cells = {r["key"]: r["value"] for r in arts["pretrain-summary"]}
+    assert cells["run_name"] == "e2e" and cells["stages.sample"] == "ran" and cells["step"] == 8
     evaluation = json.loads((Path(summary["checkpoint"]) / "eval.json").read_text())
     assert evaluation["by"] == "trainer"
     assert set(evaluation["settings"]["evaluations"]) == {"hellaswag", "harness"}
@@ -162,7 +167,7 @@ def test_end_to_end_then_rerun_is_a_no_op(prefect_stack):
     t0 = time.monotonic()
     fr2 = run_deployment_and_wait(params)
     assert fr2.state.is_completed(), fr2.state.message
-    s2 = {r["key"]: json.loads(r["value"]) for r in artifacts(fr2.id)["pretrain-summary"]}
+    s2 = from_rows(artifacts(fr2.id)["pretrain-summary"])
     assert s2["stages"] == {s: "skipped" for s in ("download", "tokenize", "train", "evaluate", "register", "sample")}
     assert s2["model_version"] == "models:/micro-e2e/1" and s2["val_loss"] == summary["val_loss"]
     # every stage is still a task run in the UI's graph: completed at once, "Skipped", with the reason
@@ -234,7 +239,7 @@ def test_a_rerun_that_adds_an_evaluation_brings_its_scores_to_the_model(prefect_
     fr2 = run_deployment_and_wait(params)
     assert fr2.state.is_completed(), fr2.state.message
     arts = artifacts(fr2.id)
-    s2 = {r["key"]: json.loads(r["value"]) for r in arts["pretrain-summary"]}
+    s2 = from_rows(arts["pretrain-summary"])
     assert (s2["stages"]["train"], s2["stages"]["evaluate"], s2["stages"]["register"]) == ("skipped", "ran", "ran")
     assert s2["model_version"] == "models:/micro-addeval/1"  # the same version, not a new one
     arc = json.loads((Path(s2["checkpoint"]) / "eval.json").read_text())["harness"]["arc_easy"]
@@ -328,7 +333,7 @@ def test_killed_flow_run_resumes_from_its_checkpoint(prefect_stack):
     assert read_meta(latest_checkpoint(run_dir))["step"] > step
     # the flow's summary (what the demo prints): the hours so far, carried across both invocations, their cost
     # at $3 an hour, and what is left of a run this night's budget did not finish
-    s2 = {r["key"]: json.loads(r["value"]) for r in artifacts(fr2.id)["pretrain-summary"]}
+    s2 = from_rows(artifacts(fr2.id)["pretrain-summary"])
     assert s2["done"] is False and s2["eta_s"] > 0, s2
     assert s2["gpu_hours"] > hours_then, s2
     assert s2["cost_usd"] == pytest.approx(3.0 * s2["gpu_hours"], abs=1e-3)
@@ -564,7 +569,7 @@ def test_a_flow_run_trains_on_the_processes_it_is_given(prefect_stack, nproc, wo
     steps = [json.loads(line)["step"] for line in (prefect_stack.home / "runs" / run / "metrics.jsonl")
              .read_text().splitlines() if '"kind": "train"' in line]
     assert steps == [1, 2, 3, 4]
-    summary = {r["key"]: json.loads(r["value"]) for r in artifacts(fr.id)["pretrain-summary"]}
+    summary = from_rows(artifacts(fr.id)["pretrain-summary"])
     assert summary["step"] == 4 and summary["done"] is True and summary["val_loss"] > 0
     if engine == "fsdp":  # the consolidated model of a sharded run, as a registry version
         assert summary["stages"]["register"] == "ran" and summary["model_version"] == f"models:/micro-{run}/1"

@@ -207,3 +207,18 @@ def test_unsupported_uris_are_one_error_line(tmp_path, capsys):
     assert "neither a registered model nor a checkpoint directory" in capsys.readouterr().err
     assert generate.main(["runs:/abc/model", "--prompt", "x"]) == 2
     assert "models:/<name>@<alias>" in capsys.readouterr().err
+
+
+def test_the_sample_stage_says_what_it_generated_and_where():
+    """The flow's stages table and log line: a sample that ran names its length, source and file, like the
+    other stages' lines; a stored one says where it was found."""
+    from types import SimpleNamespace
+
+    run = SimpleNamespace(ckpt="/h/runs/tiny-cpu/checkpoints/step_00000120")
+    sample = {"model_uri": "models:/tiny-cpu/1", "max_new_tokens": 32, "text": "Hello"}
+    assert generate.STAGE.reason(run, sample, ran=True) == \
+        f"32 tokens from models:/tiny-cpu/1 into {run.ckpt}/{generate.SAMPLE_FILE}"
+    from_checkpoint = generate.STAGE.reason(run, {**sample, "model_uri": None}, ran=True)
+    assert from_checkpoint.startswith("32 tokens from the checkpoint into ")
+    assert generate.STAGE.reason(run, sample, ran=False) == \
+        f"{run.ckpt}/{generate.SAMPLE_FILE} holds text from models:/tiny-cpu/1"

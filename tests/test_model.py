@@ -272,6 +272,12 @@ def test_peak_flops_table_matches_exact_device_names(name, peak):
     assert peak_flops_for(name) == peak
 
 
+def test_a_cpu_has_no_guessed_peak_so_no_mfu():
+    from gptcore.model.gpt import peak_flops_guess
+
+    assert peak_flops_guess(torch.device("cpu")) is None  # GPTPIPE_PEAK_FLOPS is the only CPU peak
+
+
 def test_a_model_is_built_and_initialised_on_its_device_not_in_host_memory_first():
     """The trainer built every rank's model in host memory on torchrun's one thread, then copied it: 15 s and
     6.2 GB of host memory per rank for gpt2-1558m here, before any GPU work. `build_on` creates and

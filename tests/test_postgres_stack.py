@@ -10,7 +10,6 @@ superuser and cannot open the other's database; Prefect's Secret-block key is no
 
 from __future__ import annotations
 
-import json
 import ssl
 import urllib.error
 import urllib.request
@@ -24,11 +23,12 @@ from cryptography.fernet import Fernet
 
 from devstack.demo import deploy
 from devstack.services import Auth, Stack, mlflow_trusting
+from integrations.artifact_tables import from_rows
 from integrations.mlflow_store import signed_in_as
 from integrations.secrets import PASSWORD_BLOCK, save_mlflow_credentials
 from tests.postgres import postgres  # noqa: F401  (the fixture)
-from tests.prefect_stack import (artifacts, pause_schedules, run_deployment_and_wait, schedule_copy, server_log_errors,
-                                 wait_final, wait_scheduled_run)
+from tests.prefect_stack import (artifacts, pause_schedules, run_deployment_and_wait, schedule_copy,
+                                 unexpected_server_errors, wait_final, wait_scheduled_run)
 
 pytestmark = pytest.mark.slow
 COMPOSE = Path(__file__).resolve().parent.parent / "docker" / "docker-compose.yml"
@@ -123,7 +123,7 @@ def test_flow_run_end_to_end_on_postgres(postgres, tmp_path):  # noqa: F811
             assert AUTH.mlflow_worker_password in Fernet(ENCRYPTION_KEY.encode()).decrypt(stored.encode()).decode()
             fr = run_deployment_and_wait(params, timeout=240)
             assert fr.state.is_completed(), fr.state.message
-            summary = {r["key"]: json.loads(r["value"]) for r in artifacts(fr.id)["pretrain-summary"]}
+            summary = from_rows(artifacts(fr.id)["pretrain-summary"])
             # the next night, on PostgreSQL: the server's scheduler creates the run (#69: on SQLAlchemy 2.1 it
             # failed every minute), the worker runs it, and it continues the same run: nothing left to do
             dep = schedule_copy("pretrain/tiny", "tiny-nightly-pg", params, due_in=8.0)
@@ -159,7 +159,7 @@ def test_flow_run_end_to_end_on_postgres(postgres, tmp_path):  # noqa: F811
         assert pg.query("mlflow", "SELECT status FROM runs WHERE run_uuid = %s", (mv.run_id,)) == [("FINISHED",)]
         assert pg.query("prefect", "SELECT state_type FROM flow_run WHERE id = %s", (str(fr.id),)) == \
             [("COMPLETED",)]
-        assert server_log_errors(stack) == []
+        assert unexpected_server_errors(stack) == []
     finally:
         stack.down()
 

@@ -327,6 +327,8 @@ def test_models_compare_by_their_metrics_and_the_leaderboard(mlflow_server, tmp_
     assert set(board["optimizer"]) == {"adamw"} and set(board["run_name"]) == {"board"}
     assert list(board["run_id"]) == [r1["run_id"]] * 3 and board.loc[1, "model_id"] == r2["model_id"]
     assert leaderboard.best_version(board) == "2"
+    # best by val loss, but its HellaSwag was not measured: not `best` on it, and nothing to compare with
+    assert list(board["hellaswag_acc_norm_vs_best"]) == [None, "not measured", "not measured"]
 
     out = tmp_path / "board.csv"
     assert leaderboard.main(["board", "--tracking-uri", uri, "--csv", str(out), "--sort", "val_loss"]) == 0
@@ -335,6 +337,25 @@ def test_models_compare_by_their_metrics_and_the_leaderboard(mlflow_server, tmp_
     assert list(pd.read_csv(out)["version"]) == [2, 3, 1]
     assert leaderboard.main(["nobody", "--tracking-uri", uri]) == 2
     assert "has no versions" in capsys.readouterr().err
+
+
+def test_a_skipped_evaluation_never_makes_a_version_best_on_it():
+    """`best` is the lowest val loss; a version whose HellaSwag was skipped (offline) has no number to be
+    best on: the board says so instead of crowning it, and still ranks the measured ones against a measured
+    best."""
+    import pandas as pd
+
+    from tasks import leaderboard
+
+    nan = float("nan")
+    board = pd.DataFrame({"version": [1, 2, 3], "aliases": ["best", "", "latest"], "val_loss": [7.0, 7.5, 8.0],
+                          "hellaswag_acc_norm": [nan, 0.35, 0.05],
+                          "hellaswag_acc_norm_stderr": [nan, 0.03, 0.01]})
+    assert leaderboard.best_version(board) == "1"
+    assert list(leaderboard.compared_with_best(board, "hellaswag_acc_norm")) == ["not measured", None, None]
+    measured_best = board.assign(hellaswag_acc_norm=[0.31, 0.35, nan], hellaswag_acc_norm_stderr=[0.03, 0.03, nan])
+    assert list(leaderboard.compared_with_best(measured_best, "hellaswag_acc_norm")) == \
+        ["best", "within 2 SE", "not measured"]
 
 
 def test_error_bars_and_harness_scores_reach_the_logged_model_and_the_leaderboard(mlflow_server, tmp_path):

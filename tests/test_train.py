@@ -55,9 +55,10 @@ def test_finished_run_layout_and_metrics(finished, capsys):
     rows = read_metrics(finished / "metrics.jsonl")
     train = [r for r in rows if r["kind"] == "train"]
     assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6]
-    keys = {"train/loss", "train/lr", "train/grad_norm", "train/step_time", "train/tokens_per_s", "train/mfu",
+    keys = {"train/loss", "train/lr", "train/grad_norm", "train/step_time", "train/tokens_per_s",
             "train/tokens_seen"}
     assert keys <= set(train[0]) and train[-1]["train/tokens_seen"] == 6 * 128
+    assert not any("train/mfu" in r for r in train)  # a CPU has no known peak: no MFU without GPTPIPE_PEAK_FLOPS
     assert all(math.isfinite(r["train/loss"]) for r in train)
     assert train[-1]["train/loss"] < train[0]["train/loss"]  # it learns
     evals = [r for r in rows if r["kind"] == "eval"]
@@ -73,6 +74,18 @@ def test_finished_run_layout_and_metrics(finished, capsys):
     assert meta["identity_hash"] == run["identity_hash"] and meta["manifest_id"] == run["manifest_id"]
     state = C.load_trainer_state(finished / "checkpoints" / "step_00000006")
     assert state["loader"]["position"] == 6 * 128 // 32 and state["step"] == 6
+
+
+def test_mfu_on_cpu_is_reported_against_the_peak_given_in_GPTPIPE_PEAK_FLOPS(ds, tmp_path, monkeypatch):
+    from gptcore.model.gpt import flops_per_token
+
+    monkeypatch.setenv("GPTPIPE_PEAK_FLOPS", "1e9")
+    run = tmp_path / "mfu"
+    assert main(args(ds, run, "train.max_steps=2", "train.checkpoint_interval=2")) == 0
+    train = read_metrics(run / "metrics.jsonl", "train")
+    fpt = flops_per_token(load_config("micro").model, 32)
+    assert [r["step"] for r in train] == [1, 2]
+    assert all(r["train/mfu"] == pytest.approx(fpt * r["train/tokens_per_s"] / 1e9, rel=1e-9) for r in train)
 
 
 def test_a_few_steps_lower_the_loss_by_more_than_noise(ds, tmp_path):

@@ -255,10 +255,12 @@ def peak_flops_for(name: str) -> float | None:
 
 
 def peak_flops_guess(device: torch.device) -> float | None:
-    """Peak FLOP/s of one device for MFU; None (MFU not reported) for an unknown GPU, after a one-time
-    warning that names GPTPIPE_PEAK_FLOPS."""
+    """Peak FLOP/s of one device for MFU; None (MFU not reported) for a CPU or an unknown GPU, after a
+    one-time warning for the GPU that names GPTPIPE_PEAK_FLOPS."""
     if device.type != "cuda":
-        return 1e11  # a few CPU cores; benchmarks measure the real matmul peak instead
+        # a CPU's peak depends on its cores, clock and vector units: any fixed figure gives an MFU that
+        # means nothing (142% on a 2-core machine), so MFU on CPU needs GPTPIPE_PEAK_FLOPS
+        return None
     name = torch.cuda.get_device_name(device)
     flops = peak_flops_for(name)
     if flops is None and not _WARNED.get(name):

@@ -13,6 +13,7 @@
                     retried smaller
     damage.py       shards that rot mid-run: an event, and dropped from the hash caches for a rebuild
     verdict.py      an exit a restart cannot change, kept on disk for the launcher
+    orphan.py       a rank whose torchrun agent died: exit 6 within seconds, no checkpoint
 
 May import every other room (it is the top): base modules, model, data, checkpoints, evals.
 """

@@ -5,7 +5,8 @@ Each read of the step stats adds to the metrics row (and so to MLflow, and the P
   train/eta_s       seconds to train.max_steps at the smoothed time per step (evaluations, checkpoints
                     and samples between reads included: what the steps really take on this machine)
   train/gpu_hours   devices x wall hours: this invocation's since its start, plus what the checkpoint it
-                    resumed from had recorded (the hours of steps a crash lost since then are not counted)
+                    resumed from had recorded (the hours of steps a crash lost since then are not counted);
+                    on a CPU these are training processes' hours, and `hours_text` names them so
   train/cost_usd, train/cost_projected_usd   with train.price_per_gpu_hour > 0 (off by default: there is
                     no default price): the GPU-hours so far, and so far plus the ETA's, times the price
 """
@@ -45,6 +46,14 @@ def checkpoint_cost(hours: float, price: float) -> dict:
     """What a checkpoint's meta.json records of the run's cost at its step (the registry's and the flow's
     summary read it): the GPU-hours, and their cost when a price is set."""
     return {"gpu_hours": round(hours, 6), **({"cost_usd": round(hours * price, 4)} if price > 0 else {})}
+
+
+def hours_text(hours: float, world: int, cuda: bool) -> str:
+    """train/gpu_hours named for what it counts, `world` devices x wall hours: GPU-hours on CUDA; on a CPU
+    the training processes' hours (each process uses several cores: neither GPU- nor core-hours)."""
+    number = f"{hours:,.2f}" if hours >= 1 else f"{hours:.4f}"  # a tiny CPU run holds hundredths of an hour
+    held = f"{world} GPU{'s' * (world != 1)}" if cuda else f"{world} process{'es' * (world != 1)}"
+    return f"{number} {'GPU-hours' if cuda else 'CPU-process-hours'} so far ({held})"
 
 
 def duration(seconds: float) -> str:

@@ -13,7 +13,8 @@ train.max_minutes, SIGTERM/SIGINT to the trainer processes, or a <run_dir>/STOP 
 directory or dataset that cannot be read or written): nothing half-written is kept; 3 = diverged (the
 guard rolled back guard.max_rollbacks times in a row; the checkpoints are intact); 4 = the replicas disagreed
 twice on the same rank (drain that host); 5 = a rank made no progress (gptcore/training/watchdog.py: stacks in
-<run_dir>/hangs/; torchrun restarts the job with train.max_restarts); anything else = a crash.
+<run_dir>/hangs/; torchrun restarts the job with train.max_restarts); 6 = the rank's torchrun agent died
+(gptcore/training/orphan.py: it stops at once, without a checkpoint); anything else = a crash.
 Exits 2, 3 and 4 once training started are verdicts, recorded in <run_dir>/verdict.json (gptcore/training/verdict.py):
 a torchrun restart of the same launch exits at once with the recorded code instead of replaying the same
 end; the next launch moves the record aside (verdict.<time>.json) and runs. A start refused before training
@@ -45,7 +46,7 @@ from gptcore.config import ConfigError
 from gptcore.data.shard_format import ShardError
 from gptcore.overrides import load_config
 from gptcore.runlock import LockHeld
-from gptcore.training import verdict, watchdog
+from gptcore.training import orphan, verdict, watchdog
 from gptcore.training.microbatch import NothingFits
 from gptcore.training.replicas import ReplicasDisagree
 from gptcore.training.resume import RunError, prepare
@@ -65,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__)
         return EXIT_OK if argv else EXIT_BAD_INPUT
     t_start = time.time()
+    orphan.watch_agent()  # a rank whose torchrun agent dies stops within seconds instead of training alone
     rank = int(os.environ.get("RANK", 0))
     # before CUDA starts: memory freed by an out-of-memory step (or the probe) is reused instead of
     # fragmenting the card; the user's own allocator settings win

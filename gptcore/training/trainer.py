@@ -175,7 +175,7 @@ class Trainer:
         self.logger = JsonlLogger(self.run_dir / METRICS_FILE) if env.master else NullLogger()
         if env.master:
             write_records(prep, self.step, self.micro_how, self.plan)
-        peak_one = float(os.environ.get(PEAK_ENV) or 0) or peak_flops_guess(env.device)  # None: unknown GPU
+        peak_one = float(os.environ.get(PEAK_ENV) or 0) or peak_flops_guess(env.device)  # None: CPU, unknown GPU
         self.peak_flops = peak_one * env.world if peak_one else None  # all devices together, for MFU
         self.meta = {"config": cfg.to_dict(), "model_config": asdict(cfg.model), "manifest_id": prep.manifest.id,
                      "run_name": cfg.run_name, "identity_hash": cfg.identity_hash()}  # in every checkpoint

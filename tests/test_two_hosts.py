@@ -1,0 +1,129 @@
+"""Training across two hosts (network namespaces on a veth pair: tests/two_hosts.py), launched by the project's
+own docker/torchrun-multinode.sh as each host would run it, on hosts whose hostname resolves to 127.0.0.1;
+and ranks that lose their torchrun agent (on one host and across two)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from benchmarks import loss_compare
+from gptcore.metrics import read_metrics
+from gptcore.runlock import RunLock
+from gptcore.training.orphan import AGENT_LOST_EXIT
+from tests.test_train_utils import descendants, env, losses, start, torchrun_cmd, wait_for_step
+from tests.two_hosts import TwoHosts
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parent.parent
+LAUNCHER = ROOT / "docker" / "torchrun-multinode.sh"
+STEPS = 8
+ORPHAN_BOUND_S = 10.0  # a rank whose agent died is gone within this (the watch polls every second)
+
+
+def args(ds, run, steps=STEPS, *extra):
+    # fp32 on CPU; 2 ranks x micro-batch 2 x 32 tokens = the whole 128-token step: no accumulation
+    return ["micro", f"data.dataset_dir={ds}", f"train.run_dir={run}", "train.micro_batch=2", "train.seq_len=32",
+            "train.total_batch_tokens=128", f"train.max_steps={steps}", "train.checkpoint_interval=4",
+            "train.keep_last=10", "optim.warmup_steps=3", "eval.eval_interval=0", "eval.sample_interval=0",
+            "eval.val_tokens=128", *extra]
+
+
+def launch_env(hosts: TwoHosts, node_rank: int, **extra) -> dict:
+    """What each host's launcher is given: no GLOO_SOCKET_IFNAME (the launcher finds the interface)."""
+    e = {k: v for k, v in env().items() if not k.endswith("_SOCKET_IFNAME")}
+    return dict(e, PYTHON=sys.executable, NNODES="2", NODE_RANK=str(node_rank), NPROC_PER_NODE="1",
+                MASTER_ADDR=hosts.a.addr, MASTER_PORT="29500", RDZV_ID="two-hosts",
+                TORCHRUN_EXTRA_ARGS="--rdzv-conf=join_timeout=120", **extra)
+
+
+def gone_within(pids: list[int], seconds: float) -> float | None:
+    """Seconds until every process in `pids` is gone (or a zombie), None if some outlived `seconds`."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < seconds:
+        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        if not alive:
+            return time.monotonic() - t0
+        time.sleep(0.1)
+    return None
+
+
+def test_ddp_across_two_hosts_trains_exactly_as_on_one(ds, tmp_path):
+    """DDP, 2 hosts x 1 rank, each host's hostname on 127.0.0.1 (Debian's /etc/hosts): the launcher picks
+    the veth from the route to MASTER_ADDR, node 0 serves the rendezvous, and the losses and gradient norms
+    are bit-identical to the same world (2 ranks) on one host."""
+    one = tmp_path / "one-host"
+    p = start(torchrun_cmd(args(ds, one)), tmp_path, tmp_path / "one.log")
+    assert p.wait(timeout=300) == 0, (tmp_path / "one.log").read_text()[-3000:]
+    two = tmp_path / "two-hosts"
+    with TwoHosts(tmp_path) as hosts:
+        agents = [hosts.start(h, [str(LAUNCHER), "-m", "gptcore.training.train", *args(ds, two)],
+                              launch_env(hosts, i), tmp_path / f"{h.name}.log")
+                  for i, h in enumerate((hosts.a, hosts.b))]
+        codes = [a.wait(timeout=300) for a in agents]
+    logs = {h: (tmp_path / f"{h}.log").read_text() for h in ("host-a", "host-b")}
+    assert codes == [0, 0], {h: log[-3000:] for h, log in logs.items()}
+    for (h, log), host in zip(logs.items(), (hosts.a, hosts.b)):
+        assert f"talking over {host.ifname} from {host.addr}" in log, log[-2000:]
+    assert "world=2" in logs["host-a"] + logs["host-b"]
+    assert loss_compare.main([str(two), str(one), "--assert-equal"]) == 0
+    assert sorted(losses(two / "metrics.jsonl")) == list(range(1, STEPS + 1))
+
+
+def test_a_rank_whose_torchrun_agent_is_killed_stops_within_seconds(ds, tmp_path):
+    """torchrun's agent SIGKILLed (the OOM killer) on one host: its two ranks, in sessions of their own, stop
+    within seconds with exit 6 and no further checkpoint, and the run lock is free for the next launch
+    (before: they trained alone to the end)."""
+    run = tmp_path / "run"
+    agent = start(torchrun_cmd(args(ds, run, 2000, "train.checkpoint_interval=1")), tmp_path, tmp_path / "agent.log")
+    try:
+        wait_for_step(agent, run / "metrics.jsonl", 3, timeout=180)
+        workers = descendants(agent.pid)
+        assert len(workers) >= 2, workers
+        os.kill(agent.pid, signal.SIGKILL)
+        took = gone_within(workers, ORPHAN_BOUND_S)
+        assert took is not None, f"ranks {workers} outlived their agent by {ORPHAN_BOUND_S}s"
+        last = max(r["step"] for r in read_metrics(run / "metrics.jsonl", "train"))
+        checkpoints = sorted(p.name for p in (run / "checkpoints").iterdir())
+        time.sleep(2.0)  # nothing more is written after they are gone
+        assert sorted(p.name for p in (run / "checkpoints").iterdir()) == checkpoints
+        assert max(r["step"] for r in read_metrics(run / "metrics.jsonl", "train")) == last < 2000
+        log = (tmp_path / "agent.log").read_text()
+        assert log.count("lost its torchrun agent") == 2, log[-3000:]
+        with RunLock(run):  # free: the flock went with the ranks
+            pass
+    finally:
+        for p in [agent.pid, *descendants(agent.pid)]:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    print(f"ranks gone {took:.1f}s after their agent")
+
+
+def test_across_two_hosts_a_killed_agent_ends_the_ranks_on_both(ds, tmp_path):
+    """Host B's torchrun agent SIGKILLed mid-run: B's rank stops (exit 6) within seconds, and host A's rank and
+    agent end too (their peer is gone), within a bound; the newest checkpoint is intact (a relaunch of both
+    hosts continues exactly: tests/test_ddp.py's SIGKILL cases)."""
+    run = tmp_path / "run"
+    with TwoHosts(tmp_path) as hosts:
+        cmd = [str(LAUNCHER), "-m", "gptcore.training.train", *args(ds, run, 2000)]
+        a, b = (hosts.start(h, cmd, launch_env(hosts, i), tmp_path / f"{h.name}.log")
+                for i, h in enumerate((hosts.a, hosts.b)))
+        wait_for_step(a, run / "metrics.jsonl", 5, timeout=240)
+        b_workers, a_tree = descendants(b.pid), [a.pid, *descendants(a.pid)]
+        os.kill(b.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        assert gone_within(b_workers, ORPHAN_BOUND_S) is not None, "host B's rank outlived its agent"
+        assert gone_within(a_tree, 120) is not None, "host A's agent or rank still runs 120s after B's agent died"
+        took = time.monotonic() - t0
+        assert a.wait(timeout=5) != 0
+    log_b = (tmp_path / "host-b.log").read_text()
+    assert "lost its torchrun agent" in log_b, log_b[-2000:]
+    print(f"host A's side ended {took:.1f}s after host B's agent was killed")
