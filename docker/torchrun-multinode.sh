@@ -70,6 +70,11 @@ else
     [ -n "${MASTER_ADDR:-}" ] || die "MASTER_ADDR is required when NNODES=$nnodes > 1: the address of the \
 node that hosts the rendezvous (node 0), reachable from every node"
     [[ "$backend" =~ ^(c10d|static)$ ]] || die "RDZV_BACKEND must be c10d or static, got '$backend'"
+    # each attempt's workers meet on a store of their own (a fresh port from rendezvous node 0), not on the
+    # agents' long-lived one: there a restart's ranks need a key prefix they all agree on, and torch counts
+    # a restart only on the host whose worker failed (TORCHELASTIC_RESTART_COUNT 0 on one host, 1 on the
+    # other): the ranks never met and the job hung (#66). torch's own switch for it:
+    export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
     # a name that does not resolve yet (node 0's pod DNS record) is asked again for MASTER_WAIT seconds
     wait_s=${MASTER_WAIT:-300}; [ "${DRY_RUN:-0}" = 1 ] && wait_s=0
     is_host=0 route=

@@ -8,6 +8,7 @@ Runs the same under `torchrun` (RANK/WORLD_SIZE/LOCAL_RANK in the environment) a
 from __future__ import annotations
 
 import os
+import re
 import sys
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -151,6 +152,20 @@ def restart_store(timeout: timedelta) -> dist.Store | None:
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size(),
                           is_master=False, timeout=timeout)
     return dist.PrefixStore(f"gptcore/restart_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
+# what gloo and NCCL raise (a plain RuntimeError from gloo) when the other end of a collective is gone: its
+# process died, its host died, or the link between the hosts went down
+PEER_GONE = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|Connection refused|"
+                       r"remote process exited|No route to host")
+
+
+class PeerLost(RuntimeError):
+    """A collective lost its peer; the message names the step and the peer's address when the backend gave it."""
+
+
+def lost_peer(e: BaseException) -> bool:
+    return isinstance(e, dist.DistNetworkError) or (isinstance(e, RuntimeError) and bool(PEER_GONE.search(str(e))))
 
 
 def teardown() -> None:

@@ -14,7 +14,9 @@ directory or dataset that cannot be read or written): nothing half-written is ke
 guard rolled back guard.max_rollbacks times in a row; the checkpoints are intact); 4 = the replicas disagreed
 twice on the same rank (drain that host); 5 = a rank made no progress (gptcore/training/watchdog.py: stacks in
 <run_dir>/hangs/; torchrun restarts the job with train.max_restarts); 6 = the rank's torchrun agent died
-(gptcore/training/orphan.py: it stops at once, without a checkpoint); anything else = a crash.
+(gptcore/training/orphan.py: it stops at once, without a checkpoint); 7 = a collective lost its peer (a host
+died or a link went down: an `error:` line naming the peer's address and a metrics event; no verdict, the
+checkpoints are intact); anything else = a crash.
 Exits 2, 3 and 4 once training started are verdicts, recorded in <run_dir>/verdict.json (gptcore/training/verdict.py):
 a torchrun restart of the same launch exits at once with the recorded code instead of replaying the same
 end; the next launch moves the record aside (verdict.<time>.json) and runs. A start refused before training
@@ -53,6 +55,7 @@ from gptcore.training.resume import RunError, prepare
 from gptcore.training.trainer import STOP_FILE, STOP_SIGNAL, Diverged, Trainer
 
 EXIT_OK, EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_REPLICAS = 0, 2, 3, 4  # 5: gptcore.training.watchdog.HANG_EXIT
+EXIT_PEER_LOST = 7  # 6: gptcore.training.orphan.AGENT_LOST_EXIT
 __all__ = ["main", "STOP_FILE"]
 
 
@@ -101,6 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     # the checks: e.g. the disk filled up, or a file turned into a directory
     except (RunError, Diverged, ReplicasDisagree, NothingFits, OSError) as e:
         return fail(e, prep.run_dir)
+    except distributed.PeerLost as e:  # no verdict: a restart (torchrun's or a relaunch) is the remedy
+        print(f"error: {e}. Its host died or the link between the hosts went down; the newest checkpoint is "
+              "intact: relaunch every host (or the hosts left: the run continues at the smaller world size)",
+              file=sys.stderr, flush=True)
+        return EXIT_PEER_LOST
     finally:
         distributed.teardown()
         if prep.lock is not None:

@@ -259,6 +259,14 @@ class Trainer:
                 if stopping:
                     return self.stopped()
             return self.finished()
+        except RuntimeError as e:
+            if not distributed.lost_peer(e):
+                raise
+            # a host died or the link went down: say so once, with the peer's address, not a gloo traceback
+            why = next((ln.strip() for ln in str(e).splitlines() if distributed.PEER_GONE.search(ln)), str(e)[:300])
+            text = f"lost contact with another rank at step {self.step}: {why}"
+            self.event(self.step, text, who="peers")
+            raise distributed.PeerLost(text) from e
         finally:
             self.watchdog.stop()
             self.checkpointer.close()  # a write in flight ends before the process does
