@@ -23,6 +23,8 @@
 #                    the kernel routes MASTER_ADDR through (`python -m gptcore.launch route`), so a host with
 #                    several interfaces, or whose hostname resolves to 127.0.0.1 (Debian's and Ubuntu's default
 #                    /etc/hosts), does not pick loopback or the wrong network
+#   AGENT_GRACE      seconds torchrun may live on once its workers have ended (default 300; NNODES > 1): an
+#                    agent blocked on a rendezvous store behind a cut link is stopped then, not ~1,000 s later
 #   MASTER_WAIT      seconds to wait for MASTER_ADDR to resolve (default 300: a pod's DNS record appears once
 #                    it runs); then the node exits 2 with the reason
 #   DRY_RUN=1        print the command instead of running it
@@ -118,5 +120,12 @@ echo "torchrun-multinode: node $node_rank of $nnodes, $(env | grep -c '^NCCL_' |
 if [ "${DRY_RUN:-0}" = 1 ]; then
     printf '%q ' "${cmd[@]}"; printf '\n'
     exit 0
+fi
+if [ "$nnodes" -gt 1 ]; then
+    # across hosts torchrun's agent can block for ~1,000 s on a rendezvous store behind a cut link after its
+    # workers end: its life after them is bounded (gptcore/launch.py supervise)
+    grace=${AGENT_GRACE:-300}
+    is_int "$grace" || die "AGENT_GRACE must be a number of seconds, got '$grace'"
+    exec "${PYTHON:-python}" -m gptcore.launch supervise "$grace" -- "${cmd[@]}"
 fi
 exec "${cmd[@]}"

@@ -5,6 +5,7 @@ image without Prefect or MLflow, so it lives here, beside the trainer.
     torchrun_cmd("gpt2-124m", {"train.max_steps": 100}, nproc=8, max_restarts=1)
     python -m gptcore.launch accepts --shutdown-timeout     # exit 0 when the installed torchrun has it
     python -m gptcore.launch route 10.0.0.1                 # "eth1 10.0.0.2 0": interface, own address, host?
+    python -m gptcore.launch supervise 300 -- python -m torch.distributed.run ...   # bounded after its workers
 
 The command is built from what the installed torchrun accepts (pyproject allows torch >= 2.11): torchrun
 has `--shutdown-timeout` only from torch 2.12, and torch 2.11's torchrun exits 2 on an argument it does
@@ -22,6 +23,7 @@ import sys
 import time
 from dataclasses import dataclass
 from functools import cache
+from pathlib import Path
 
 from gptcore.overrides import flatten
 
@@ -144,11 +146,67 @@ def route_to(master_addr: str, wait_s: float = 0.0) -> Route:
     return Route(nics[src], src, is_host=ip == src or ip in nics)
 
 
+def live_children(pid: int) -> list[int]:
+    """The children of `pid` that have not exited (a zombie has: its parent has not reaped it yet), from /proc."""
+    out = []
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            fields = dict(ln.split(":\t", 1) for ln in status.read_text().splitlines() if ":\t" in ln)
+        except OSError:  # it exited while we looked
+            continue
+        if fields.get("PPid", "").strip() == str(pid) and not fields.get("State", "").startswith("Z"):
+            out.append(int(status.parent.name))
+    return out
+
+
+def _term_with_parent() -> None:
+    """In the child before exec: SIGTERM when the supervisor dies (even by SIGKILL), so torchrun stops its
+    workers with their stop checkpoint instead of running on unsupervised (Linux's PR_SET_PDEATHSIG)."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+
+
+def supervise(cmd: list[str], grace_s: float, poll_s: float = 1.0) -> int:
+    """Run torchrun (`cmd`) and bound its life after its workers: once it has had workers and has none for
+    `grace_s`, it is stopped (SIGTERM, then SIGKILL 10 s later). torchrun's agent talks to the rendezvous
+    store after its workers end (the exit barrier, a restart's rendezvous); when that store is across a cut
+    link, the call blocks until the kernel gives up on the TCP connection: ~1,000 s measured (#66). SIGTERM
+    and SIGINT are passed on to torchrun, which passes them to its workers. Returns torchrun's exit code."""
+    import signal
+    import subprocess
+
+    agent = subprocess.Popen(cmd, preexec_fn=_term_with_parent)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: agent.send_signal(signum))
+    had_workers, idle_since = False, None
+    while agent.poll() is None:
+        if live_children(agent.pid):
+            had_workers, idle_since = True, None
+        elif had_workers:
+            idle_since = idle_since or time.monotonic()
+            if time.monotonic() - idle_since > grace_s:
+                print(f"torchrun-multinode: torchrun's workers ended {grace_s:g} s ago and it has not exited "
+                      "(blocked on a rendezvous store it cannot reach: a lost host or a cut link?): stopping it "
+                      "(AGENT_GRACE)", file=sys.stderr, flush=True)
+                agent.terminate()
+                try:
+                    agent.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    agent.kill()
+                return agent.wait() or 1
+        time.sleep(poll_s)
+    return agent.returncode
+
+
 def main(argv: list[str]) -> int:
     """`python -m gptcore.launch accepts FLAG`: exit 0 when the installed torchrun has FLAG, 3 when it has
     not (for docker/torchrun-multinode.sh, which builds the same command in shell; any other exit means the
     question could not be asked). `python -m gptcore.launch route MASTER_ADDR [WAIT_S]`: prints "IFNAME
     LOCAL_ADDR IS_HOST(0|1)" (route_to), or an error line and exit 2."""
+    if len(argv) >= 4 and argv[0] == "supervise" and argv[2] == "--":
+        return supervise(argv[3:], float(argv[1]))
     if len(argv) in (2, 3) and argv[0] == "route":
         try:
             r = route_to(argv[1], float(argv[2]) if len(argv) == 3 else 0.0)

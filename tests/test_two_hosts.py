@@ -23,7 +23,7 @@ from tests.two_hosts import TwoHosts
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCHER = ROOT / "docker" / "torchrun-multinode.sh"
-STEPS = 8
+STEPS = 24  # long enough for a kill after the step-4 checkpoint to land mid-run
 ORPHAN_BOUND_S = 10.0  # a rank whose agent died is gone within this (the watch polls every second)
 
 
@@ -43,6 +43,13 @@ def launch_env(hosts: TwoHosts, node_rank: int, **extra) -> dict:
                 TORCHRUN_EXTRA_ARGS="--rdzv-conf=join_timeout=120", **extra)
 
 
+def torchrun_of(launcher_pid: int) -> int:
+    """The torchrun agent under a host's launcher (which supervises it across hosts)."""
+    [agent] = [p.pid for p in psutil.Process(launcher_pid).children(recursive=True)
+               if "torch.distributed.run" in " ".join(p.cmdline())]
+    return agent
+
+
 def gone_within(pids: list[int], seconds: float) -> float | None:
     """Seconds until every process in `pids` is gone (or a zombie), None if some outlived `seconds`."""
     t0 = time.monotonic()
@@ -54,14 +61,20 @@ def gone_within(pids: list[int], seconds: float) -> float | None:
     return None
 
 
-def test_ddp_across_two_hosts_trains_exactly_as_on_one(ds, tmp_path):
+@pytest.fixture(scope="module")
+def one_host(ds, tmp_path_factory):
+    """The reference: the same world (2 ranks) on one host, STEPS steps."""
+    tmp = tmp_path_factory.mktemp("one-host")
+    p = start(torchrun_cmd(args(ds, tmp / "run")), tmp, tmp / "one.log")
+    assert p.wait(timeout=300) == 0, (tmp / "one.log").read_text()[-3000:]
+    return tmp / "run"
+
+
+def test_ddp_across_two_hosts_trains_exactly_as_on_one(ds, one_host, tmp_path):
     """DDP, 2 hosts x 1 rank, each host's hostname on 127.0.0.1 (Debian's /etc/hosts): the launcher picks
     the veth from the route to MASTER_ADDR, node 0 serves the rendezvous, and the losses and gradient norms
     are bit-identical to the same world (2 ranks) on one host."""
-    one = tmp_path / "one-host"
-    p = start(torchrun_cmd(args(ds, one)), tmp_path, tmp_path / "one.log")
-    assert p.wait(timeout=300) == 0, (tmp_path / "one.log").read_text()[-3000:]
-    two = tmp_path / "two-hosts"
+    one, two = one_host, tmp_path / "two-hosts"
     with TwoHosts(tmp_path) as hosts:
         agents = [hosts.start(h, [str(LAUNCHER), "-m", "gptcore.training.train", *args(ds, two)],
                               launch_env(hosts, i), tmp_path / f"{h.name}.log")
@@ -95,7 +108,9 @@ def test_a_rank_whose_torchrun_agent_is_killed_stops_within_seconds(ds, tmp_path
         assert sorted(p.name for p in (run / "checkpoints").iterdir()) == checkpoints
         assert max(r["step"] for r in read_metrics(run / "metrics.jsonl", "train")) == last < 2000
         log = (tmp_path / "agent.log").read_text()
-        assert log.count("lost its torchrun agent") == 2, log[-3000:]
+        # each rank says why it stopped: its agent is gone, or (the second a moment later) its peer is
+        orphans, peers = log.count("lost its torchrun agent"), log.count("error: lost contact with another rank")
+        assert orphans >= 1 and orphans + peers == 2, log[-3000:]
         with RunLock(run):  # free: the flock went with the ranks
             pass
     finally:
@@ -119,8 +134,9 @@ def test_across_two_hosts_a_lost_agent_or_host_ends_both_sides_within_seconds(ds
         a, b = (hosts.start(h, cmd, launch_env(hosts, i), tmp_path / f"{h.name}.log")
                 for i, h in enumerate((hosts.a, hosts.b)))
         wait_for_step(a, run / "metrics.jsonl", 5, timeout=240)
-        b_workers, a_tree = descendants(b.pid), [a.pid, *descendants(a.pid)]
-        for pid in [b.pid] + (b_workers if lost == "host" else []):
+        b_agent = torchrun_of(b.pid)
+        b_workers, a_tree = descendants(b_agent), [a.pid, *descendants(a.pid)]
+        for pid in [b_agent] + ([b.pid, *b_workers] if lost == "host" else []):
             os.kill(pid, signal.SIGKILL)
         t0 = time.monotonic()
         assert gone_within(b_workers, ORPHAN_BOUND_S) is not None, "host B's rank outlived its agent"
@@ -142,16 +158,12 @@ def test_across_two_hosts_a_lost_agent_or_host_ends_both_sides_within_seconds(ds
     print(f"host A's side ended {took:.1f}s after host B's {lost} was killed")
 
 
-def test_torchrun_restarts_across_two_hosts_continue_the_run(ds, tmp_path):
+def test_torchrun_restarts_across_two_hosts_continue_the_run(ds, one_host, tmp_path):
     """MAX_RESTARTS=1 and only host B's rank SIGKILLed after the step-4 checkpoint: torchrun restarts the
     workers on both hosts (counting the restart on host B only), they meet again and the run finishes from
     its checkpoint with the losses of an uninterrupted run (before: the restarted ranks waited on keys of
     different attempts and made no progress for 9.5 min)."""
-    steps = 24  # the kill lands long before the end
-    one = tmp_path / "one-host"
-    p = start(torchrun_cmd(args(ds, one, steps)), tmp_path, tmp_path / "one.log")
-    assert p.wait(timeout=300) == 0, (tmp_path / "one.log").read_text()[-3000:]
-    run = tmp_path / "run"
+    steps, one, run = STEPS, one_host, tmp_path / "run"
     with TwoHosts(tmp_path) as hosts:
         cmd = [str(LAUNCHER), "-m", "gptcore.training.train", *args(ds, run, steps)]
         # slow@1: rank 1 sleeps in every forward pass (both ranks step at its pace): the kill lands mid-run
@@ -159,7 +171,7 @@ def test_torchrun_restarts_across_two_hosts_continue_the_run(ds, tmp_path):
                             tmp_path / f"{h.name}.log")
                 for i, h in enumerate((hosts.a, hosts.b)))
         wait_for_step(a, run / "metrics.jsonl", 5, timeout=240)
-        [worker] = descendants(b.pid)
+        [worker] = descendants(torchrun_of(b.pid))
         os.kill(worker, signal.SIGKILL)
         codes = [p.wait(timeout=240) for p in (a, b)]
     logs = {h: (tmp_path / f"{h}.log").read_text() for h in ("host-a", "host-b")}
@@ -168,3 +180,37 @@ def test_torchrun_restarts_across_two_hosts_continue_the_run(ds, tmp_path):
     got, want = losses(run / "metrics.jsonl"), losses(one / "metrics.jsonl")
     assert sorted(got) == list(range(1, steps + 1)) and got == want
     assert "failed (exitcode: -9)" in logs["host-b"], logs["host-b"][-2000:]  # its rank was killed, then restarted
+
+
+HANG_S, GRACE_S = 10, 10
+PARTITION_BOUND_S = HANG_S + GRACE_S + 10 + 30  # the watchdog, the agent's grace, SIGTERM to SIGKILL, polls
+
+
+def test_a_partition_ends_every_process_on_both_sides_then_a_relaunch_continues(ds, tmp_path):
+    """Host B's link down mid-run: each rank's hang watchdog ends it (stacks in hangs/, exit 5) and each
+    side's torchrun agent, blocked on a store it cannot reach, is stopped AGENT_GRACE later: every process
+    on both hosts within PARTITION_BOUND_S (before: ~300 s for the ranks, ~1,001 s for B's agent). The link
+    back, both hosts relaunched: the run continues from its newest checkpoint to the end."""
+    run, steps = tmp_path / "run", 40
+    cmd = [str(LAUNCHER), "-m", "gptcore.training.train", *args(ds, run, steps, f"train.hang_timeout_s={HANG_S}")]
+    with TwoHosts(tmp_path) as hosts:
+        extra = {"AGENT_GRACE": str(GRACE_S), "GPTPIPE_TEST_FAULT": "slow@1"}
+        a, b = (hosts.start(h, cmd, launch_env(hosts, i, **extra), tmp_path / f"{h.name}.log")
+                for i, h in enumerate((hosts.a, hosts.b)))
+        wait_for_step(a, run / "metrics.jsonl", 5, timeout=240)
+        trees = {"A": [a.pid, *descendants(a.pid)], "B": [b.pid, *descendants(b.pid)]}
+        hosts.cut()
+        t0 = time.monotonic()
+        for side, tree in trees.items():
+            assert gone_within(tree, PARTITION_BOUND_S) is not None, \
+                f"host {side}: {tree} still runs {PARTITION_BOUND_S}s after the link went down"
+        took = time.monotonic() - t0
+        stacks = {p.name for p in (run / "hangs").glob("*/rank*.txt")}
+        assert stacks == {"rank0.txt", "rank1.txt"}, stacks  # each side dumped its stacks
+        hosts.restore()
+        again = [hosts.start(h, cmd, launch_env(hosts, i), tmp_path / f"{h.name}-again.log")
+                 for i, h in enumerate((hosts.a, hosts.b))]
+        codes = [p.wait(timeout=300) for p in again]
+    assert codes == [0, 0], (tmp_path / "host-a-again.log").read_text()[-3000:]
+    assert (run / "DONE").is_file() and sorted(losses(run / "metrics.jsonl")) == list(range(1, steps + 1))
+    print(f"every process on both hosts gone {took:.1f}s after the link went down")
