@@ -214,3 +214,32 @@ def test_a_partition_ends_every_process_on_both_sides_then_a_relaunch_continues(
     assert codes == [0, 0], (tmp_path / "host-a-again.log").read_text()[-3000:]
     assert (run / "DONE").is_file() and sorted(losses(run / "metrics.jsonl")) == list(range(1, steps + 1))
     print(f"every process on both hosts gone {took:.1f}s after the link went down")
+
+
+@pytest.mark.parametrize("state", ["fresh", "finished"])
+def test_a_run_folder_the_hosts_do_not_share_is_refused_on_every_host(ds, one_host, tmp_path, state):
+    """Host B has its own (empty) folder at the run directory's path: a new run, and a relaunch of a finished
+    one (host A sees DONE), are refused on both hosts with an error that says the folder is not shared, within
+    seconds, and nothing is written into it (before: noticed only at a resume; after DONE the relaunch hung,
+    host A gone and host B waiting for it in the process group)."""
+    run = one_host if state == "finished" else tmp_path / "run"
+    run.mkdir(exist_ok=True)
+    before = sorted(str(p.relative_to(run)) for p in run.rglob("*"))
+    own = tmp_path / "host-b-own-folder"
+    own.mkdir()
+    with TwoHosts(tmp_path) as hosts:
+        cmd = [str(LAUNCHER), "-m", "gptcore.training.train", *args(ds, run)]
+        a = hosts.start(hosts.a, cmd, launch_env(hosts, 0), tmp_path / "host-a.log")
+        b = hosts.start(hosts.b, cmd, launch_env(hosts, 1), tmp_path / "host-b.log", binds=((own, run),))
+        t0 = time.monotonic()
+        codes = [p.wait(timeout=120) for p in (a, b)]
+        took = time.monotonic() - t0
+    logs = {h: (tmp_path / f"{h}.log").read_text() for h in ("host-a", "host-b")}
+    assert all(c != 0 for c in codes), codes
+    for h, log in logs.items():
+        assert f"error: the run directory {run} is not one shared filesystem" in log, (h, log[-3000:])
+    after = sorted(str(p.relative_to(run)) for p in run.rglob("*"))
+    # at most the lock file and the shard-hash cache rank 0 keeps before any process group: no run state
+    assert set(after) - set(before) <= {"train.lock", "shard_hashes.json"}, after
+    assert not list(own.iterdir())
+    print(f"{state}: both hosts refused in {took:.1f}s")

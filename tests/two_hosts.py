@@ -80,9 +80,13 @@ class TwoHosts:
             raise
         return self
 
-    def start(self, host: Host, cmd: list[str], env: dict, log: Path) -> subprocess.Popen:
-        """`cmd` on `host`, in a process group of its own (the pid is the command's: ip, unshare and sh exec)."""
-        inner = f'hostname {host.name} && mount --bind {self.tmp / f"hosts-{host.name}"} /etc/hosts && exec "$@"'
+    def start(self, host: Host, cmd: list[str], env: dict, log: Path,
+              binds: tuple[tuple[Path, Path], ...] = ()) -> subprocess.Popen:
+        """`cmd` on `host`, in a process group of its own (the pid is the command's: ip, unshare and sh exec).
+        `binds`: (source, target) folders mounted on this host only (a folder the hosts do not share)."""
+        mounts = "".join(f"mount --bind {src} {dst} && " for src, dst in binds)
+        inner = (f'hostname {host.name} && mount --bind {self.tmp / f"hosts-{host.name}"} /etc/hosts && '
+                 f'{mounts}exec "$@"')
         p = subprocess.Popen(["ip", "netns", "exec", host.netns, "unshare", "--uts", "--mount", "sh", "-c", inner,
                               "sh", *cmd], env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
                              start_new_session=True)

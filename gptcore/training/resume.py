@@ -251,3 +251,44 @@ def restore(ts: dict, optimizer, loader: ShardLoader, scaler, env: distributed.E
     if scaler is not None and ts.get("scaler"):
         scaler.load_state_dict(ts["scaler"])
     return int(ts["step"])
+
+
+
+class NotShared(RunError):
+    """The ranks do not see one run directory: refused before anything is written (exit 2, no verdict)."""
+
+
+def agree_on_the_run_dir(run_dir: Path, done_here: bool, master: bool, patience_s: float = 10.0) -> None:
+    """With the process group up, before anything trains: every rank sees the same run directory. Every rank
+    must agree on whether the run is finished (DONE), and rank 0 writes a probe file there that every rank
+    must see (for up to `patience_s`: a network filesystem may show a new file a moment late). A directory
+    that is not one shared filesystem (each host its own copy) is refused on every host with NotShared,
+    instead of being noticed only at a resume, or a relaunch after DONE hanging: the host that saw DONE
+    exited while the others waited for it in the process group (#66)."""
+    import socket
+    import time
+    import uuid
+
+    hosts = distributed.all_gather_object(socket.gethostname())
+    done = distributed.all_gather_object(done_here)
+    fix = "Mount the same shared filesystem at this path on every host (docs/docker.md, \"Shared storage\")"
+    if len(set(done)) > 1:
+        saw = [f"rank {r} on {h}" for r, (h, d) in enumerate(zip(hosts, done)) if d]
+        raise NotShared(f"the run directory {run_dir} is not one shared filesystem: {', '.join(saw)} found the "
+                        f"run finished (DONE) and the other ranks did not. {fix}")
+    if all(done):
+        return
+    probe = run_dir / distributed.broadcast_object(f".shared-probe-{uuid.uuid4().hex}" if master else None)
+    if master:
+        probe.write_text("rank 0 wrote this to see that every rank shares the run directory\n")
+    distributed.barrier()
+    end = time.monotonic() + patience_s
+    while not probe.is_file() and time.monotonic() < end:
+        time.sleep(0.5)
+    seen = distributed.all_gather_object(probe.is_file())
+    if master:
+        probe.unlink(missing_ok=True)
+    if not all(seen):
+        missing = [f"rank {r} on {h}" for r, (h, s) in enumerate(zip(hosts, seen)) if not s]
+        raise NotShared(f"the run directory {run_dir} is not one shared filesystem: rank 0 on {hosts[0]} wrote "
+                        f"{probe.name} there and {', '.join(missing)} cannot see it. {fix}")

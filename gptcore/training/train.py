@@ -51,7 +51,7 @@ from gptcore.runlock import LockHeld
 from gptcore.training import orphan, verdict, watchdog
 from gptcore.training.microbatch import NothingFits
 from gptcore.training.replicas import ReplicasDisagree
-from gptcore.training.resume import RunError, prepare
+from gptcore.training.resume import NotShared, RunError, agree_on_the_run_dir, prepare
 from gptcore.training.trainer import STOP_FILE, STOP_SIGNAL, Diverged, Trainer
 
 EXIT_OK, EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_REPLICAS = 0, 2, 3, 4  # 5: gptcore.training.watchdog.HANG_EXIT
@@ -90,16 +90,19 @@ def main(argv: list[str] | None = None) -> int:
         prep = prepare(cfg, rank)
     except known as e:  # refused before training: the run directory stays as it was (no record either)
         return fail(e)
-    if prep is None:
-        return EXIT_OK
+    if prep is None:  # finished: every rank must see so (a host whose run folder is not shared would wait)
+        return agree_finished(cfg, run_dir) if distributed.world_size() > 1 else EXIT_OK
     verdict.set_aside_stale(prep.run_dir)  # an earlier launch's verdict: this launch runs
     # flag-only handlers for the run; the previous ones come back after it (main may run in-process: a
     # process forked later must not inherit a SIGTERM that does nothing)
     previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        distributed.init_process_group(prep.env, watchdog.CEILING_S if not cfg.train.hang_timeout_s
-                                       else cfg.train.hang_timeout_s, trace_dir=prep.run_dir / "hangs")
+        distributed.init_process_group(prep.env, hang_limit(cfg), trace_dir=prep.run_dir / "hangs")
+        if prep.env.world > 1:
+            agree_on_the_run_dir(prep.run_dir, False, prep.env.master)
         return Trainer(prep, t_start).run()
+    except NotShared as e:  # refused before training: nothing recorded in the run directory
+        return fail(e)
     # RunError: found only once the ranks talk (e.g. a run dir not shared between nodes); OSError after
     # the checks: e.g. the disk filled up, or a file turned into a directory
     except (RunError, Diverged, ReplicasDisagree, NothingFits, OSError) as e:
@@ -116,6 +119,24 @@ def main(argv: list[str] | None = None) -> int:
         for s, handler in previous.items():
             signal.signal(s, handler)
         STOP_SIGNAL["signal"] = None
+
+
+def hang_limit(cfg) -> float:
+    return cfg.train.hang_timeout_s or watchdog.CEILING_S
+
+
+def agree_finished(cfg, run_dir) -> int:
+    """A finished run relaunched on several ranks: they meet once to agree it is finished (NotShared, exit 2,
+    on every rank when some do not see DONE), then exit 0."""
+    env = distributed.select(cfg.train)
+    try:
+        distributed.init_process_group(env, hang_limit(cfg))
+        agree_on_the_run_dir(run_dir, True, env.master)
+        return EXIT_OK
+    except NotShared as e:
+        return fail(e)
+    finally:
+        distributed.teardown()
 
 
 def fail(e: Exception, run_dir=None) -> int:
