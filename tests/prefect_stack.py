@@ -145,7 +145,7 @@ def schedule_copy(deployment: str, name: str, parameters: dict, due_in: float = 
     from prefect.client.schemas.actions import DeploymentScheduleCreate
     from prefect.client.schemas.schedules import IntervalSchedule
 
-    first = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=due_in)
+    first = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=due_in)
     with get_client(sync_client=True) as c:
         d = c.read_deployment_by_name(deployment)
         return c.create_deployment(

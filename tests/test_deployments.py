@@ -19,8 +19,15 @@ import pytest
 import yaml
 
 from gptcore.overrides import load_config
-from tests.prefect_stack import (flow_logs, pause_schedules, run_deployment_and_wait, schedule_copy, server_log_errors,
-                                 wait_final, wait_scheduled_run)
+from tests.prefect_stack import (
+    flow_logs,
+    pause_schedules,
+    run_deployment_and_wait,
+    schedule_copy,
+    server_log_errors,
+    wait_final,
+    wait_scheduled_run,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deployments"

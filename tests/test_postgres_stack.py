@@ -27,8 +27,15 @@ from integrations.artifact_tables import from_rows
 from integrations.mlflow_store import signed_in_as
 from integrations.secrets import PASSWORD_BLOCK, save_mlflow_credentials
 from tests.postgres import postgres  # noqa: F401  (the fixture)
-from tests.prefect_stack import (artifacts, pause_schedules, run_deployment_and_wait, schedule_copy,
-                                 unexpected_server_errors, wait_final, wait_scheduled_run)
+from tests.prefect_stack import (
+    artifacts,
+    pause_schedules,
+    run_deployment_and_wait,
+    schedule_copy,
+    unexpected_server_errors,
+    wait_final,
+    wait_scheduled_run,
+)
 
 pytestmark = pytest.mark.slow
 COMPOSE = Path(__file__).resolve().parent.parent / "docker" / "docker-compose.yml"

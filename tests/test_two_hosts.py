@@ -16,7 +16,6 @@ import pytest
 from benchmarks import loss_compare
 from gptcore.metrics import read_metrics
 from gptcore.runlock import RunLock
-from gptcore.training.orphan import AGENT_LOST_EXIT
 from tests.test_train_utils import descendants, env, losses, start, torchrun_cmd, wait_for_step
 from tests.two_hosts import TwoHosts
 
@@ -82,7 +81,7 @@ def test_ddp_across_two_hosts_trains_exactly_as_on_one(ds, one_host, tmp_path):
         codes = [a.wait(timeout=300) for a in agents]
     logs = {h: (tmp_path / f"{h}.log").read_text() for h in ("host-a", "host-b")}
     assert codes == [0, 0], {h: log[-3000:] for h, log in logs.items()}
-    for (h, log), host in zip(logs.items(), (hosts.a, hosts.b)):
+    for log, host in zip(logs.values(), (hosts.a, hosts.b), strict=True):
         assert f"talking over {host.ifname} from {host.addr}" in log, log[-2000:]
     assert "world=2" in logs["host-a"] + logs["host-b"]
     assert loss_compare.main([str(two), str(one), "--assert-equal"]) == 0

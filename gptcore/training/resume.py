@@ -273,7 +273,7 @@ def agree_on_the_run_dir(run_dir: Path, done_here: bool, master: bool, patience_
     done = distributed.all_gather_object(done_here)
     fix = "Mount the same shared filesystem at this path on every host (docs/docker.md, \"Shared storage\")"
     if len(set(done)) > 1:
-        saw = [f"rank {r} on {h}" for r, (h, d) in enumerate(zip(hosts, done)) if d]
+        saw = [f"rank {r} on {h}" for r, (h, d) in enumerate(zip(hosts, done, strict=True)) if d]
         raise NotShared(f"the run directory {run_dir} is not one shared filesystem: {', '.join(saw)} found the "
                         f"run finished (DONE) and the other ranks did not. {fix}")
     if all(done):
@@ -289,6 +289,6 @@ def agree_on_the_run_dir(run_dir: Path, done_here: bool, master: bool, patience_
     if master:
         probe.unlink(missing_ok=True)
     if not all(seen):
-        missing = [f"rank {r} on {h}" for r, (h, s) in enumerate(zip(hosts, seen)) if not s]
+        missing = [f"rank {r} on {h}" for r, (h, s) in enumerate(zip(hosts, seen, strict=True)) if not s]
         raise NotShared(f"the run directory {run_dir} is not one shared filesystem: rank 0 on {hosts[0]} wrote "
                         f"{probe.name} there and {', '.join(missing)} cannot see it. {fix}")
