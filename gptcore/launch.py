@@ -17,8 +17,13 @@ from __future__ import annotations
 # lazy imports: torch's torchrun module (and torch) only when the command is built: the flow imports this
 # module through the train stage, and its no-op re-run must not import torch
 import contextlib
+import ctypes
+import fcntl
 import io
+import signal
 import socket
+import struct
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -100,9 +105,6 @@ class RouteError(ValueError):
 def interface_addresses() -> dict[str, str]:
     """IPv4 address -> interface name, for this host's interfaces that have one (Linux's SIOCGIFADDR: the
     launcher runs on images without psutil)."""
-    import fcntl
-    import struct
-
     out = {}
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         for _, name in socket.if_nameindex():
@@ -162,9 +164,6 @@ def live_children(pid: int) -> list[int]:
 def _term_with_parent() -> None:
     """In the child before exec: SIGTERM when the supervisor dies (even by SIGKILL), so torchrun stops its
     workers with their stop checkpoint instead of running on unsupervised (Linux's PR_SET_PDEATHSIG)."""
-    import ctypes
-    import signal
-
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # 1: PR_SET_PDEATHSIG
 
 
@@ -174,9 +173,6 @@ def supervise(cmd: list[str], grace_s: float, poll_s: float = 1.0) -> int:
     store after its workers end (the exit barrier, a restart's rendezvous); when that store is across a cut
     link, the call blocks until the kernel gives up on the TCP connection: ~1,000 s measured (#66). SIGTERM
     and SIGINT are passed on to torchrun, which passes them to its workers. Returns torchrun's exit code."""
-    import signal
-    import subprocess
-
     agent = subprocess.Popen(cmd, preexec_fn=_term_with_parent)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: agent.send_signal(signum))

@@ -11,7 +11,10 @@ roll back, and `restore` puts a checkpoint's trainer state back.
 from __future__ import annotations
 
 import json
+import socket
 import sys
+import time
+import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -265,10 +268,6 @@ def agree_on_the_run_dir(run_dir: Path, done_here: bool, master: bool, patience_
     that is not one shared filesystem (each host its own copy) is refused on every host with NotShared,
     instead of being noticed only at a resume, or a relaunch after DONE hanging: the host that saw DONE
     exited while the others waited for it in the process group (#66)."""
-    import socket
-    import time
-    import uuid
-
     hosts = distributed.all_gather_object(socket.gethostname())
     done = distributed.all_gather_object(done_here)
     fix = "Mount the same shared filesystem at this path on every host (docs/docker.md, \"Shared storage\")"
