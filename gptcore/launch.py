@@ -200,7 +200,8 @@ def main(argv: list[str]) -> int:
     """`python -m gptcore.launch accepts FLAG`: exit 0 when the installed torchrun has FLAG, 3 when it has
     not (for docker/torchrun-multinode.sh, which builds the same command in shell; any other exit means the
     question could not be asked). `python -m gptcore.launch route MASTER_ADDR [WAIT_S]`: prints "IFNAME
-    LOCAL_ADDR IS_HOST(0|1)" (route_to), or an error line and exit 2."""
+    LOCAL_ADDR IS_HOST(0|1)" (route_to), or an error line and exit 2. `python -m gptcore.launch supervise
+    GRACE_S -- CMD...`: run torchrun's CMD, bounded GRACE_S after its workers end (supervise)."""
     if len(argv) >= 4 and argv[0] == "supervise" and argv[2] == "--":
         return supervise(argv[3:], float(argv[1]))
     if len(argv) in (2, 3) and argv[0] == "route":

@@ -256,7 +256,6 @@ def restore(ts: dict, optimizer, loader: ShardLoader, scaler, env: distributed.E
     return int(ts["step"])
 
 
-
 class NotShared(RunError):
     """The ranks do not see one run directory: refused before anything is written (exit 2, no verdict)."""
 
@@ -268,8 +267,7 @@ def agree_on_the_run_dir(run_dir: Path, done_here: bool, master: bool, patience_
     that is not one shared filesystem (each host its own copy) is refused on every host with NotShared,
     instead of being noticed only at a resume, or a relaunch after DONE hanging: the host that saw DONE
     exited while the others waited for it in the process group (#66)."""
-    hosts = distributed.all_gather_object(socket.gethostname())
-    done = distributed.all_gather_object(done_here)
+    hosts, done = zip(*distributed.all_gather_object((socket.gethostname(), done_here)), strict=True)
     fix = "Mount the same shared filesystem at this path on every host (docs/docker.md, \"Shared storage\")"
     if len(set(done)) > 1:
         saw = [f"rank {r} on {h}" for r, (h, d) in enumerate(zip(hosts, done, strict=True)) if d]
