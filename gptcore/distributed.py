@@ -142,6 +142,15 @@ def init_process_group(env: Env, hang_limit_s: float = 0.0, trace_dir: Path | No
                                 device_id=env.device if env.device.type == "cuda" else None)
 
 
+def sum_over_hosts(value: int, env: Env) -> int:
+    """`value` as each host has it (its local rank 0's), summed over the hosts; every rank gets the sum."""
+    if env.world == 1 or not dist.is_initialized():
+        return value
+    t = torch.tensor([value if env.local_rank == 0 else 0], dtype=torch.int64, device=env.device)
+    dist.all_reduce(t)
+    return int(t.item())
+
+
 def restart_store(timeout: timedelta) -> dist.Store | None:
     """Under torchrun: a client of the agent's key-value store whose keys carry the restart count. The
     agent keeps one store for all of a job's restarts (--max-restarts), and the ranks of a restarted job

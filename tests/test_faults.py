@@ -117,6 +117,29 @@ def test_a_stopped_rank_is_caught_by_the_watchdog_and_the_job_restarts(ds, refer
     assert got == want
 
 
+def test_a_rank_that_never_joins_the_process_group_is_a_hang_of_start_up(ds, tmp_path):
+    """Rank 1 stalls after the rendezvous, before it joins the process group (a host that never arrives): both
+    ranks end with the hang exit within the limit, stacks on disk saying what each was doing, and nothing
+    written (before: rank 0 waited in init_process_group for the process group's 30-minute timeout)."""
+    run_dir, limit = tmp_path / "run", 6
+    cmd = torchrun_cmd("micro", overrides(ds, run_dir, **{"train.hang_timeout_s": limit}), 2, shutdown_seconds=5)
+    proc = start(cmd, tmp_path, tmp_path / "log", GPTPIPE_TEST_FAULT="latejoin@1")
+    try:
+        rc = proc.wait(timeout=240)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
+    log = (tmp_path / "log").read_text()
+    assert rc != 0 and rank_exit_codes(log) == {"0": str(HANG_EXIT), "1": str(HANG_EXIT)}, log[-4000:]
+    [folder] = (run_dir / "hangs").iterdir()
+    assert folder.name == "step00000000-attempt0"
+    rank0, rank1 = ((folder / f"rank{r}.txt").read_text() for r in (0, 1))
+    assert f"limit {limit}s) while joining the process group" in rank0 and "init_process_group" in rank0, rank0
+    assert "stall_before_process_group" in rank1, rank1
+    assert not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").iterdir())
+    assert not (run_dir / "metrics.jsonl").exists() or not losses(run_dir / "metrics.jsonl")
+
+
 def test_a_slow_rank_is_named(ds, reference, tmp_path):
     run_dir = tmp_path / "run"
     proc = start(torchrun_cmd("micro", overrides(ds, run_dir, **{"guard.straggler_logs": 2}), 2), tmp_path,

@@ -5,6 +5,8 @@ and ranks that lose their torchrun agent (on one host and across two)."""
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import signal
 import sys
 import time
@@ -37,9 +39,9 @@ def args(ds, run, steps=STEPS, *extra):
 def launch_env(hosts: TwoHosts, node_rank: int, **extra) -> dict:
     """What each host's launcher is given: no GLOO_SOCKET_IFNAME (the launcher finds the interface)."""
     e = {k: v for k, v in env().items() if not k.endswith("_SOCKET_IFNAME")}
-    return dict(e, PYTHON=sys.executable, NNODES="2", NODE_RANK=str(node_rank), NPROC_PER_NODE="1",
-                MASTER_ADDR=hosts.a.addr, MASTER_PORT="29500", RDZV_ID="two-hosts",
-                TORCHRUN_EXTRA_ARGS="--rdzv-conf=join_timeout=120", **extra)
+    return {**e, "PYTHON": sys.executable, "NNODES": "2", "NODE_RANK": str(node_rank), "NPROC_PER_NODE": "1",
+            "MASTER_ADDR": hosts.a.addr, "MASTER_PORT": "29500", "RDZV_ID": "two-hosts",
+            "TORCHRUN_EXTRA_ARGS": "--rdzv-conf=join_timeout=120", **extra}
 
 
 def torchrun_of(launcher_pid: int) -> int:
@@ -179,6 +181,46 @@ def test_torchrun_restarts_across_two_hosts_continue_the_run(ds, one_host, tmp_p
     got, want = losses(run / "metrics.jsonl"), losses(one / "metrics.jsonl")
     assert sorted(got) == list(range(1, steps + 1)) and got == want
     assert "failed (exitcode: -9)" in logs["host-b"], logs["host-b"][-2000:]  # its rank was killed, then restarted
+    # torch counted the restart on host B only (A's count stays 0); the ranks agree on the launch's attempt,
+    # 1 (before: host A's ranks said 0, B's 1: two hang folders for one hang, a verdict missed on one host)
+    starts = re.findall(r"world=2 attempt=(\d+)", logs["host-a"] + logs["host-b"])
+    assert sorted(starts) == ["0", "1"], starts
+
+
+# where a change of world size changes the summation order (2 ranks x 2 micro-steps -> 1 rank x 4): the
+# largest relative loss difference to the uninterrupted run allowed over the steps after the change (measured:
+# docs/docker.md "Two hosts"). The step's data is the same for any split; 2 ranks x 1 -> 1 x 2 is bit-exact
+# (a sum of two halves is exact), so the test uses 2 micro-steps per rank
+WORLD_CHANGE_RTOL = 1e-6  # measured 9.2e-8 (micro, fp32, CPU)
+
+
+def test_host_a_alone_continues_at_world_size_1_within_a_measured_tolerance(ds, tmp_path):
+    """Host B lost for good after the step-12 checkpoint of a 2-rank run: host A relaunched alone (NNODES=1)
+    continues from that checkpoint with 1 rank and 4 micro-steps over the same sequences per step; its losses
+    stay within WORLD_CHANGE_RTOL of the uninterrupted 2-rank run's (fp32: the gradients are summed in
+    another order, so not bit-exact)."""
+    ref, run, keep = tmp_path / "ref", tmp_path / "run", 12
+    two_accum = ["train.total_batch_tokens=256"]  # 2 ranks x 2 micro-steps x 2 sequences x 32 tokens
+    p = start(torchrun_cmd(args(ds, ref, STEPS, *two_accum)), tmp_path, tmp_path / "ref.log")
+    assert p.wait(timeout=300) == 0, (tmp_path / "ref.log").read_text()[-3000:]
+    shutil.copytree(ref, run)  # the 2-rank run as it was at the end of step 12, host B gone
+    for ck in (run / "checkpoints").glob("step_*"):
+        if int(ck.name.split("_")[1]) > keep:
+            shutil.rmtree(ck)
+    (run / "DONE").unlink()
+    with TwoHosts(tmp_path) as hosts:
+        cmd = [str(LAUNCHER), "-m", "gptcore.training.train", *args(ds, run, STEPS, *two_accum)]
+        alone = hosts.start(hosts.a, cmd, launch_env(hosts, 0, NNODES="1"), tmp_path / "host-a.log")
+        code = alone.wait(timeout=300)
+    log = (tmp_path / "host-a.log").read_text()
+    assert code == 0, log[-3000:]
+    assert f"resuming from step_{keep:08d} at step {keep}/{STEPS}; world=1" in log and "accum=4" in log, log[-3000:]
+    got, want = losses(run / "metrics.jsonl"), losses(ref / "metrics.jsonl")
+    assert sorted(got) == list(range(1, STEPS + 1))
+    worst = max(abs(got[s] - want[s]) / abs(want[s]) for s in range(keep + 1, STEPS + 1))
+    assert worst <= WORLD_CHANGE_RTOL, worst
+    print(f"world size 2 -> 1 after step {keep}: largest relative loss difference {worst:.2e} over "
+          f"steps {keep + 1}-{STEPS} (bound {WORLD_CHANGE_RTOL:.0e})")
 
 
 HANG_S, GRACE_S = 10, 10

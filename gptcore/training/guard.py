@@ -68,6 +68,14 @@ SLOW_SECONDS = 0.05  # the injected straggler's extra time per forward pass
 STALL_SECONDS = 3600  # the injected hangs: longer than any test waits
 
 
+def stall_before_process_group(rank: int) -> None:
+    """Test-only: GPTPIPE_TEST_FAULT=latejoin@R: rank R stalls before it joins the process group (a host that
+    never arrives after the rendezvous); the others wait for it there."""
+    spec = os.environ.get("GPTPIPE_TEST_FAULT", "")
+    if f"latejoin@{rank}" in spec.split(","):
+        time.sleep(STALL_SECONDS)
+
+
 class FaultInjector:
     """Test-only trouble, from GPTPIPE_TEST_FAULT="nan@5,spike@9,flip@4,slow@1,evalfail@1,evaloom@2":
     before the 5th train_step call of this process, the final LayerNorm's weight becomes NaN (every later

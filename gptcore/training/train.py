@@ -49,10 +49,12 @@ from gptcore.data.shard_format import ShardError
 from gptcore.overrides import load_config
 from gptcore.runlock import LockHeld
 from gptcore.training import orphan, verdict, watchdog
+from gptcore.training.guard import stall_before_process_group
 from gptcore.training.microbatch import NothingFits
 from gptcore.training.replicas import ReplicasDisagree
 from gptcore.training.resume import NotShared, RunError, agree_on_the_run_dir, prepare
 from gptcore.training.trainer import STOP_FILE, STOP_SIGNAL, Diverged, Trainer
+from gptcore.training.watchdog import Watchdog
 
 EXIT_OK, EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_REPLICAS = 0, 2, 3, 4  # 5: gptcore.training.watchdog.HANG_EXIT
 EXIT_PEER_LOST = 7  # 6: gptcore.training.orphan.AGENT_LOST_EXIT
@@ -81,26 +83,36 @@ def main(argv: list[str] | None = None) -> int:
         run_dir = run_dir_for(cfg)
     except known as e:
         return fail(e)  # no run directory yet to record the verdict in: the exit code says it
-    if (earlier := verdict.of_this_launch(run_dir)) is not None:
-        print(f"error: the run ended with a verdict in this launch: {earlier.summary()} (attempt {earlier.attempt}, "
-              f"{earlier.time}); torchrun's restart cannot change it. Fix the cause, then launch again",
-              file=sys.stderr)
-        return earlier.code
+    # one host: its restart count is the launch's attempt, known now; several: once their ranks agree on it
+    one_host = distributed.world_size() == int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if one_host and (code := ended_by_verdict(run_dir)) is not None:
+        return code
     try:
         prep = prepare(cfg, rank)
     except known as e:  # refused before training: the run directory stays as it was (no record either)
         return fail(e)
     if prep is None:  # finished: every rank must see so (a host whose run folder is not shared would wait)
         return agree_finished(cfg, run_dir) if distributed.world_size() > 1 else EXIT_OK
-    verdict.set_aside_stale(prep.run_dir)  # an earlier launch's verdict: this launch runs
+    if one_host:
+        verdict.set_aside_stale(prep.run_dir)  # an earlier launch's verdict: this launch runs
     # flag-only handlers for the run; the previous ones come back after it (main may run in-process: a
     # process forked later must not inherit a SIGTERM that does nothing)
     previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    # from here on a rank that never arrives (a stalled host, a link down) is a hang too: start-up is bounded
+    watchdog = Watchdog(prep.run_dir, prep.env.rank, cfg.train.hang_timeout_s).start()
+    watchdog.doing = "joining the process group"
     try:
+        stall_before_process_group(prep.env.rank)  # test-only (GPTPIPE_TEST_FAULT=latejoin@R)
         distributed.init_process_group(prep.env, hang_limit(cfg), trace_dir=prep.run_dir / "hangs")
         if prep.env.world > 1:
+            verdict.agree_attempt(distributed.sum_over_hosts(verdict.host_restarts(), prep.env))
+            if not one_host:
+                if (code := ended_by_verdict(run_dir)) is not None:
+                    return code
+                verdict.set_aside_stale(prep.run_dir)
+            watchdog.doing = "agreeing on the run directory"
             agree_on_the_run_dir(prep.run_dir, False, prep.env.master)
-        return Trainer(prep, t_start).run()
+        return Trainer(prep, t_start, watchdog).run()
     except NotShared as e:  # refused before training: nothing recorded in the run directory
         return fail(e)
     # RunError: found only once the ranks talk (e.g. a run dir not shared between nodes); OSError after
@@ -113,12 +125,23 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr, flush=True)
         return EXIT_PEER_LOST
     finally:
+        watchdog.stop()
+        verdict.agree_attempt(None)
         distributed.teardown()
         if prep.lock is not None:
             prep.lock.release()
         for s, handler in previous.items():
             signal.signal(s, handler)
         STOP_SIGNAL["signal"] = None
+
+
+def ended_by_verdict(run_dir) -> int | None:
+    """The exit code of a verdict an earlier attempt of this launch recorded (a restart cannot change it)."""
+    if (earlier := verdict.of_this_launch(run_dir)) is None:
+        return None
+    print(f"error: the run ended with a verdict in this launch: {earlier.summary()} (attempt {earlier.attempt}, "
+          f"{earlier.time}); torchrun's restart cannot change it. Fix the cause, then launch again", file=sys.stderr)
+    return earlier.code
 
 
 def hang_limit(cfg) -> float:
@@ -129,13 +152,19 @@ def agree_finished(cfg, run_dir) -> int:
     """A finished run relaunched on several ranks: they meet once to agree it is finished (NotShared, exit 2,
     on every rank when some do not see DONE), then exit 0."""
     env = distributed.select(cfg.train)
+    watchdog = Watchdog(run_dir, env.rank, cfg.train.hang_timeout_s).start()  # a rank that never comes: a hang
+    watchdog.doing = "agreeing the run is finished"
     try:
         distributed.init_process_group(env, hang_limit(cfg))
+        # the collectives of a rank that starts training instead (its host does not see DONE), in its order
+        verdict.agree_attempt(distributed.sum_over_hosts(verdict.host_restarts(), env))
         agree_on_the_run_dir(run_dir, True, env.master)
         return EXIT_OK
     except NotShared as e:
         return fail(e)
     finally:
+        watchdog.stop()
+        verdict.agree_attempt(None)
         distributed.teardown()
 
 

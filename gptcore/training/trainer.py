@@ -34,7 +34,7 @@ from gptcore.metrics import METRICS_FILE, JsonlLogger, NullLogger
 from gptcore.model.gpt import peak_flops_guess
 from gptcore.model.loss import make_loss
 from gptcore.model.optim import build_optimizer, lr_at, set_lr, skips_on_device
-from gptcore.training import microbatch, parallel
+from gptcore.training import microbatch, parallel, verdict
 from gptcore.training.cost import RunClock, checkpoint_cost, duration
 from gptcore.training.damage import DamagedShards
 from gptcore.training.guard import OK, ROLLBACK, SKIP, FaultInjector, Guard
@@ -108,12 +108,13 @@ class EventLog:
 
 
 class Trainer:
-    def __init__(self, prep: Prepared, t_start: float):
+    def __init__(self, prep: Prepared, t_start: float, watchdog: Watchdog | None = None):
         cfg, env, raw = prep.cfg, prep.env, prep.model
         tc = cfg.train
         self.cfg, self.env, self.run_dir, self.raw, self.t_start = cfg, env, prep.run_dir, raw, t_start
-        # first: a peer that never joins the collectives below is a hang too
-        self.watchdog = Watchdog(prep.run_dir, env.rank, tc.hang_timeout_s).start()
+        # first (or already, from train.main's start-up): a peer that never joins the collectives below is a hang
+        self.watchdog = watchdog or Watchdog(prep.run_dir, env.rank, tc.hang_timeout_s).start()
+        self.watchdog.beat("setting up")
         try:
             self.setup(prep)
         except BaseException:
@@ -540,7 +541,8 @@ def write_records(prep: Prepared, step: int, micro_how: str = "set", plan: paral
     (run_dir / STOP_FILE).unlink(missing_ok=True)  # a stop request was for the previous invocation
     how = f"resuming from {prep.ckpt.name}" if prep.ckpt else "starting"
     print(f"run {cfg.run_name} ({run_dir}): {how} at step {step}/{cfg.train.max_steps}; world={env.world} "
-          f"accum={cfg.grad_accum_steps(env.world)} micro_batch={cfg.train.micro_batch} ({micro_how}) "
+          f"attempt={verdict.this_launch()[1]} accum={cfg.grad_accum_steps(env.world)} "
+          f"micro_batch={cfg.train.micro_batch} ({micro_how}) "
           f"device={env.device} dtype={env.dtype} compile={env.compile} loss={env.loss} "
           f"parallel={plan.kind if plan else 'single'} ({plan.why if plan else 'one rank'}) "
           f"activation_checkpointing={cfg.train.activation_checkpointing} "

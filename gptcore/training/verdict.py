@@ -5,11 +5,14 @@ replays the same batches into the same end. torchrun restarts every non-zero exi
 so without a record on disk (1) a restarted worker cannot know that a restart cannot help, and (2) a
 launcher (the Prefect train task) cannot learn which verdict ended the run.
 
-A launch is one torchrun invocation: its workers share TORCHELASTIC_RUN_ID across its restarts, and
-TORCHELASTIC_RESTART_COUNT counts them from 0. A record is of *this* launch when it has the same non-empty
-run id and an earlier attempt. Ordering by attempt, not the id alone, matters because a run id can be fixed
-by hand (`--rdzv-id=gpt2` in docker/torchrun-multinode.sh, every night): a new launch starts at attempt 0,
-so last night's record is never mistaken for tonight's. Any other record is moved aside at the next start
+A launch is one torchrun invocation: its workers share TORCHELASTIC_RUN_ID across its restarts. Its attempt
+counts them from 0: TORCHELASTIC_RESTART_COUNT on one host; across hosts that count is each host's own (torch
+counts a restart on the host whose worker failed only), so once the process group forms the ranks agree on
+the sum of their hosts' counts (`agree_attempt`), which grows with every restart of any host. A record is
+of *this* launch when it has the same non-empty run id and an earlier attempt. Ordering by attempt, not
+the id alone, matters because a run id can be fixed by hand (`--rdzv-id=gpt2` in
+docker/torchrun-multinode.sh, every night): a new launch starts at attempt 0, so last night's record is never
+mistaken for tonight's. Any other record is moved aside at the next start
 (kept as verdict.<time>.json, for whoever looks back at what ended that night).
 
     record(run_dir, 3, "the run diverged again ...")    # in the trainer's fail path, every rank may
@@ -56,9 +59,23 @@ def launcher(env=None):
         return raw
 
 
+_agreed: list[int] = []  # the attempt the ranks agreed on (agree_attempt), for this process's run
+
+
+def host_restarts() -> int:
+    """torchrun's restart count on this host."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+
+
+def agree_attempt(attempt: int | None) -> None:
+    """The attempt every rank of this launch agreed on (None: forget it, at the end of a run in-process)."""
+    _agreed[:] = [] if attempt is None else [attempt]
+
+
 def this_launch() -> tuple[str | None, int]:
-    """(torchrun's run id or None, its restart count) for this process."""
-    return os.environ.get("TORCHELASTIC_RUN_ID") or None, int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+    """(torchrun's run id or None, the attempt): the agreed attempt once there is one, else this host's count
+    (the same thing on one host)."""
+    return os.environ.get("TORCHELASTIC_RUN_ID") or None, _agreed[0] if _agreed else host_restarts()
 
 
 def record(run_dir: Path, code: int, text: str) -> None:

@@ -21,8 +21,11 @@ what hung: the Python path prints the stacks to stderr first, then writes the ha
 from a helper thread it waits WRITE_TIMEOUT_S for, then exits whatever the writes do (a write blocked in
 the kernel cannot hold the process).
 
-The hang folder is named by the step and torchrun's restart count, hangs/step<N>-attempt<k>/, the same on
-every rank, so one hang is one folder.
+The hang folder is named by the step and the launch's attempt (gptcore/training/verdict.py: agreed by every
+rank, on every host), hangs/step<N>-attempt<k>/, the same on every rank, so one hang is one folder.
+
+The watchdog starts before the process group (gptcore/training/train.py): a rank that never arrives, or a
+link that goes down while the ranks meet, is a hang of start-up with the same limit, stacks and exit.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
+
+from gptcore.training import verdict
 
 HANG_EXIT = 5  # distinct from 2 (bad input), 3 (diverged), 4 (replicas disagree)
 HANG_FACTOR = 50.0  # x the median step time: an evaluation or a checkpoint beats well within that
@@ -72,7 +77,6 @@ class Watchdog:
         self.doing = "starting"
         self.patience = 0.0  # the smallest limit until the next beat (an evaluation is not paced by steps)
         self.poll_s = poll_s if poll_s is not None else min(5.0, max(timeout_s / 10, 0.1) if timeout_s else 5.0)
-        self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))  # torchrun's restarts of the job
         # tests make the derived limit's floor small to reach a derived limit in seconds, not minutes
         self.floor_s = float(os.environ.get("GPTPIPE_TEST_HANG_FLOOR_S") or FLOOR_S)
         self.armed_at, self.armed_limit = -float("inf"), 0.0  # the C backstop's last arming
@@ -124,8 +128,9 @@ class Watchdog:
         faulthandler.cancel_dump_traceback_later()
 
     def hang_folder(self) -> Path:
-        """One folder per hang, the same on every rank: the newest step and torchrun's restart count."""
-        return self.run_dir / "hangs" / f"step{self.step:08d}-attempt{self.attempt}"
+        """One folder per hang, the same on every rank: the newest step and the launch's attempt (read when the
+        hang happens: the ranks agree on it after the watchdog started)."""
+        return self.run_dir / "hangs" / f"step{self.step:08d}-attempt{verdict.this_launch()[1]}"
 
     def _watch(self) -> None:
         while not self._stop.wait(self.poll_s):
