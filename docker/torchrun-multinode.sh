@@ -4,7 +4,10 @@
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 torchrun-multinode.sh -m gptcore.training.train gpt2-124m [k=v ...]
 #
 # Env:
-#   NNODES           number of nodes (default 1: a single-node --standalone run)
+#   NNODES           number of nodes (default 1: a single-node --standalone run), or MIN:MAX for an elastic
+#                    run (c10d only): it starts once MIN nodes are there, and a host lost or added re-forms
+#                    the job at the new size from the newest checkpoint (give MAX_RESTARTS > 0: each re-forming
+#                    after a loss is a restart); node 0, the host on MASTER_ADDR, must be one that stays
 #   NODE_RANK        this node's rank, 0..NNODES-1 (default: JOB_COMPLETION_INDEX of a Kubernetes
 #                    Indexed Job, else 0). Node 0 must run on MASTER_ADDR (both backends: it hosts the store).
 #   NPROC_PER_NODE   processes per node (default gpu: one per visible GPU; cpu/auto/an integer also work)
@@ -45,9 +48,13 @@ nproc=${NPROC_PER_NODE:-gpu}
 port=${MASTER_PORT:-29500}
 backend=${RDZV_BACKEND:-c10d}
 
-is_int "$nnodes" && [ "$nnodes" -ge 1 ] || die "NNODES must be a positive integer, got '$nnodes'"
+min_nodes=${nnodes%%:*} max_nodes=${nnodes##*:}  # NNODES=2 is 2:2
+is_int "$min_nodes" && is_int "$max_nodes" && [ "$min_nodes" -ge 1 ] && [ "$max_nodes" -ge "$min_nodes" ] \
+    && [[ "$nnodes" =~ ^[0-9]+(:[0-9]+)?$ ]] \
+    || die "NNODES must be a positive integer or MIN:MAX with 1 <= MIN <= MAX, got '$nnodes'"
 is_int "$node_rank" || die "NODE_RANK must be an integer >= 0, got '$node_rank'"
-[ "$node_rank" -lt "$nnodes" ] || die "NODE_RANK=$node_rank is out of range for NNODES=$nnodes (use 0..$((nnodes - 1)))"
+[ "$node_rank" -lt "$max_nodes" ] \
+    || die "NODE_RANK=$node_rank is out of range for NNODES=$nnodes (use 0..$((max_nodes - 1)))"
 is_int "$nproc" || [[ "$nproc" =~ ^(gpu|cpu|auto)$ ]] \
     || die "NPROC_PER_NODE must be an integer or gpu|cpu|auto, got '$nproc'"
 is_int "$port" || die "MASTER_PORT must be a port number, got '$port'"
@@ -66,12 +73,14 @@ not SHUTDOWN_TIMEOUT=$shutdown s (torch >= 2.12 honours it)" >&2
 else
     args+=(--shutdown-timeout="$shutdown")
 fi
-if [ "$nnodes" -eq 1 ]; then
+if [ "$max_nodes" -eq 1 ]; then
     args+=(--standalone)
 else
     [ -n "${MASTER_ADDR:-}" ] || die "MASTER_ADDR is required when NNODES=$nnodes > 1: the address of the \
 node that hosts the rendezvous (node 0), reachable from every node"
     [[ "$backend" =~ ^(c10d|static)$ ]] || die "RDZV_BACKEND must be c10d or static, got '$backend'"
+    [ "$backend" = c10d ] || [ "$min_nodes" -eq "$max_nodes" ] \
+        || die "NNODES=$nnodes (elastic) needs RDZV_BACKEND=c10d: the static rendezvous has a fixed world"
     # each attempt's workers meet on a store of their own (a fresh port from rendezvous node 0), not on the
     # agents' long-lived one: there a restart's ranks need a key prefix they all agree on, and torch counts
     # a restart only on the host whose worker failed (TORCHELASTIC_RESTART_COUNT 0 on one host, 1 on the
@@ -121,7 +130,7 @@ if [ "${DRY_RUN:-0}" = 1 ]; then
     printf '%q ' "${cmd[@]}"; printf '\n'
     exit 0
 fi
-if [ "$nnodes" -gt 1 ]; then
+if [ "$max_nodes" -gt 1 ]; then
     # across hosts torchrun's agent can block for ~1,000 s on a rendezvous store behind a cut link after its
     # workers end: its life after them is bounded (gptcore/launch.py supervise)
     grace=${AGENT_GRACE:-300}

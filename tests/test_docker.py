@@ -652,6 +652,9 @@ def test_multinode_rendezvous_args():
     r = torchrun_dry(dict(common, NODE_RANK="0"))
     assert r.returncode == 0, r.stderr
     assert "--rdzv-conf=is_host=true\\,timeout=900" in r.stdout
+    # elastic: MIN:MAX nodes, torchrun's own --nnodes=MIN:MAX on the c10d rendezvous
+    r = torchrun_dry(dict(common, NNODES="1:4", NODE_RANK="3"))
+    assert r.returncode == 0 and "--nnodes=1:4 --rdzv-backend=c10d" in r.stdout, r.stderr
     # static backend: the node rank comes from a Kubernetes Indexed Job when NODE_RANK is not set
     r = torchrun_dry(
         {"NNODES": "2", "JOB_COMPLETION_INDEX": "1", "MASTER_ADDR": "127.0.0.1", "RDZV_BACKEND": "static"}
@@ -674,6 +677,10 @@ def test_multinode_rendezvous_args():
         ({"NNODES": "2", "NODE_RANK": "2", "MASTER_ADDR": "h"}, "NODE_RANK=2 is out of range for NNODES=2"),
         ({"NNODES": "2"}, "MASTER_ADDR is required"),
         ({"NNODES": "0"}, "NNODES must be a positive integer"),
+        ({"NNODES": "2:1"}, "MIN:MAX with 1 <= MIN <= MAX, got '2:1'"),
+        ({"NNODES": "1:2:3"}, "NNODES must be a positive integer or MIN:MAX"),
+        ({"NNODES": "1:2", "NODE_RANK": "2", "MASTER_ADDR": "h"}, "NODE_RANK=2 is out of range for NNODES=1:2"),
+        ({"NNODES": "1:2", "MASTER_ADDR": "h", "RDZV_BACKEND": "static"}, "(elastic) needs RDZV_BACKEND=c10d"),
         ({"NNODES": "2", "MASTER_ADDR": "h", "RDZV_BACKEND": "etcd"}, "RDZV_BACKEND must be c10d or static"),
         ({"NPROC_PER_NODE": "many"}, "NPROC_PER_NODE must be an integer or gpu|cpu|auto"),
     ],

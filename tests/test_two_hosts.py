@@ -223,6 +223,9 @@ def test_host_a_alone_continues_at_world_size_1_within_a_measured_tolerance(ds, 
           f"steps {keep + 1}-{STEPS} (bound {WORLD_CHANGE_RTOL:.0e})")
 
 
+# torchrun's c10d rendezvous: host B's heartbeats missed (3 x 5 s), then last_call_timeout (30 s) waiting for
+# more hosts up to the maximum; plus host A's rank noticing (exit 7) and the restart's start-up
+ELASTIC_BOUND_S = 90
 HANG_S, GRACE_S = 10, 10
 PARTITION_BOUND_S = HANG_S + GRACE_S + 10 + 30  # the watchdog, the agent's grace, SIGTERM to SIGKILL, polls
 
@@ -284,3 +287,52 @@ def test_a_run_folder_the_hosts_do_not_share_is_refused_on_every_host(ds, one_ho
     assert set(after) - set(before) <= {"train.lock", "shard_hashes.json"}, after
     assert not list(own.iterdir())
     print(f"{state}: both hosts refused in {took:.1f}s")
+
+
+def test_an_elastic_run_re_forms_on_the_host_left_then_grows_back(ds, tmp_path):
+    """NNODES=1:2 (torchrun --nnodes=1:2) and MAX_RESTARTS: every process of host B SIGKILLed mid-run, host A
+    re-forms the job alone within ELASTIC_BOUND_S and continues from the newest checkpoint at world size 1,
+    nobody relaunching anything; host B started again, the job re-forms on both hosts (A's ranks stop at a
+    step with a checkpoint) and trains on at world size 2. Every step is trained, none twice in the end."""
+    run = tmp_path / "run"
+    cmd = [str(LAUNCHER), "-m", "gptcore.training.train", *args(ds, run, 5000)]
+    elastic = {"NNODES": "1:2", "MAX_RESTARTS": "3"}
+    starts = re.compile(r"run micro \(\S+\): (starting|resuming from step_\d+) at step (\d+)/\d+; world=(\d)")
+    with TwoHosts(tmp_path) as hosts:
+        a, b = (hosts.start(h, cmd, launch_env(hosts, i, **elastic), tmp_path / f"{h.name}.log")
+                for i, h in enumerate((hosts.a, hosts.b)))
+        log_a = tmp_path / "host-a.log"
+
+        def started(world: int, after: int = 0, timeout: float = 180):
+            while True:
+                found = [m for m in starts.finditer(log_a.read_text()) if m[3] == str(world)]
+                if len(found) > after:
+                    return found[after]
+                assert a.poll() is None and time.monotonic() - t0 < timeout, log_a.read_text()[-3000:]
+                time.sleep(0.2)
+
+        t0 = time.monotonic()
+        started(2)
+        wait_for_step(a, run / "metrics.jsonl", 20, timeout=240)
+        for pid in [b.pid, *descendants(b.pid)]:
+            os.kill(pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        alone = started(1)
+        reformed = time.monotonic() - t0
+        wait_for_step(a, run / "metrics.jsonl", int(alone[2]) + 8, timeout=120)
+        b = hosts.start(hosts.b, cmd, launch_env(hosts, 1, **elastic), tmp_path / "host-b-again.log")
+        t0 = time.monotonic()
+        both = started(2, after=1)
+        grown = time.monotonic() - t0
+        wait_for_step(a, run / "metrics.jsonl", int(both[2]) + 8, timeout=120)
+        (run / "STOP").touch()  # the end of the test, not of the run: a clean stop on both hosts
+        codes = [p.wait(timeout=240) for p in (a, b)]
+    log = log_a.read_text()
+    assert codes == [0, 0], log[-3000:]
+    assert alone[1].startswith("resuming") and both[1].startswith("resuming"), (alone[0], both[0])
+    assert reformed <= ELASTIC_BOUND_S and grown <= ELASTIC_BOUND_S, (reformed, grown)
+    assert "error: lost contact with another rank" in log  # host A's rank when B went: exit 7, restarted
+    trained = sorted(losses(run / "metrics.jsonl"))
+    assert trained == list(range(1, trained[-1] + 1)) and trained[-1] > int(both[2])
+    print(f"re-formed at world size 1 {reformed:.1f}s after host B was lost ({alone[0]}); "
+          f"at world size 2 {grown:.1f}s after it was started again ({both[0]})")
