@@ -183,8 +183,40 @@ def test_torchrun_restarts_across_two_hosts_continue_the_run(ds, one_host, tmp_p
     assert "failed (exitcode: -9)" in logs["host-b"], logs["host-b"][-2000:]  # its rank was killed, then restarted
     # torch counted the restart on host B only (A's count stays 0); the ranks agree on the launch's attempt,
     # 1 (before: host A's ranks said 0, B's 1: two hang folders for one hang, a verdict missed on one host)
-    starts = re.findall(r"world=2 attempt=(\d+)", logs["host-a"] + logs["host-b"])
+    starts = re.findall(r"world=2 accum=.* attempt=(\d+) device=", logs["host-a"] + logs["host-b"])
     assert sorted(starts) == ["0", "1"], starts
+
+
+def test_hsdp_across_two_hosts_trains_as_on_one_and_names_each_host(ds, tmp_path):
+    """HSDP, 2 hosts x 2 ranks (shard within a host, replicate across): with a straggler (slow@1) and one
+    replica's bit flipped (flip@5, rank 3), the losses are bit-identical to the same 2x2 mesh on one host (two
+    agents on 127.0.0.1), and the reports name the two hosts apart: the replicas that disagree are on host-a
+    and host-b, and the straggler's host is the one its rank runs on."""
+    hsdp = ["train.parallel=fsdp", "train.total_batch_tokens=256", "guard.consistency_interval=2",
+            "guard.straggler_logs=2"]  # 4 ranks x 2 sequences x 32 tokens: no accumulation
+    fault = {"GPTPIPE_TEST_FAULT": "flip@5,slow@1"}
+    one, two = tmp_path / "one-host", tmp_path / "two-hosts"
+    port = 29000 + os.getpid() % 500
+    agents = [start([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2",
+                     "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=one-host-hsdp",
+                     "-m", "gptcore.training.train", *args(ds, one, STEPS, *hsdp)], tmp_path,
+                    tmp_path / f"one-{i}.log", **fault) for i in range(2)]
+    assert [p.wait(timeout=400) for p in agents] == [0, 0], (tmp_path / "one-0.log").read_text()[-3000:]
+    with TwoHosts(tmp_path) as hosts:
+        cmd = [str(LAUNCHER), "-m", "gptcore.training.train", *args(ds, two, STEPS, *hsdp)]
+        agents = [hosts.start(h, cmd, launch_env(hosts, i, NPROC_PER_NODE="2", **fault), tmp_path / f"{h.name}.log")
+                  for i, h in enumerate((hosts.a, hosts.b))]
+        codes = [p.wait(timeout=400) for p in agents]
+    logs = (tmp_path / "host-a.log").read_text() + (tmp_path / "host-b.log").read_text()
+    assert codes == [0, 0], logs[-3000:]
+    assert "world=4 accum=1" in logs and "HSDP: 2 replicas x 2 shards" in logs
+    assert loss_compare.main([str(two), str(one), "--assert-equal"]) == 0
+    events = [r["event"] for r in read_metrics(two / "metrics.jsonl", "event")]
+    [first, *_] = [e for e in events if e.startswith("replicas disagree")]
+    named = dict(re.findall(r"rank (\d) on host (\S+?)[,: )]", first))
+    assert set(named) == {"1", "3"} and set(named.values()) == {"host-a", "host-b"}, first
+    slow = [e for e in events if e.startswith("straggler: rank 1 on host ")]
+    assert slow and all(e.startswith(f"straggler: rank 1 on host {named['1']}") for e in slow), (slow, first)
 
 
 # where a change of world size changes the summation order (2 ranks x 2 micro-steps -> 1 rank x 4): the

@@ -541,9 +541,9 @@ def write_records(prep: Prepared, step: int, micro_how: str = "set", plan: paral
     (run_dir / STOP_FILE).unlink(missing_ok=True)  # a stop request was for the previous invocation
     how = f"resuming from {prep.ckpt.name}" if prep.ckpt else "starting"
     print(f"run {cfg.run_name} ({run_dir}): {how} at step {step}/{cfg.train.max_steps}; world={env.world} "
-          f"attempt={verdict.this_launch()[1]} accum={cfg.grad_accum_steps(env.world)} "
-          f"micro_batch={cfg.train.micro_batch} ({micro_how}) "
-          f"device={env.device} dtype={env.dtype} compile={env.compile} loss={env.loss} "
+          f"accum={cfg.grad_accum_steps(env.world)} micro_batch={cfg.train.micro_batch} ({micro_how}) "
+          f"attempt={verdict.this_launch()[1]} device={env.device} dtype={env.dtype} compile={env.compile} "
+          f"loss={env.loss} "
           f"parallel={plan.kind if plan else 'single'} ({plan.why if plan else 'one rank'}) "
           f"activation_checkpointing={cfg.train.activation_checkpointing} "
           f"params={prep.model.num_params():,} dataset={prep.data_dir} ({prep.manifest.id})",
