@@ -107,6 +107,10 @@ def main(argv: list[str] | None = None) -> int:
         if prep.env.world > 1:
             verdict.agree_attempt(distributed.sum_over_hosts(verdict.host_restarts(), prep.env))
             if not one_host:
+                if prep.env.local_rank == 0:  # one line per host: what each host counted, what they agreed
+                    print(f"attempt {verdict.this_launch()[1]} of this launch on {os.uname().nodename} (torchrun "
+                          f"restarts counted on this host: {verdict.host_restarts()}; summed over the hosts)",
+                          flush=True)
                 if (code := ended_by_verdict(run_dir)) is not None:
                     return code
                 verdict.set_aside_stale(prep.run_dir)
