@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml constraints.txt
 	# torch first and pinned: a bare `torch` requirement would pull a multi-GB CUDA build.
 	# GPU users: see README "Installing on a GPU machine".
 	$(PY) -m pip install -q -c constraints.txt "torch==2.13.0"
-	$(PY) -m pip install -q -c constraints.txt -e ".[dev,dask,docker]"
+	$(PY) -m pip install -q -c constraints.txt -e ".[dev,dask,docker,kubernetes]"
 	touch $(STAMP)
 
 install: $(STAMP)
