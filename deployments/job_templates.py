@@ -7,8 +7,8 @@ project changes (`deployments/docker-gpu-overlay.json`, `deployments/k8s-gpu-ove
 The default is the one `prefect work-pool get-default-base-job-template --type <type>` prints (that command
 starts a temporary server; this asks the same sources directly): the installed worker package's own
 (prefect-docker 0.7.4 for docker, prefect-kubernetes 0.8.0 for kubernetes, pinned in constraints.txt,
-`pip install -e ".[docker,kubernetes]"`), else the worker metadata Prefect bundles (kubernetes only). An upgrade thus brings its new default fields along, and
-the overlays stay short enough to review.
+`pip install -e ".[docker,kubernetes]"`), else the worker metadata Prefect bundles (kubernetes only). An
+upgrade thus brings its new default fields along, and the overlays stay short enough to review.
 
 Both overlays send flow runs to the servers over https and verify them by the stack's CA, mounted
 read-only at /tls/ca.pem (docs/security.md#tls); Kubernetes pods mount it from the ConfigMap `gpt2-ca`.
