@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 export GPTPIPE_HOME ?= $(CURDIR)/var
 
-.PHONY: install demo test test-durations test-quick readme-counts stop bench bench-smoke gpu-check lint clean
+.PHONY: install demo test test-images test-durations test-quick readme-counts stop bench bench-smoke gpu-check lint clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -38,6 +38,14 @@ test: install
 # the whole suite, then each file's seconds into tests/file_durations.json (the longest files start first)
 test-durations: install
 	$(PY) -m pytest -q $(XDIST) --fail-on-unexpected-skips --write-file-durations
+
+# the images built from docker/Dockerfile and the compose stack started from them, on a Docker engine
+# (.ci/run installs and starts one): tests/images. Base images: SERVICES_BASE, BASE_IMAGE and POSTGRES_IMAGE
+# when all are set, else stand-ins made from Debian and PyPI (docker/standin-bases.sh; TORCH_WHEEL: a local
+# CPU torch wheel, found where this machine kind keeps one)
+TORCH_WHEEL ?= $(firstword $(wildcard /opt/wheels/torch-2.13.0+cpu-*.whl))
+test-images: install
+	TORCH_WHEEL=$(TORCH_WHEEL) $(PY) -m pytest -q tests/images --durations=10
 
 # the inner loop: the in-process tests only (no server, no torchrun, no spawned trainer fixtures)
 test-quick: install
