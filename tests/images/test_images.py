@@ -48,7 +48,7 @@ def free_port() -> int:
 
 
 def http(url: str, auth: tuple[str, str] | None = None, html: bool = False) -> tuple[int, str]:
-    """(status, body) of a GET, following redirects; an HTTP error is a status, not an exception."""
+    """(status, body) of a GET, following redirects; an HTTP error is a status, no answer status 0."""
     req = urllib.request.Request(url, headers={"Accept": "text/html"} if html else {})
     if auth:
         req.add_header("Authorization", "Basic " + base64.b64encode(":".join(auth).encode()).decode())
@@ -57,6 +57,8 @@ def http(url: str, auth: tuple[str, str] | None = None, html: bool = False) -> t
             return r.status, r.read().decode(errors="replace")
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode(errors="replace")
+    except OSError as e:  # not answering (yet): no status
+        return 0, str(e)
 
 
 def compose_cmd() -> list[str]:
@@ -244,7 +246,7 @@ def test_the_multinode_trainer_forms_its_rendezvous_across_two_containers(stack)
     """The `multinode` profile's trainer, two containers (host network) as node 0 and node 1 of one job: the
     c10d rendezvous forms between them and they train a few steps as one world of 2 (after the flow run:
     its dataset is on the data volume)."""
-    [dataset] = in_worker(stack, "sh", "-c", "dirname $(ls /data/datasets/*/manifest.json | head -1)").stdout.split()
+    [dataset] = in_worker(stack, "sh", "-c", "dirname $(ls /data/shards/*/manifest.json | head -1)").stdout.split()
     port = free_port()
     run = f"/data/runs/multinode-{port}"
     args = ["micro", f"data.dataset_dir={dataset}", f"train.run_dir={run}", "train.max_steps=4",
@@ -260,3 +262,20 @@ def test_the_multinode_trainer_forms_its_rendezvous_across_two_containers(stack)
     assert [p.returncode for p in nodes] == [0, 0], [o[-3000:] for o in outs]
     log = "".join(outs)
     assert "world=2" in log and "RUN_DONE run=micro step=4" in log, log[-3000:]
+
+
+def test_down_and_up_keeps_the_registry_and_the_runs(stack):
+    """`docker compose down` (no -v) and `up` again: the named volumes keep the model registry, the Prefect
+    flow runs and the run directory."""
+    mlflow = f"http://127.0.0.1:{stack['ports']['mlflow']}"
+    before = http(f"{mlflow}/api/2.0/mlflow/registered-models/get?name=tiny-cpu", auth=stack["worker"])
+    runs_before = in_worker(stack, "sh", "-c", "ls /data/runs").stdout.split()
+    sh(*stack["compose"], "down", timeout=300, env=stack["env"])
+    t0 = time.monotonic()
+    sh(*stack["compose"], "up", "-d", "--no-build", "--wait", "--wait-timeout", "300", timeout=420, env=stack["env"])
+    print(f"stack healthy again {time.monotonic() - t0:.0f}s after `up` (volumes kept)")
+    after = http(f"{mlflow}/api/2.0/mlflow/registered-models/get?name=tiny-cpu", auth=stack["worker"])
+    assert before[0] == after[0] == 200
+    versions = [v["version"] for v in json.loads(after[1])["registered_model"]["latest_versions"]]
+    assert versions == [v["version"] for v in json.loads(before[1])["registered_model"]["latest_versions"]]
+    assert in_worker(stack, "sh", "-c", "ls /data/runs").stdout.split() == runs_before and runs_before
