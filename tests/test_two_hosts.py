@@ -113,7 +113,6 @@ def test_a_rank_whose_torchrun_agent_is_killed_stops_within_seconds(ds, tmp_path
         # load one rank may say both (its peer's loss reached its step, its own watch fired before the exit)
         orphans, peers = log.count("lost its torchrun agent"), log.count("error: lost contact with another rank")
         assert orphans >= 1 and orphans + peers >= 2 and peers <= 1 and orphans <= 2, log[-3000:]
-        assert "rank 1 lost its torchrun agent" in log or "rank 0 lost its torchrun agent" in log
         with RunLock(run):  # free: the flock went with the ranks
             pass
     finally:
