@@ -184,7 +184,7 @@ def test_the_stack_is_healthy_serves_both_uis_and_refuses_anonymous_calls(stack)
     assert http(f"{mlflow}/api/2.0/mlflow/experiments/search?max_results=5")[0] == 401
     assert http(f"{mlflow}/api/2.0/mlflow/experiments/search?max_results=5", auth=stack["worker"])[0] == 200
     assert http(f"{mlflow}/", auth=stack["worker"], html=True)[0] == 200
-    # the containers run as uid 1000 (postgres as its own user), and their secrets stay out of the images
+    # the servers and the worker run as uid 1000 (PostgreSQL as its own user, as in the official image)
     for service in ("prefect-server", "mlflow", "worker"):
         uid = sh(*stack["compose"], "exec", "-T", service, "id", "-u", env=stack["env"]).stdout.strip()
         assert uid == "1000", (service, uid)
