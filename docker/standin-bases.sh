@@ -26,7 +26,6 @@ torch_version=${TORCH_VERSION:-2.13.0}
 work=${WORK:-/var/tmp/gptpipe-standins}
 packages=python3,python3-pip,python3-venv,ca-certificates
 
-
 recipe=1  # bump when the way a base is made below changes: the tags (and so the cache) follow it
 key=$(echo "$recipe $mirror $packages" | sha256sum | cut -c1-12)
 services_tag=gptpipe-standin/python:3.11-bookworm-$key
