@@ -21,8 +21,8 @@ DEPLOY = ROOT / "deployments"
 sys.path.insert(0, str(DEPLOY))
 import job_templates  # noqa: E402  (deployments/job_templates.py: the pools' templates)
 
-KUBERNETES = "1.33.0"
-PREFECT_REQUIRES_IN_POD = ("parallelism", "completions")  # the version docs/docker.md names ("Kubernetes")
+KUBERNETES = "1.33.0"  # the version docs/docker.md names ("Kubernetes")
+PREFECT_REQUIRES_IN_POD = ("parallelism", "completions")
 
 
 def check(doc: dict) -> None:
@@ -66,7 +66,8 @@ def test_the_elastic_variant_the_multinode_comment_describes_is_valid_kubernetes
     [c] = job["spec"]["template"]["spec"]["containers"]
     env = {e["name"]: e for e in c["env"]}
     env["NNODES"]["value"] = "1:2"
-    c["env"] = [*env.values(), {"name": "MAX_RESTARTS", "value": "3"}] if "MAX_RESTARTS" not in env else c["env"]
+    env["MAX_RESTARTS"] = {"name": "MAX_RESTARTS", "value": "3"}
+    c["env"] = list(env.values())
     check(job)
     assert "backoffLimitPerIndex: 3" in (DEPLOY / "k8s-multinode.yaml").read_text()
 

@@ -108,12 +108,11 @@ class EventLog:
 
 
 class Trainer:
-    def __init__(self, prep: Prepared, t_start: float, watchdog: Watchdog | None = None):
+    def __init__(self, prep: Prepared, t_start: float, watchdog: Watchdog):
         cfg, env, raw = prep.cfg, prep.env, prep.model
-        tc = cfg.train
         self.cfg, self.env, self.run_dir, self.raw, self.t_start = cfg, env, prep.run_dir, raw, t_start
-        # first (or already, from train.main's start-up): a peer that never joins the collectives below is a hang
-        self.watchdog = watchdog or Watchdog(prep.run_dir, env.rank, tc.hang_timeout_s).start()
+        # started by train.main before the process group: a peer that never joins the collectives below is a hang
+        self.watchdog = watchdog
         self.watchdog.beat("setting up")
         try:
             self.setup(prep)

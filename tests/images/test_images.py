@@ -16,7 +16,6 @@ import json
 import os
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from tests.test_train_utils import free_port
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,12 +40,6 @@ def sh(*cmd: str, timeout: float = 600, check: bool = True, **kw) -> subprocess.
     if check and r.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {r.returncode}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
     return r
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def http(url: str, auth: tuple[str, str] | None = None, html: bool = False) -> tuple[int, str]:
