@@ -29,7 +29,8 @@
 #   AGENT_GRACE      seconds torchrun may live on once its workers have ended (default 300; NNODES > 1): an
 #                    agent blocked on a rendezvous store behind a cut link is stopped then, not ~1,000 s later
 #   MASTER_WAIT      seconds to wait for MASTER_ADDR to resolve (default 300: a pod's DNS record appears once
-#                    it runs); then the node exits 2 with the reason
+#                    it runs) and, on every node but node 0, as long again for node 0's rendezvous store to
+#                    answer on MASTER_PORT (nodes start in any order); then the node exits 2 with the reason
 #   DRY_RUN=1        print the command instead of running it
 # With NNODES > 1 every node also passes torchrun --local-addr (its own address on that route: the address
 # the workers are handed for the store, whatever the hostname resolves to), and the c10d rendezvous store is
@@ -88,7 +89,7 @@ node that hosts the rendezvous (node 0), reachable from every node"
     export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
     # a name that does not resolve yet (node 0's pod DNS record) is asked again for MASTER_WAIT seconds
     wait_s=${MASTER_WAIT:-300}; [ "${DRY_RUN:-0}" = 1 ] && wait_s=0
-    is_host=0 route=
+    is_host=0 route='' store_host=0  # store_host: this node serves the rendezvous store (node 0 on MASTER_ADDR)
     if route=$("${PYTHON:-python}" -m gptcore.launch route "$MASTER_ADDR" "$wait_s"); then
         read -r ifname local_addr is_host <<<"$route"
         export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-$ifname} NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-$ifname}
@@ -107,11 +108,12 @@ socket interface come from its route to it" >&2
               # said, never guessed: node 0 on MASTER_ADDR serves the store, every other node is a client
               # (a guess from the hostname fails where it resolves to 127.0.0.1, and two guesses race)
               if [ -n "${route:-}" ]; then
-                  if [ "$is_host" = 1 ] && [ "$node_rank" -eq 0 ]; then rdzv_conf+=(is_host=true)
+                  if [ "$is_host" = 1 ] && [ "$node_rank" -eq 0 ]; then rdzv_conf+=(is_host=true) store_host=1
                   else rdzv_conf+=(is_host=false); fi
               fi ;;
         static) args+=(--nnodes="$nnodes" --node-rank="$node_rank" --master-addr="$MASTER_ADDR"
-                       --master-port="$port") ;;
+                       --master-port="$port")
+                [ "$node_rank" -ne 0 ] || store_host=1 ;;
     esac
 fi
 # shellcheck disable=SC2206  # deliberate word splitting of a flag list
@@ -129,6 +131,12 @@ echo "torchrun-multinode: node $node_rank of $nnodes, $(env | grep -c '^NCCL_' |
 if [ "${DRY_RUN:-0}" = 1 ]; then
     printf '%q ' "${cmd[@]}"; printf '\n'
     exit 0
+fi
+if [ "$max_nodes" -gt 1 ] && [ "$store_host" = 0 ]; then
+    # a node that is not the store host gives up on node 0's store after the rendezvous' read_timeout
+    # (60 s): started a minute before node 0 it failed, and node 0 then waited 600 s for it (gptcore/launch.py)
+    "${PYTHON:-python}" -m gptcore.launch reach "$MASTER_ADDR" "$port" "$wait_s" \
+        || die "node $node_rank cannot reach node 0's rendezvous store (the line above says why)"
 fi
 if [ "$max_nodes" -gt 1 ]; then
     # across hosts torchrun's agent can block for ~1,000 s on a rendezvous store behind a cut link after its

@@ -5,6 +5,7 @@ image without Prefect or MLflow, so it lives here, beside the trainer.
     torchrun_cmd("gpt2-124m", {"train.max_steps": 100}, nproc=8, max_restarts=1)
     python -m gptcore.launch accepts --shutdown-timeout     # exit 0 when the installed torchrun has it
     python -m gptcore.launch route 10.0.0.1                 # "eth1 10.0.0.2 0": interface, own address, host?
+    python -m gptcore.launch reach 10.0.0.1 29500 300       # wait until node 0's rendezvous store answers
     python -m gptcore.launch supervise 300 -- python -m torch.distributed.run ...   # bounded after its workers
 
 The command is built from what the installed torchrun accepts (pyproject allows torch >= 2.11): torchrun
@@ -148,6 +149,31 @@ def route_to(master_addr: str, wait_s: float = 0.0) -> Route:
     return Route(nics[src], src, is_host=ip == src or ip in nics)
 
 
+def wait_for_store(addr: str, port: int, wait_s: float, poll_s: float = 2.0) -> float:
+    """Wait until something accepts TCP connections on addr:port (node 0's rendezvous store) and return the
+    seconds waited, or raise RouteError after `wait_s`. A node that is not the store host gives up on it
+    after the rendezvous' read_timeout (60 s; ~100 s measured) with a RendezvousConnectionError: nodes
+    started in any order (Kubernetes pods, hosts started by hand, a slow container start) would then fail
+    whenever node 0 comes up a minute after them. A bare connect and close is harmless to a TCPStore."""
+    t0 = time.monotonic()
+    said = False
+    while True:
+        try:
+            with socket.create_connection((addr, port), timeout=5.0):
+                return time.monotonic() - t0
+        except OSError as e:
+            waited = time.monotonic() - t0
+            if waited >= wait_s:
+                raise RouteError(f"node 0's rendezvous store at {addr}:{port} did not answer within {wait_s:g} s "
+                                 f"({e}): start node 0 on MASTER_ADDR={addr} with the same MASTER_PORT (or allow "
+                                 "longer with MASTER_WAIT), and check that no firewall blocks the port") from None
+            if not said:
+                print(f"torchrun-multinode: waiting up to {wait_s:g} s for node 0's rendezvous store at "
+                      f"{addr}:{port} ({e})", file=sys.stderr, flush=True)
+                said = True
+            time.sleep(poll_s)
+
+
 def live_children(pid: int) -> list[int]:
     """The children of `pid` that have not exited (a zombie has: its parent has not reaped it yet), from /proc."""
     out = []
@@ -200,7 +226,8 @@ def main(argv: list[str]) -> int:
     """`python -m gptcore.launch accepts FLAG`: exit 0 when the installed torchrun has FLAG, 3 when it has
     not (for docker/torchrun-multinode.sh, which builds the same command in shell; any other exit means the
     question could not be asked). `python -m gptcore.launch route MASTER_ADDR [WAIT_S]`: prints "IFNAME
-    LOCAL_ADDR IS_HOST(0|1)" (route_to), or an error line and exit 2. `python -m gptcore.launch supervise
+    LOCAL_ADDR IS_HOST(0|1)" (route_to), or an error line and exit 2. `python -m gptcore.launch reach ADDR PORT
+    WAIT_S`: exit 0 once ADDR:PORT answers, or an error line and exit 2 (wait_for_store). `... supervise
     GRACE_S -- CMD...`: run torchrun's CMD, bounded GRACE_S after its workers end (supervise)."""
     if len(argv) >= 4 and argv[0] == "supervise" and argv[2] == "--":
         return supervise(argv[3:], float(argv[1]))
@@ -212,8 +239,18 @@ def main(argv: list[str]) -> int:
             return 2
         print(r.ifname, r.local_addr, int(r.is_host))
         return 0
+    if len(argv) == 4 and argv[0] == "reach":
+        try:
+            waited = wait_for_store(argv[1], int(argv[2]), float(argv[3]))
+        except RouteError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        if waited >= 1:
+            print(f"torchrun-multinode: node 0's rendezvous store answered after {waited:.0f} s", file=sys.stderr)
+        return 0
     if len(argv) != 2 or argv[0] != "accepts" or not argv[1].startswith("--"):
-        print("usage: python -m gptcore.launch accepts --FLAG | route MASTER_ADDR [WAIT_S]", file=sys.stderr)
+        print("usage: python -m gptcore.launch accepts --FLAG | route MASTER_ADDR [WAIT_S] | reach ADDR PORT WAIT_S "
+              "| supervise GRACE_S -- CMD...", file=sys.stderr)
         return 2
     return 0 if accepts(argv[1]) else 3
 

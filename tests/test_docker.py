@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -692,9 +693,13 @@ def test_multinode_bad_input(env, message):
     assert r.returncode == 2 and "usage" in r.stderr
 
 
-def test_multinode_two_nodes_rendezvous_for_real(tmp_path):
+@pytest.mark.parametrize("node1_first_by", [0, 12])
+def test_multinode_two_nodes_rendezvous_for_real(tmp_path, node1_first_by):
     """Two torchrun agents ("nodes") on 127.0.0.1 meet through the c10d rendezvous the script sets up and
-    run one worker each: a world of 2 with distinct global ranks, each on its own node."""
+    run one worker each: a world of 2 with distinct global ranks, each on its own node. Nodes start in any
+    order: node 1 started 12 s before node 0, longer than the rendezvous store's read_timeout (3 s here,
+    60 s by default), waits for node 0's store instead of failing (it failed in a CI run: node 0's container
+    came up late, and node 0 then waited 600 s for it)."""
     show = tmp_path / "show.py"
     show.write_text(
         "import json, os\nprint('WORLD ' + json.dumps({k: os.environ[k] for k in "
@@ -708,18 +713,17 @@ def test_multinode_two_nodes_rendezvous_for_real(tmp_path):
         MASTER_PORT=str(port),
         RDZV_ID=f"test-{port}",
         PYTHON=sys.executable,
-        TORCHRUN_EXTRA_ARGS="--rdzv-conf=timeout=60",
+        TORCHRUN_EXTRA_ARGS="--rdzv-conf=timeout=60 --rdzv-conf=read_timeout=3",
     )
-    procs = [
-        subprocess.Popen(
-            [str(DOCKER / "torchrun-multinode.sh"), str(show)],
-            env=dict(env, NODE_RANK=str(i)),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for i in range(2)
-    ]
+
+    def start(node_rank: int) -> subprocess.Popen:
+        return subprocess.Popen([str(DOCKER / "torchrun-multinode.sh"), str(show)],
+                                env=dict(env, NODE_RANK=str(node_rank)), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+
+    node1 = start(1)
+    time.sleep(node1_first_by)
+    procs = [start(0), node1]
     try:
         outs = [p.communicate(timeout=90) for p in procs]
     except subprocess.TimeoutExpired:
@@ -733,6 +737,20 @@ def test_multinode_two_nodes_rendezvous_for_real(tmp_path):
     seen = [json.loads(ln[6:]) for out, _ in outs for ln in out.splitlines() if ln.startswith("WORLD ")]
     assert sorted(s["RANK"] for s in seen) == ["0", "1"]
     assert {s["WORLD_SIZE"] for s in seen} == {"2"} and sorted(s["GROUP_RANK"] for s in seen) == ["0", "1"]
+    if node1_first_by:
+        assert f"waiting up to 300 s for node 0's rendezvous store at 127.0.0.1:{port}" in outs[1][1], outs[1][1]
+        assert "node 0's rendezvous store answered after" in outs[1][1]
+
+
+def test_multinode_a_node_whose_store_never_answers_says_so(tmp_path):
+    """Node 1 with no node 0 anywhere: after MASTER_WAIT it exits 2 naming node 0's store and what to do,
+    before torchrun starts (not a RendezvousConnectionError traceback)."""
+    r = run([str(DOCKER / "torchrun-multinode.sh"), "-m", "gptcore.training.train", "micro"],
+            env=clean_env(PYTHON=sys.executable, NNODES="2", NODE_RANK="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port()), MASTER_WAIT="3"))
+    assert r.returncode == 2, r.stderr
+    assert "node 0's rendezvous store at 127.0.0.1:" in r.stderr and "did not answer within 3 s" in r.stderr
+    assert "start node 0 on MASTER_ADDR=127.0.0.1" in r.stderr and "torch.distributed" not in r.stderr
 
 
 # --- deployment variants --------------------------------------------------------------------------------

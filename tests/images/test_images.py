@@ -237,26 +237,44 @@ def test_a_deployment_run_trains_and_registers_then_a_second_run_skips_every_sta
     print(f"pretrain/tiny through the stack: {took:.0f}s; second run: every stage skipped")
 
 
-def test_the_multinode_trainer_forms_its_rendezvous_across_two_containers(stack):
+def test_the_multinode_trainer_forms_its_rendezvous_across_two_containers(stack, tmp_path):
     """The `multinode` profile's trainer, two containers (host network) as node 0 and node 1 of one job: the
     c10d rendezvous forms between them and they train a few steps as one world of 2 (after the flow run:
-    its dataset is on the data volume)."""
+    its dataset is on the data volume). The rendezvous waits at most 180 s for a node (torchrun's
+    join_timeout): a node that never arrives fails the test with both nodes' output, not a silent hang."""
     [dataset] = in_worker(stack, "sh", "-c", "dirname $(ls /data/shards/*/manifest.json | head -1)").stdout.split()
     port = free_port()
     run = f"/data/runs/multinode-{port}"
     args = ["micro", f"data.dataset_dir={dataset}", f"train.run_dir={run}", "train.max_steps=4",
             "train.micro_batch=2", "train.seq_len=32", "train.total_batch_tokens=128", "eval.eval_interval=0",
             "eval.sample_interval=0", "eval.val_tokens=128"]
-    nodes = [subprocess.Popen([*stack["compose"], "--profile", "multinode", "run", "--rm", "-T",
-                               "-e", "NNODES=2", "-e", f"NODE_RANK={i}", "-e", "NPROC_PER_NODE=1",
-                               "-e", "MASTER_ADDR=127.0.0.1", "-e", f"MASTER_PORT={port}", "-e", "RDZV_ID=imagetest",
-                               "trainer", "-m", "gptcore.training.train", *args],
-                              env=stack["env"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for i in range(2)]
-    outs = [p.communicate(timeout=600)[0] for p in nodes]
-    assert [p.returncode for p in nodes] == [0, 0], [o[-3000:] for o in outs]
+    logs = [tmp_path / f"node{i}.log" for i in range(2)]
+    nodes = []
+    for i, log in enumerate(logs):
+        with open(log, "w") as out:  # a file, not a pipe: nothing blocks on an unread node, both are kept
+            nodes.append(subprocess.Popen(
+                [*stack["compose"], "--profile", "multinode", "run", "--rm", "-T", "--name", f"{PROJECT}-node{i}",
+                 "-e", "NNODES=2", "-e", f"NODE_RANK={i}", "-e", "NPROC_PER_NODE=1", "-e", "MASTER_ADDR=127.0.0.1",
+                 "-e", f"MASTER_PORT={port}", "-e", "RDZV_ID=imagetest", "-e", "AGENT_GRACE=30",
+                 "-e", "TORCHRUN_EXTRA_ARGS=--rdzv-conf=join_timeout=180", "trainer", "-m", "gptcore.training.train",
+                 *args], env=stack["env"], stdout=out, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + 420
+    try:
+        for p in nodes:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:  # a node still running after the deadline is stopped, its container too
+        for i, p in enumerate(nodes):
+            if p.poll() is None:
+                sh("docker", "rm", "-f", f"{PROJECT}-node{i}", check=False)
+                p.kill()
+                p.wait()
+    outs = [log.read_text(errors="replace") for log in logs]
+    report = "\n".join(f"--- node {i} (exit {nodes[i].returncode}) ---\n{o[-3000:]}" for i, o in enumerate(outs))
+    assert [p.returncode for p in nodes] == [0, 0], report
     log = "".join(outs)
-    assert "world=2" in log and "RUN_DONE run=micro step=4" in log, log[-3000:]
+    assert "world=2" in log and "RUN_DONE run=micro step=4" in log, report
 
 
 def test_down_and_up_keeps_the_registry_and_the_runs(stack):
