@@ -10,7 +10,8 @@ ranks of one node do; what counts is the sha256 work the loaders' background thr
 time, summed). That work is projected as a share of step time at gpt2-124m's rate on one 8-GPU node
 (524,288 tokens per step, each shard hashed once per epoch per hashing rank), from the hash rate measured
 here: the ratio of the two is the point; the absolute share depends on the step time you plug in
-(--step-s, default 0.142 s: 8xH100 at 40% MFU, README's projection).
+(--step-s, default 0.142 s: 8xH100 at 40% MFU by nanoGPT's FLOP count, the projection when this was
+measured; by the project's count now, llm.c's, README's projection says 0.133 s).
 """
 
 from __future__ import annotations
