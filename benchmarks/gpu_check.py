@@ -48,6 +48,12 @@ and `profile`:
           "not run" and why)
   profile one compiled micro-step of our model and of the plain build-nanogpt-style model under
           torch.profiler: the top kernels of each and their shares
+  fp8     (--rows fp8: a lease call of its own) train.fp8=tensorwise against bf16 (off) on the same card, from the
+          same initialisation and data, for each --fp8 size: FP8_STEPS steps of one micro-batch at the preset's
+          cap, --fp8-rounds alternated (1: bf16 then fp8; 2: ABBA): tokens/s (median of the steps after
+          the warm-up) and the mean loss of the last 50 steps. PASS when gpt2-1558m gains >= 10% with its
+          loss within 0.5% of bf16 (issue 68); where float8 cannot run (a CPU, a card before 8.9, no
+          torchao) the row says "not run" and why
   speed   (--rows speed or all) the trainer's train_step against a plain build-nanogpt-style loop in this
           process, compile on, alternated over --speed-rounds rounds: informational since the reference
           row measures the same against the real file
@@ -715,7 +721,7 @@ FAMILY = "gpt2-350m:none,gpt2-774m:none,gpt2-1558m:selective"
 FAMILY_STEPS = 8  # per size; tokens/s from the steps after WARM (compile)
 
 
-def family_sizes(text: str) -> list[tuple[str, str]]:
+def family_sizes(text: str, flag: str = "--family") -> list[tuple[str, str]]:
     """'preset:checkpointing,...' as (preset, mode) pairs, each checked by the config itself (its presets and
     train.activation_checkpointing's choices), refused with its reason otherwise."""
     from gptcore.config import ConfigError
@@ -726,7 +732,7 @@ def family_sizes(text: str) -> list[tuple[str, str]]:
         try:
             load_config(preset, {"train.activation_checkpointing": mode})
         except ConfigError as e:
-            raise ConfigError(f"--family: {preset}:{mode} is not a preset:checkpointing pair ({e})") from None
+            raise ConfigError(f"{flag}: {preset}:{mode} is not a preset:checkpointing pair ({e})") from None
     return pairs
 
 
@@ -782,6 +788,75 @@ def check_family(work: Path, dataset: Path, device: torch.device, sizes: list[tu
         parts.append(f"{preset} ({recompute}): micro_batch {micro} of {cap}, {tok_s:,.0f} tok/s{measured}")
     head = f"matmul {rate / 1e12:.1f} TFLOP/s" if cuda else "CPU, width 64: the path only, no speed or MFU"
     return (ok if cuda else None), f"{head}; " + "; ".join(parts)
+
+
+FP8_SIZES = "gpt2-1558m:selective,gpt2-774m:none,gpt2-124m:none"
+FP8_STEPS = 100  # the loss curves compared over the last 50 of them
+FP8_TARGET = (0.10, 0.005)  # gpt2-1558m: >= +10% tokens/s, mean loss of the last 50 steps within 0.5% of bf16
+
+
+def fp8_unavailable(device: torch.device) -> str | None:
+    """Why float8 training cannot run here (the trainer's own refusal, or no torchao), or None."""
+    from gptcore.config import ConfigError
+    from gptcore.model import fp8
+
+    try:
+        fp8.recipe_for("tensorwise", "gpt2-1558m", device, True)
+    except ConfigError as e:
+        return str(e)
+    try:
+        # lazy: torchao is carried to the lease as a wheel, not part of the GPU image
+        import torchao  # noqa: F401
+    except ImportError:
+        return f"needs torchao on this machine: pip install {fp8.TORCHAO} (carry its wheel to the lease)"
+    return None
+
+
+def check_fp8(work: Path, dataset: Path, device: torch.device, sizes: list[tuple[str, str]], rounds: int
+              ) -> tuple[bool | None, str]:
+    """train.fp8=tensorwise against off, per size, through the trainer as users launch it (see the module's
+    docstring, `fp8`)."""
+    from gptcore.launch import torchrun_cmd
+    from gptcore.metrics import read_metrics
+    from gptcore.overrides import load_config
+
+    work.mkdir(parents=True, exist_ok=True)
+    parts, ok = [], None
+    for preset, recompute in sizes:
+        cap = load_config(preset).train.micro_batch_max
+        common = {"data.dataset_dir": str(dataset), "train.device": "cuda", "train.micro_batch": cap,
+                  "train.micro_batch_max": cap, "train.seq_len": 1024, "train.total_batch_tokens": cap * 1024,
+                  "train.max_steps": FP8_STEPS, "optim.warmup_steps": 10, "train.log_interval": 10,
+                  "train.checkpoint_interval": 100_000, "train.activation_checkpointing": recompute,
+                  "eval.eval_interval": 0, "eval.hellaswag.enabled": False, "eval.sample_interval": 0,
+                  "eval.val_tokens": cap * 1024}
+        tok: dict[str, list[float]] = {"off": [], "tensorwise": []}
+        last: dict[str, list[float]] = {"off": [], "tensorwise": []}
+        for r in range(rounds):
+            for side in (("off", "tensorwise") if r % 2 == 0 else ("tensorwise", "off")):
+                run, log = work / f"fp8-{preset}-{side}-{r}", work / f"fp8-{preset}-{side}-{r}.log"
+                proc = subprocess.Popen(torchrun_cmd(preset, {**common, "train.run_dir": str(run),
+                                                              "train.fp8": side}, 1),
+                                        cwd=ROOT, env=worker_env(), stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+                rc = wait_for_step(proc, run, FP8_STEPS, 600)
+                rows = read_metrics(run / "metrics.jsonl", "train")
+                if rc != 0 or len(rows) < FP8_STEPS:
+                    raise RuntimeError(f"{preset} fp8={side}: exit {rc}, {len(rows)} steps: {log.read_text()[-300:]}")
+                tok[side].append(statistics.median(x["train/tokens_per_s"] for x in rows if x["step"] > WARM))
+                last[side].append(statistics.fmean(x["train/loss"] for x in rows[-50:]))
+        gain = statistics.median(tok["tensorwise"]) / statistics.median(tok["off"]) - 1
+        loss_gap = statistics.fmean(last["tensorwise"]) / statistics.fmean(last["off"]) - 1
+        parts.append(f"{preset} ({recompute}, micro-batch {cap}): {statistics.median(tok['tensorwise']):,.0f} vs "
+                     f"{statistics.median(tok['off']):,.0f} tok/s ({gain:+.1%}), mean loss of the last 50 steps "
+                     f"{statistics.fmean(last['tensorwise']):.4f} vs {statistics.fmean(last['off']):.4f} "
+                     f"({loss_gap:+.2%})")
+        if preset == "gpt2-1558m":
+            ok = gain >= FP8_TARGET[0] and abs(loss_gap) <= FP8_TARGET[1]
+    order = "bf16 then fp8" if rounds == 1 else f"{rounds} alternated rounds"
+    return ok, (f"fp8 (tensorwise) vs bf16, {FP8_STEPS} steps each, {order}, same initialisation and data; "
+                + "; ".join(parts) + f"; pass at gpt2-1558m: >= +{FP8_TARGET[0]:.0%} tok/s, loss within "
+                f"{FP8_TARGET[1]:.1%}")
 
 
 def check_auto_micro_batch(device: torch.device) -> tuple[None, str]:
@@ -907,7 +982,7 @@ def shapes(device: str) -> dict[str, dict]:
 
 
 ROWS = ("micro-batch", "train", "reference", "harness", "guards", "resume", "ranks", "oom", "speed", "profile",
-        "family")
+        "family", "fp8")
 
 
 def markdown(table: dict) -> str:
@@ -936,6 +1011,9 @@ def main(argv: list[str] | None = None) -> int:
                                               "after each row (checkpoints and data left out)")
     ap.add_argument("--family", default=FAMILY, help="the family row's preset:checkpointing pairs, comma-separated "
                                                      f"(default {FAMILY})")
+    ap.add_argument("--fp8", default=FP8_SIZES, help="the fp8 row's preset:checkpointing pairs (default "
+                                                     f"{FP8_SIZES})")
+    ap.add_argument("--fp8-rounds", type=int, default=1, help="1: bf16 then fp8; 2: ABBA")
     ap.add_argument("--ours-env", action="append", default=[], metavar="KEY=VALUE",
                     help="set this in the environment of our side of the reference row only (repeatable): "
                          "to measure a knob, e.g. TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1, against the reference")
@@ -952,7 +1030,8 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_check: no CUDA device is visible on this machine; nothing was checked (run it on the GPU "
               "machine, or --device cpu to try the checks on CPU)")
         return 0
-    default = set(ROWS) - {"speed", "profile", "family"}  # family: a lease's second call (--rows family)
+    # family and fp8: lease calls of their own (--rows family, --rows fp8)
+    default = set(ROWS) - {"speed", "profile", "family", "fp8"}
     chosen = default if a.rows == "default" else set(ROWS) if a.rows == "all" else set(a.rows.split(","))
     if chosen - set(ROWS):
         ap.error(f"--rows: unknown {', '.join(sorted(chosen - set(ROWS)))}; choose from {', '.join(ROWS)}")
@@ -964,6 +1043,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         sizes = family_sizes(a.family)  # at the edge: a typo fails now, not after the rows before it
+        fp8_sizes = family_sizes(a.fp8, "--fp8")
     except ConfigError as e:
         ap.error(str(e))
     from gptcore.distributed import select_dtype
@@ -1035,6 +1115,11 @@ def main(argv: list[str] | None = None) -> int:
                 table.skip("out of memory", "needs the train micro row")
         if "family" in chosen:
             table.run("family", check_family, work / "family", dataset, device, sizes)
+        if "fp8" in chosen:
+            if why := fp8_unavailable(device):
+                table.skip("fp8", why)
+            else:
+                table.run("fp8", check_fp8, work / "fp8", dataset, device, fp8_sizes, a.fp8_rounds)
         if "speed" in chosen:
             table.run(f"speed {big}", check_speed, device, all_shapes[big], dataset, a.speed_steps, a.speed_rounds,
                       ctx)

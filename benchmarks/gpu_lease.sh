@@ -18,11 +18,18 @@ cd "$(dirname "$0")/.."
 out=${OUT:-var}/gpu_check
 mkdir -p "$out"
 ref=${REFERENCE:-reference/build-nanogpt/train_gpt2.py}
+# the fp8 row needs torchao, which the GPU image lacks: carry its wheel in wheels/ (on a machine with PyPI:
+# pip download torchao==0.18.0 --no-deps -d wheels; 3.4 MB) and it is installed here, without its deps
+for whl in "${WHEELS:-wheels}"/torchao-*.whl; do
+    [ -f "$whl" ] || continue
+    "$PY" -m pip install --quiet --no-deps "$whl" >&2 && echo "installed $(basename "$whl") (the fp8 row)" >&2
+done
 {
     date -u
     echo "python $("$PY" -c 'import sys; print(sys.version.split()[0])')"
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1
     "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version())"
+    "$PY" -c "import torchao; print('torchao', torchao.__version__)" 2>/dev/null || echo "torchao: none (the fp8 row does not run)"
     "$PY" -m gptcore.launch accepts --shutdown-timeout && echo "torchrun has --shutdown-timeout" \
         || echo "torchrun has no --shutdown-timeout (left out)"
     echo "torchrun's flags: $("$PY" -m torch.distributed.run --help 2>&1 | grep -oE -- '--[a-z][a-z_-]+' | sort -u | tr '\n' ' ')"

@@ -266,8 +266,39 @@ def presets_table() -> str:
     return "\n".join(lines)
 
 
+# gpu_check's rows (its --rows names) as their rows.json names begin, and the lease call that measures each
+ROW_NAMES = {"micro-batch": "micro-batch auto", "train": "train gpt2-124m", "reference": "reference",
+             "harness": "harness parity", "guards": "guards", "resume": "resume after SIGKILL", "ranks": "ranks",
+             "oom": "out of memory", "profile": "profile", "family": "family", "fp8": "fp8"}
+NEXT_CALLS = {  # in the order a lease should spend its time: what no lease has measured first (issue 68)
+    "fp8": "`bash benchmarks/gpu_lease.sh --rows fp8 --fp8 gpt2-1558m:selective`, then `--rows fp8 --fp8 "
+           "gpt2-774m:none,gpt2-124m:none` (torchao's wheel carried in wheels/)",
+    "oom": "`bash benchmarks/gpu_lease.sh --rows oom`",
+    "ranks": "`bash benchmarks/gpu_lease.sh --rows ranks` on a machine with >= 2 GPUs",
+}
+
+
+def measured(lease: Lease, key: str) -> bool:
+    """Whether the lease ran gpu_check's row `key` to a figure (PASS, FAIL on its target, or info)."""
+    prefix, ranks = ROW_NAMES[key], key == "ranks"
+    return any((r["name"].startswith(prefix) or ranks and r["name"].endswith("ranks == 1 rank"))
+               and r["status"] != "not run" and "Error" not in r["detail"].split(":")[0]
+               for r in lease.table["rows"])
+
+
+def pending_table(all_leases: list[Lease]) -> str:
+    """gpu_check's rows that no lease has measured yet, and the call that would: the lease plan's order."""
+    lines = ["| row | measured by | next |", "|---|---|---|"]
+    for key in [*NEXT_CALLS, *(k for k in ROW_NAMES if k not in NEXT_CALLS)]:
+        by = [lease.name for lease in all_leases if measured(lease, key)]
+        lines.append(f"| {key} | {', '.join(by) if by else '**pending**: no lease yet'} | "
+                     f"{NEXT_CALLS.get(key, 'rerun with the default call') if not by else ''} |")
+    return "\n".join(lines)
+
+
 TABLES = {"reference": reference_table, "family": family_table, "acceptance": acceptance_table,
-          "projection": lambda _: projection_table(), "presets": lambda _: presets_table()}
+          "projection": lambda _: projection_table(), "presets": lambda _: presets_table(),
+          "pending": pending_table}
 MARKED = re.compile(r"(<!-- gpu-table:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /gpu-table:(?P=name) -->)", re.S)
 
 

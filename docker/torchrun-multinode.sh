@@ -28,6 +28,10 @@
 #                    /etc/hosts), does not pick loopback or the wrong network
 #   AGENT_GRACE      seconds torchrun may live on once its workers have ended (default 300; NNODES > 1): an
 #                    agent blocked on a rendezvous store behind a cut link is stopped then, not ~1,000 s later
+#   LOCAL_ADDR       the address this node is known by (torchrun --local-addr; default: its own address on the
+#                    route to MASTER_ADDR; over loopback, 127.0.0.1 + NODE_RANK). Set it where two nodes share an
+#                    address (two containers with host networking on one host): torchrun tells nodes apart by
+#                    address and PID, and PIDs repeat across containers
 #   MASTER_WAIT      seconds to wait for MASTER_ADDR to resolve (default 300: a pod's DNS record appears once
 #                    it runs) and, on every node but node 0, as long again for node 0's rendezvous store to
 #                    answer on MASTER_PORT (nodes start in any order); then the node exits 2 with the reason
@@ -92,6 +96,11 @@ node that hosts the rendezvous (node 0), reachable from every node"
     is_host=0 route='' store_host=0  # store_host: this node serves the rendezvous store (node 0 on MASTER_ADDR)
     if route=$("${PYTHON:-python}" -m gptcore.launch route "$MASTER_ADDR" "$wait_s"); then
         read -r ifname local_addr is_host <<<"$route"
+        # torchrun tells nodes apart by (address, PID): two nodes on one machine over loopback (containers with
+        # host networking) share 127.0.0.1, and containers' PIDs repeat, so their rendezvous never saw two
+        # nodes (a CI run: node 0 waited out its join timeout). Each takes its own loopback address instead.
+        if [[ "$local_addr" == 127.* ]] && [ "$node_rank" -gt 0 ]; then local_addr=127.0.0.$((1 + node_rank)); fi
+        local_addr=${LOCAL_ADDR:-$local_addr}
         export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-$ifname} NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-$ifname}
         echo "torchrun-multinode: talking over $GLOO_SOCKET_IFNAME from $local_addr (GLOO_SOCKET_IFNAME, \
 NCCL_SOCKET_IFNAME=$NCCL_SOCKET_IFNAME)" >&2

@@ -195,6 +195,9 @@ class TrainConfig:
     # recompute activations in backward instead of keeping them (gptcore/model/recompute.py): none, selective
     # (keep the matmul and attention outputs, recompute the cheap ops between them) or full (every block)
     activation_checkpointing: str = "none"
+    # float8 matmuls in the transformer blocks (gptcore/model/fp8.py, torchao): off, tensorwise, rowwise, or
+    # auto (on only for a preset where a lease measured a gain); CUDA with compute capability 8.9+ and compile
+    fp8: str = "off"
     run_dir: str = ""  # where the run lives; "" = <home>/runs/<run_name>
     system_metrics_interval: float = 10.0  # s between MLflow system-metric samples (CPU, memory, GPU); 0 = off
     # a rank with no step, evaluation or checkpoint progress this long writes its stacks and exits (5), for
@@ -216,7 +219,8 @@ class TrainConfig:
     def validate(self) -> None:
         choices = {"device": ("auto", "cpu", "cuda"), "dtype": ("auto", "float32", "bfloat16", "float16"),
                    "compile": ("auto", "true", "false"), "loss": ("auto", "fused", "plain"),
-                   "parallel": ("auto", "ddp", "fsdp"), "activation_checkpointing": ("none", "selective", "full")}
+                   "parallel": ("auto", "ddp", "fsdp"), "activation_checkpointing": ("none", "selective", "full"),
+                   "fp8": ("off", "auto", "tensorwise", "rowwise")}
         for name, allowed in choices.items():
             value = getattr(self, name)
             if value not in allowed:  # e.g. "train.loss='x'; use auto, fused or plain"

@@ -15,6 +15,7 @@ import http.server
 import json
 import os
 import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -639,7 +640,7 @@ def test_multinode_rendezvous_args():
         "--nproc-per-node=8",
         "--max-restarts=0",
         "--shutdown-timeout=300",
-        "--local-addr=127.0.0.1",
+        "--local-addr=127.0.0.3",  # over loopback each node its own address: 127.0.0.1 + NODE_RANK
         "--nnodes=4",
         "--rdzv-backend=c10d",
         "--rdzv-endpoint=127.0.0.1:29400",
@@ -649,10 +650,12 @@ def test_multinode_rendezvous_args():
         "gptcore.training.train",
         "micro",
     ]
-    assert "talking over lo from 127.0.0.1" in r.stderr
+    assert "talking over lo from 127.0.0.3" in r.stderr
     r = torchrun_dry(dict(common, NODE_RANK="0"))
     assert r.returncode == 0, r.stderr
-    assert "--rdzv-conf=is_host=true\\,timeout=900" in r.stdout
+    assert "--rdzv-conf=is_host=true\\,timeout=900" in r.stdout and "--local-addr=127.0.0.1 " in r.stdout
+    r = torchrun_dry(dict(common, NODE_RANK="2", LOCAL_ADDR="10.1.2.3"))  # said, where two nodes share an address
+    assert r.returncode == 0 and "--local-addr=10.1.2.3 " in r.stdout, r.stderr
     # elastic: MIN:MAX nodes, torchrun's own --nnodes=MIN:MAX on the c10d rendezvous
     r = torchrun_dry(dict(common, NNODES="1:4", NODE_RANK="3"))
     assert r.returncode == 0 and "--nnodes=1:4 --rdzv-backend=c10d" in r.stdout, r.stderr
@@ -740,6 +743,35 @@ def test_multinode_two_nodes_rendezvous_for_real(tmp_path, node1_first_by):
     if node1_first_by:
         assert f"waiting up to 300 s for node 0's rendezvous store at 127.0.0.1:{port}" in outs[1][1], outs[1][1]
         assert "node 0's rendezvous store answered after" in outs[1][1]
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root and unshare")
+def test_two_nodes_in_their_own_pid_namespaces_on_one_machine_tell_each_other_apart(tmp_path):
+    """Two containers with host networking on one machine are two nodes on 127.0.0.1 whose PIDs repeat
+    (each its own PID namespace): torchrun tells nodes apart by (address, PID), so with one address the
+    rendezvous saw one node and node 0 waited out its join timeout (a CI run of `make test-images`). The
+    launcher's own commands for node 0 and node 1, each run as PID 1 of a PID namespace of its own: the
+    world of 2 forms (with both on 127.0.0.1, node 0 raised RendezvousTimeoutError after join_timeout)."""
+    show = tmp_path / "show.py"
+    show.write_text("import os\nprint('WORLD', os.environ['RANK'], os.environ['WORLD_SIZE'], flush=True)\n")
+    port = free_port()
+    cmds = []
+    for rank in range(2):
+        r = torchrun_dry({"NNODES": "2", "NODE_RANK": str(rank), "NPROC_PER_NODE": "1", "MASTER_ADDR": "127.0.0.1",
+                          "MASTER_PORT": str(port), "RDZV_ID": f"pidns-{port}",
+                          "TORCHRUN_EXTRA_ARGS": "--rdzv-conf=join_timeout=30"}, str(show))
+        assert r.returncode == 0, r.stderr
+        cmds.append(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, *shlex.split(r.stdout)[1:]])
+    assert cmds[0] != cmds[1]
+    procs = [subprocess.Popen(c, env=clean_env(PYTHON=sys.executable), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for c in cmds]
+    try:
+        outs = [p.communicate(timeout=90)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], [o[-1500:] for o in outs]
+    assert sorted(ln.split()[1] for o in outs for ln in o.splitlines() if ln.startswith("WORLD")) == ["0", "1"]
 
 
 def test_multinode_a_node_whose_store_never_answers_says_so(tmp_path):

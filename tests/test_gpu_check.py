@@ -146,6 +146,20 @@ def test_the_family_row_trains_350m_and_1558m_depths_with_the_probe_and_checkpoi
     assert "gpt2-1558m (selective): micro_batch 4 of 4" in row["detail"], row
 
 
+def test_rows_that_cannot_run_here_say_why_instead_of_vanishing(tmp_path):
+    """Every row asked for appears: fp8 on a machine without float8 (the trainer's own refusal) and ranks
+    on fewer than 2 GPUs are "not run" with their reason (a one-GPU lease dropped `--rows ranks` silently);
+    a typo in --fp8 is refused at the edge."""
+    out = tmp_path / "rows.json"
+    r = gpu_check("--device", "cpu", "--rows", "fp8", "--out", str(out), timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    [row] = json.loads(out.read_text())["rows"]
+    assert (row["name"], row["status"]) == ("fp8", "not run")
+    assert "train.fp8=tensorwise needs a CUDA GPU with float8 tensor cores" in row["detail"]
+    typo = gpu_check("--device", "cpu", "--rows", "fp8", "--fp8", "gpt2-155m:none", timeout=120)
+    assert typo.returncode == 2 and "--fp8: gpt2-155m:none is not a preset:checkpointing pair" in typo.stderr
+
+
 def test_rows_past_the_budget_are_reported_not_run(tmp_path):
     """Past the budget a row that would use the device is not run, but one that reads what an earlier row
     paid for still is (lease 6 lost its 0 s 'outside steps' row to the budget); a row missing what it

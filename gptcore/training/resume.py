@@ -30,6 +30,7 @@ from gptcore.data.loader import ShardLoader, open_dataset, verify_hashes
 from gptcore.data.location import SHARD_HASHES, dataset_dir  # the hash cache's name; the run dir keeps a copy
 from gptcore.data.shard_format import Manifest
 from gptcore.files import read_json
+from gptcore.model import fp8
 from gptcore.model.gpt import GPT, build_on
 from gptcore.runlock import RunLock
 from gptcore.training import parallel
@@ -58,7 +59,9 @@ def prepare(cfg: RunConfig, rank: int) -> Prepared | None:
     the run's lock before it writes anything. Returns None (after printing RUN_DONE) when the run has
     already finished."""
     run_dir, data_dir = run_dir_for(cfg), dataset_dir(cfg)
-    check_states_fit(cfg, distributed.select(cfg.train))
+    env = distributed.select(cfg.train)
+    check_states_fit(cfg, env)
+    fp8.recipe_for(cfg.train.fp8, cfg.preset, env.device, env.compile)  # train.fp8 where float8 cannot train
     manifest = open_dataset(data_dir)
     check_run(run_dir, cfg, manifest)
     if (run_dir / DONE_FILE).is_file():
@@ -72,7 +75,6 @@ def prepare(cfg: RunConfig, rank: int) -> Prepared | None:
     try:
         if rank == 0:  # the other ranks wait for it in the process group's rendezvous
             verify_or_rebuild(cfg, data_dir, manifest, run_dir / SHARD_HASHES)
-        env = distributed.select(cfg.train)
         torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
         model = build_on(cfg.model, env.device)
         ckpt, trainer_state = resume_point(run_dir, model, master=rank == 0)

@@ -31,6 +31,7 @@ from gptcore.checkpoints.run_files import DONE_FILE, EVAL_FILE, RUN_FILE, step_d
 from gptcore.data.loader import ShardLoader
 from gptcore.files import write_json
 from gptcore.metrics import METRICS_FILE, JsonlLogger, NullLogger
+from gptcore.model import fp8
 from gptcore.model.gpt import peak_flops_guess
 from gptcore.model.loss import make_loss
 from gptcore.model.optim import build_optimizer, lr_at, set_lr, skips_on_device
@@ -128,6 +129,10 @@ class Trainer:
         self.faults.install(raw)
         raw.head_loss = make_loss(env.loss)  # train.loss; the trainer owns the fused loss's reusable buffers
         raw.recompute = tc.activation_checkpointing
+        # float8 layers swapped in before any wrapper or compile sees the model; the weights (and so the
+        # optimizer and the checkpoints) stay as they were: None/[] when the run trains its matmuls in bf16
+        self.fp8_recipe = fp8.recipe_for(tc.fp8, cfg.preset, env.device, env.compile)
+        self.fp8_layers = fp8.convert(raw, self.fp8_recipe) if self.fp8_recipe else []
         self.plan = parallel.plan(cfg, env)  # single, ddp or fsdp, and why
         # the ranks whose weights can be compared: DDP's replicas, HSDP's replicas of each shard
         self.replica_groups = parallel.replica_groups(self.plan.kind, env)
@@ -174,7 +179,8 @@ class Trainer:
         self.model = self.compiled(distributed_model)
         self.logger = JsonlLogger(self.run_dir / METRICS_FILE) if env.master else NullLogger()
         if env.master:
-            write_records(prep, self.step, self.micro_how, self.plan)
+            fp8_how = f"{self.fp8_recipe} ({len(self.fp8_layers)} layers)" if self.fp8_recipe else "off"
+            write_records(prep, self.step, self.micro_how, self.plan, fp8_how)
         peak_one = float(os.environ.get(PEAK_ENV) or 0) or peak_flops_guess(env.device)  # None: CPU, unknown GPU
         self.peak_flops = peak_one * env.world if peak_one else None  # all devices together, for MFU
         self.meta = {"config": cfg.to_dict(), "model_config": asdict(cfg.model), "manifest_id": prep.manifest.id,
@@ -529,7 +535,8 @@ class timed:
             self.watchdog.beat("training")
 
 
-def write_records(prep: Prepared, step: int, micro_how: str = "set", plan: parallel.Plan | None = None) -> None:
+def write_records(prep: Prepared, step: int, micro_how: str = "set", plan: parallel.Plan | None = None,
+                  fp8_how: str = "off") -> None:
     """run.json (the run's identity, once), config.json (this invocation's) and the start line (rank 0)."""
     cfg, run_dir, env = prep.cfg, prep.run_dir, prep.env
     if not (run_dir / RUN_FILE).is_file():  # a new run (check_run accepted an existing one)
@@ -544,7 +551,7 @@ def write_records(prep: Prepared, step: int, micro_how: str = "set", plan: paral
           f"attempt={verdict.this_launch()[1]} device={env.device} dtype={env.dtype} compile={env.compile} "
           f"loss={env.loss} "
           f"parallel={plan.kind if plan else 'single'} ({plan.why if plan else 'one rank'}) "
-          f"activation_checkpointing={cfg.train.activation_checkpointing} "
+          f"activation_checkpointing={cfg.train.activation_checkpointing} fp8={fp8_how} "
           f"params={prep.model.num_params():,} dataset={prep.data_dir} ({prep.manifest.id})",
           flush=True)
 
