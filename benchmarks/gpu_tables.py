@@ -8,8 +8,8 @@
 A table sits between `<!-- gpu-table:NAME -->` and `<!-- /gpu-table:NAME -->`. Every MFU is recomputed in the
 project's one convention (gptcore.model.gpt.flops_per_token: llm.c's 6N + 6*L*C*T, over the card's datasheet
 dense bf16 peak); beside it the share of the matmul rate measured in the same call, where the row kept it.
-A row asked for and not measured says why (its own FAIL or "not run" text). Only the standard library,
-numpy-free: the tables are text about files.
+A row asked for and not measured says why (its own FAIL or "not run" text). It reads files only, so it runs
+on any machine (the FLOP count and the peaks come from gptcore.model.gpt).
 """
 
 from __future__ import annotations
@@ -46,22 +46,21 @@ class Lease:
     def row(self, name: str) -> dict | None:
         return next((r for r in self.table["rows"] if r["name"] == name), None)
 
-    def metrics(self, member: str) -> list[dict]:
-        """The `metrics.jsonl` rows of one run kept in the lease's logs.tar.gz ([] when not kept)."""
+    def kept(self, member: str) -> bytes | None:
+        """One file of the lease's logs.tar.gz (a run's metrics.jsonl, config.json, ...), None when not kept."""
         with tarfile.open(self.folder / "logs.tar.gz") as tar:
             try:
                 f = tar.extractfile(member)
             except KeyError:
-                return []
-            return [json.loads(ln) for ln in f.read().decode().splitlines() if ln.strip()] if f else []
+                return None
+            return f.read() if f else None
+
+    def metrics(self, member: str) -> list[dict]:
+        text = (self.kept(member) or b"").decode()
+        return [json.loads(ln) for ln in text.splitlines() if ln.strip()]
 
     def config(self, member: str) -> dict:
-        with tarfile.open(self.folder / "logs.tar.gz") as tar:
-            try:
-                f = tar.extractfile(member)
-            except KeyError:
-                return {}
-            return json.loads(f.read()) if f else {}
+        return json.loads(self.kept(member) or b"{}")
 
 
 def leases(evidence: Path = EVIDENCE) -> list[Lease]:
@@ -182,7 +181,7 @@ def family_table(all_leases: list[Lease]) -> str:
             measured = f"{pct(fpt * tok_s / (float(rate[1]) * 1e12))} of {rate[1]}" if rate else "not kept"
             lines.append(
                 f"| {lease.name} | {preset} | {cfg['train']['activation_checkpointing']} | "
-                f"{micro if micro != 'auto' else 'auto'} of {cfg['train']['micro_batch_max']} | "
+                f"{micro} of {cfg['train']['micro_batch_max']} | "
                 f"{tok_s:,.0f} ({min(tok):,.0f}-{max(tok):,.0f}), {len(tok)} steps | "
                 f"{pct(fpt * tok_s / peak) if peak else 'card unknown'} | {measured} | {memory:.1f} GiB |")
         if not found:
@@ -191,7 +190,7 @@ def family_table(all_leases: list[Lease]) -> str:
 
 
 OTHER_ROWS = ("train gpt2-124m", "outside steps gpt2-124m", "harness parity", "guards gpt2-124m",
-              "micro-batch auto", "train micro", "resume after SIGKILL", "ranks", "out of memory", "profile")
+              "micro-batch auto", "train micro", "resume after SIGKILL", "ranks", "out of memory", "profile", "fp8")
 FIGURES = {  # what each row is read for, from its own text (a row that measured nothing says why instead)
     "train gpt2-124m": (r"loss [\d.]+ -> [\d.]+", "{0}"),
     "train micro": (r"loss [\d.]+ -> [\d.]+", "{0}"),
@@ -222,7 +221,7 @@ def acceptance_table(all_leases: list[Lease]) -> str:
     lines = ["| lease | row | result |", "|---|---|---|"]
     for lease in all_leases:
         for row in lease.table["rows"]:
-            if row["name"] in OTHER_ROWS or row["name"].startswith(OTHER_ROWS):
+            if row["name"].startswith(OTHER_ROWS) or row["name"].endswith("ranks == 1 rank"):
                 lines.append(f"| {lease.name} | {row['name']} | {cell(figure(row))} |")
     return "\n".join(lines)
 
