@@ -796,7 +796,8 @@ FP8_TARGET = (0.10, 0.005)  # gpt2-1558m: >= +10% tokens/s, mean loss of the las
 
 
 def fp8_unavailable(device: torch.device) -> str | None:
-    """Why float8 training cannot run here (the trainer's own refusal, or no torchao), or None."""
+    """Why float8 training cannot run here (the trainer's own refusal: a CPU, a card before 8.9, no torchao;
+    on a lease, carry torchao's wheel in wheels/), or None."""
     from gptcore.config import ConfigError
     from gptcore.model import fp8
 
@@ -804,11 +805,6 @@ def fp8_unavailable(device: torch.device) -> str | None:
         fp8.recipe_for("tensorwise", "gpt2-1558m", device, True)
     except ConfigError as e:
         return str(e)
-    try:
-        # lazy: torchao is carried to the lease as a wheel, not part of the GPU image
-        import torchao  # noqa: F401
-    except ImportError:
-        return f"needs torchao on this machine: pip install {fp8.TORCHAO} (carry its wheel to the lease)"
     return None
 
 

@@ -35,7 +35,7 @@ def card(monkeypatch):
     return use
 
 
-def test_it_is_refused_where_float8_cannot_train_or_pay(card):
+def test_it_is_refused_where_float8_cannot_train_or_pay(card, monkeypatch):
     cpu = torch.device("cpu")
     assert fp8.recipe_for("off", "gpt2-1558m", cpu, False) is None
     assert fp8.recipe_for("auto", "gpt2-1558m", cpu, False) is None  # no lease measured a gain: auto is off
@@ -50,6 +50,9 @@ def test_it_is_refused_where_float8_cannot_train_or_pay(card):
         fp8.recipe_for("tensorwise", "gpt2-1558m", h100, False)
     assert fp8.recipe_for("tensorwise", "gpt2-1558m", h100, True) == "tensorwise"
     assert fp8.recipe_for("rowwise", "gpt2-124m", card("NVIDIA L40S", (8, 9)), True) == "rowwise"
+    monkeypatch.setattr(fp8, "find_spec", lambda name: None)  # a GPU image without torchao
+    with pytest.raises(ConfigError, match=r"needs torchao: pip install torchao==0.18.0"):
+        fp8.recipe_for("tensorwise", "gpt2-1558m", h100, True)
 
 
 def test_auto_turns_on_only_where_a_lease_measured_a_gain(card, monkeypatch):

@@ -24,6 +24,8 @@ cores), and without torchao installed (`pip install torchao==0.18.0`, the projec
 
 from __future__ import annotations
 
+from importlib.util import find_spec
+
 import torch
 from torch import nn
 
@@ -63,6 +65,9 @@ def recipe_for(fp8: str, preset: str, device: torch.device, compile_: bool) -> s
     if not compile_:
         raise ConfigError(f"train.fp8={fp8} needs train.compile=true (or auto on CUDA): eager float8 is slower "
                           "than bf16, its casts are fused only by torch.compile")
+    if find_spec("torchao") is None:  # said before any process group, not as a traceback in every rank
+        raise ConfigError(f"train.fp8={fp8} needs torchao: pip install {TORCHAO} (the project's `fp8` extra), "
+                          "or use train.fp8=off")
     return recipe
 
 
