@@ -31,7 +31,6 @@ from torch import nn
 
 from gptcore.security import ConfigError
 
-RECIPES = ("tensorwise", "rowwise")
 # presets where a lease measured FP8 faster than bf16 at an equal loss (issue 68's fp8 row); empty until one
 # has: `auto` then means off everywhere
 FP8_MEASURED_GAIN: dict[str, str] = {}
@@ -74,12 +73,9 @@ def recipe_for(fp8: str, preset: str, device: torch.device, compile_: bool) -> s
 def convert(model: nn.Module, recipe: str) -> list[str]:
     """Swap the filter's layers of `model` for torchao's Float8Linear with `recipe`, in place, before it is
     wrapped or compiled; returns the names converted."""
-    try:
-        # lazy: torchao only for a run that trains in float8 (it is an optional extra)
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-    except ImportError:
-        raise ConfigError(f"train.fp8={recipe} needs torchao: pip install {TORCHAO} (the project's `fp8` "
-                          "extra), or use train.fp8=off") from None
+    # lazy: torchao only for a run that trains in float8 (an optional extra; recipe_for checked it is there)
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
     names = converted_layers(model)
     convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe),
                                module_filter_fn=lambda m, fqn: converts(fqn, m))

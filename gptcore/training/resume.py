@@ -52,6 +52,7 @@ class Prepared:
     ckpt: Path | None  # the checkpoint resumed from
     trainer_state: dict | None
     lock: RunLock | None  # rank 0 holds the run directory for the process's life
+    fp8_recipe: str | None  # train.fp8 resolved (gptcore/model/fp8.py): None trains the matmuls in bf16
 
 
 def prepare(cfg: RunConfig, rank: int) -> Prepared | None:
@@ -61,7 +62,7 @@ def prepare(cfg: RunConfig, rank: int) -> Prepared | None:
     run_dir, data_dir = run_dir_for(cfg), dataset_dir(cfg)
     env = distributed.select(cfg.train)
     check_states_fit(cfg, env)
-    fp8.recipe_for(cfg.train.fp8, cfg.preset, env.device, env.compile)  # train.fp8 where float8 cannot train
+    fp8_recipe = fp8.recipe_for(cfg.train.fp8, cfg.preset, env.device, env.compile)  # refused where it cannot train
     manifest = open_dataset(data_dir)
     check_run(run_dir, cfg, manifest)
     if (run_dir / DONE_FILE).is_file():
@@ -82,7 +83,7 @@ def prepare(cfg: RunConfig, rank: int) -> Prepared | None:
         if lock is not None:
             lock.release()
         raise
-    return Prepared(cfg, run_dir, data_dir, manifest, env, model, ckpt, trainer_state, lock)
+    return Prepared(cfg, run_dir, data_dir, manifest, env, model, ckpt, trainer_state, lock, fp8_recipe)
 
 
 def check_states_fit(cfg: RunConfig, env: distributed.Env) -> None:

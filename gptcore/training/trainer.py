@@ -131,7 +131,7 @@ class Trainer:
         raw.recompute = tc.activation_checkpointing
         # float8 layers swapped in before any wrapper or compile sees the model; the weights (and so the
         # optimizer and the checkpoints) stay as they were: None/[] when the run trains its matmuls in bf16
-        self.fp8_recipe = fp8.recipe_for(tc.fp8, cfg.preset, env.device, env.compile)
+        self.fp8_recipe = prep.fp8_recipe
         self.fp8_layers = fp8.convert(raw, self.fp8_recipe) if self.fp8_recipe else []
         self.plan = parallel.plan(cfg, env)  # single, ddp or fsdp, and why
         # the ranks whose weights can be compared: DDP's replicas, HSDP's replicas of each shard
