@@ -20,9 +20,10 @@ and `profile`:
   reference  the project's full trainer (torchrun, gpt2-124m, micro_batch=auto (64 x 1024 at most), 524,288-token
           steps, compile, bf16) against build-nanogpt's train_gpt2.py run from its own file
           (benchmarks/reference_run.py; --reference FILE, fetched by benchmarks/fetch_reference.sh), with
-          the same shape and settings, alternated ABBA for --reference-rounds rounds: tokens/s (each from its own
-          step timer, after the warm-up steps), MFU (llm.c's count over the card's datasheet peak; beside it
-          the share of the matmul rate measured in this run), peak memory.
+          the same shape and settings, alternated for --reference-rounds rounds (3: AB BA AB): tokens/s (each
+          from its own step timer, after the warm-up steps), the ratio's median, min and max, MFU (llm.c's count
+          over the card's datasheet peak; beside it the share of the matmul rate measured in this run), peak
+          memory over the same measured steps on both sides.
           On CUDA with the real file it must reach 1.03x. Without --reference (and on CPU) it runs our
           stand-in of the same form (benchmarks/reference_standin.py), informational
   train   micro and a GPT-2-shaped model train under torchrun on every device (compile + bf16 on CUDA,
@@ -54,6 +55,13 @@ and `profile`:
           the warm-up) and the mean loss of the last 50 steps. PASS when gpt2-1558m gains >= 10% with its
           loss within 0.5% of bf16 (issue 68); where float8 cannot run (a CPU, a card before 8.9, no
           torchao) the row says "not run" and why
+  family  (--rows family: a lease call of its own) gpt2-350m, 774m and 1558m (--family) on one card at each
+          preset's own 524,288-token steps (micro_batch=auto up to its cap, the accumulation a user's run has),
+          under its activation checkpointing, over --family-seconds (60) of steps after the warm-up: tokens/s
+          median with min-max, MFU (datasheet and measured matmul), peak memory over the same steps
+  sustained (--rows sustained: a lease call of its own) gpt2-124m's whole job for 3 minutes of steps with
+          NVML's clocks, power and temperature sampled: tokens/s of the first and last minute, the time outside
+          steps measured in the run at the preset's cadence over 8 GPUs (benchmarks/gpu_sustained.py)
   speed   (--rows speed or all) the trainer's train_step against a plain build-nanogpt-style loop in this
           process, compile on, alternated over --speed-rounds rounds: informational since the reference
           row measures the same against the real file
@@ -94,6 +102,7 @@ OUTSIDE_TARGET = 0.05
 REFERENCE_TARGET = 1.03
 REFERENCE_STEPS = 12  # per run; the first WARM steps (compile) and the last (the reference evaluates) left out
 WARM = 3
+REFERENCE_ROUNDS = 3  # a median with a spread (issue 68): AB, BA, AB
 
 
 # --- the table -----------------------------------------------------------------------------------------
@@ -170,14 +179,14 @@ def release_device_memory() -> None:
 
 # --- the data and the trainer --------------------------------------------------------------------------
 
-def make_dataset(d: Path) -> Path:
+def make_dataset(d: Path, val_tokens: int = 300_000) -> Path:
     """Learnable tokens (a repeating pattern with noise), a val shard and three train shards."""
     from gptcore.data.shard_format import Manifest, ShardInfo, write_shard
 
     d.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
     infos = []
-    for i, n in enumerate((300_000, 200_000, 200_000, 200_000)):  # val: a batch per rank on 8 GPUs
+    for i, n in enumerate((val_tokens, 200_000, 200_000, 200_000)):  # val 300K: a batch per rank on 8 GPUs
         base = np.repeat(rng.integers(0, 300, n // 4 + 1), 4)[:n]
         toks = np.where(rng.random(n) < 0.1, rng.integers(0, 50257, n), base).astype(np.uint16)
         split = "val" if i == 0 else "train"
@@ -253,17 +262,22 @@ def wait_for_step(proc: subprocess.Popen, run: Path, step: int, timeout: float) 
     and the last step's validation and checkpoint (a minute each at 1.5B on the first H100 family call,
     which the deadline cut off with every step measured) are measured by the other rows. Else the exit
     code, as `wait`."""
+    return wait_until(proc, run, lambda rows: any(r["step"] >= step for r in rows), timeout, f"step {step}")
+
+
+def wait_until(proc: subprocess.Popen, run: Path, done, timeout: float, what: str) -> int:
+    """0 once `done(the run's train rows so far)`, then the run is killed; else the exit code, as `wait`."""
     from gptcore.metrics import read_metrics
 
     bound = time.monotonic() + min(timeout, max(time_left(), 0.0))
     while proc.poll() is None and time.monotonic() < bound:
-        if any(r["step"] >= step for r in read_metrics(run / "metrics.jsonl", "train")):
+        if done(read_metrics(run / "metrics.jsonl", "train")):
             kill_session(proc)
             return 0
         time.sleep(1.0)
     if proc.poll() is None:
         kill_session(proc)
-        raise TimeoutError(f"killed before step {step}: its {timeout:.0f} s limit or the call's --deadline-s "
+        raise TimeoutError(f"killed before {what}: its {timeout:.0f} s limit or the call's --deadline-s "
                            "(the log is kept in --logs)")
     return proc.returncode
 
@@ -543,14 +557,16 @@ def run_ours(work: Path, dataset: Path, device: str, shape: dict, name: str,
     rows = [r for r in read_metrics(run / "metrics.jsonl", "train") if WARM < r["step"] < REFERENCE_STEPS]
     if rc != 0 or not rows:
         raise RuntimeError(f"the project's trainer exited {rc}: {log.read_text()[-600:]}")
-    peak = [r["train/peak_memory_gib"] for r in rows if "train/peak_memory_gib" in r]
+    peak = [r["train/peak_memory_gib"] for r in rows if "train/peak_memory_gib" in r]  # each row: its own steps
     chosen = read_json(run / CHOICE_FILE) or {}
     micro = int(chosen.get("micro_batch", shape["ours_micro"] if shape["ours_micro"] != "auto" else 0))
     return statistics.median(r["train/tokens_per_s"] for r in rows), max(peak) if peak else None, micro
 
 
 def run_reference(file: Path, folder: Path, shape: dict, name: str) -> tuple[float, float | None]:
-    """The reference from its own file (benchmarks/reference_run.py): (tokens/s after the warm-up, peak GiB)."""
+    """The reference from its own file (benchmarks/reference_run.py): (tokens/s after the warm-up, peak GiB
+    over the same steps, the harness's per-step count: its first and last steps' evaluations left out, as
+    ours run none)."""
     from benchmarks.reference_run import parse_peak_memory, parse_steps
 
     settings = {"max_steps": REFERENCE_STEPS, "B": shape["B"], "T": shape["T"], "total_batch_size": shape["total"],
@@ -565,16 +581,19 @@ def run_reference(file: Path, folder: Path, shape: dict, name: str) -> tuple[flo
     rc = wait(proc, 600)
     out = log.read_text()
     steps = parse_steps(out)
-    measured = [tps for s, (_, _, tps) in steps.items() if WARM <= s < REFERENCE_STEPS - 1]
+    span = range(WARM, REFERENCE_STEPS - 1)  # its steps count from 0: ours' WARM + 1 .. REFERENCE_STEPS - 1
+    measured = [tps for s, (_, _, tps) in steps.items() if s in span]
     if rc != 0 or not measured:
         raise RuntimeError(f"the reference exited {rc}: {out[-600:]}")
-    return statistics.median(measured), parse_peak_memory(out)
+    peaks = [gib for s, gib in parse_peak_memory(out).items() if s in span]
+    return statistics.median(measured), max(peaks) if peaks else None
 
 
 def check_reference(work: Path, dataset: Path, device: str, file: Path | None, rounds: int, ours_env: dict,
                     ctx: dict) -> tuple[bool | None, str]:
-    """Ours against the reference in `rounds` ABBA rounds in this run; the median of the per-round ratios
-    counts (with two rounds, their mean: the row says which)."""
+    """Ours against the reference in `rounds` alternated rounds in this run (AB, BA, AB, ...); the median of
+    the per-round ratios counts (with two rounds, their mean: the row says which), reported with their min
+    and max. Peak memory on both sides over the same measured steps."""
     from gptcore.config import ModelConfig
     from gptcore.model.gpt import GPT, mfu_text, peak_flops_guess
     from gptcore.overrides import load_config
@@ -604,7 +623,7 @@ def check_reference(work: Path, dataset: Path, device: str, file: Path | None, r
     rate = matmul_rate(torch.device(device, 0) if device == "cuda" else torch.device("cpu"))
     card = peak_flops_guess(torch.device(device, 0)) if device == "cuda" else None
     peaks = [o[1] for o in ours], [t[1] for t in theirs]
-    memory = (f"; peak memory {max(peaks[0]):.1f} vs {max(peaks[1]):.1f} GiB"
+    memory = (f"; peak memory {max(peaks[0]):.1f} vs {max(peaks[1]):.1f} GiB over the measured steps"
               if all(p is not None for p in peaks[0] + peaks[1]) else "")
     commit = (file.parent / "COMMIT").read_text().strip()[:12] if (file.parent / "COMMIT").is_file() else "unpinned"
     which = f"{file.name} @ {commit}" if real else "our stand-in (pass --reference FILE for build-nanogpt's)"
@@ -612,7 +631,8 @@ def check_reference(work: Path, dataset: Path, device: str, file: Path | None, r
     sizes = sorted({o[2] for o in ours})
     middle = "median" if rounds > 2 else "mean" if rounds == 2 else "one"
     detail = (f"{ours_tps:,.0f} vs {ref_tps:,.0f} tok/s: {middle} {ratio:.3f}x over {rounds} alternated rounds "
-              f"({order}; per round {', '.join(f'{x:.3f}' for x in ratios)}; pass >= {REFERENCE_TARGET}); "
+              f"({order}; per round {', '.join(f'{x:.3f}' for x in ratios)}; min {min(ratios):.3f}, max "
+              f"{max(ratios):.3f}; pass >= {REFERENCE_TARGET}); "
               f"{mfu_text(fpt, [ours_tps, ref_tps], card, rate)}{memory}; micro-batch ours {'/'.join(map(str, sizes))} "
               f"({shape['ours_micro']}) vs reference {shape['B']}, T={shape['T']}, {shape['total']:,}-token "
               f"steps, compile={shape['compile']}; reference: {which}"
@@ -718,7 +738,8 @@ def check_guards(device: torch.device, model_shape: dict, tokens_per_s: float) -
 
 # (preset, activation checkpointing) on one card; --family picks some (the CPU test runs two, to keep the suite short)
 FAMILY = "gpt2-350m:none,gpt2-774m:none,gpt2-1558m:selective"
-FAMILY_STEPS = 8  # per size; tokens/s from the steps after WARM (compile)
+FAMILY_SECONDS = {"cuda": 60.0, "cpu": 2.0}  # of steps after WARM, per size (issue 68: a steady state, not 3.5 s)
+FAMILY_MIN_STEPS = 3  # after WARM, however long the steps
 
 
 def family_sizes(text: str, flag: str = "--family") -> list[tuple[str, str]]:
@@ -736,14 +757,24 @@ def family_sizes(text: str, flag: str = "--family") -> list[tuple[str, str]]:
     return pairs
 
 
-def check_family(work: Path, dataset: Path, device: torch.device, sizes: list[tuple[str, str]]
+def measured_span(seconds: float):
+    """`done` for wait_until: the steps after WARM add up to `seconds` of step time, and FAMILY_MIN_STEPS."""
+    def done(rows: list[dict]) -> bool:
+        after = [r for r in rows if r["step"] > WARM]
+        return len(after) >= FAMILY_MIN_STEPS and sum(r["train/step_time"] for r in after) >= seconds
+    return done
+
+
+def check_family(work: Path, dataset: Path, device: torch.device, sizes: list[tuple[str, str]], seconds: float
                  ) -> tuple[bool | None, str]:
-    """The larger GPT-2 shapes on one device (issue 53), each through the trainer as users launch it, with
-    micro_batch=auto under its activation checkpointing: the size the probe chose, tokens/s, MFU (llm.c's
-    count over the card's datasheet peak, and the share of the matmul rate measured in this call), peak
-    memory. On CPU the same depths at width 64 (a smoke test of the path, not a speed). PASS on CUDA when
-    1558m trains and the datasheet MFU targets hold (>= llm.c's ~44% at 1558m, >= llm-foundry's 34.9% at
-    774m, at 350m and 774m)."""
+    """The larger GPT-2 shapes on one device (issue 53), each through the trainer as users launch it, at its
+    preset's own step (524,288 tokens; micro_batch=auto up to the preset's cap, so the accumulation is what a
+    user's run has), under its activation checkpointing, measured over `seconds` of steps after the WARM
+    warm-up steps (issue 68: steady state): the size the probe chose, tokens/s (median of those steps, with
+    their min and max), MFU (llm.c's count over the card's datasheet peak, and the share of the matmul rate
+    measured in this call), peak memory over the same steps. On CPU the same depths at width 64 and small
+    steps (a smoke test of the path, not a speed). PASS on CUDA when 1558m trains and the datasheet MFU
+    targets hold (>= llm.c's ~44% at 1558m, >= llm-foundry's 34.9% at 774m, at 350m and 774m)."""
     from gptcore.files import read_json
     from gptcore.launch import torchrun_cmd
     from gptcore.metrics import read_metrics
@@ -760,34 +791,39 @@ def check_family(work: Path, dataset: Path, device: torch.device, sizes: list[tu
         cfg = load_config(preset, width)
         run, log = work / f"family-{preset}", work / f"family-{preset}.log"
         cap = cfg.train.micro_batch_max if cuda else 4
+        total = cfg.train.total_batch_tokens if cuda else cap * seq * 2
         overrides = {"data.dataset_dir": str(dataset), "train.run_dir": str(run), "train.device": device.type,
                      "train.micro_batch": "auto", "train.micro_batch_max": cap, "train.seq_len": seq,
-                     "train.total_batch_tokens": cap * seq * 2, "train.max_steps": FAMILY_STEPS,
-                     "optim.warmup_steps": 2, "train.log_interval": 1, "train.checkpoint_interval": 1000,
+                     "train.total_batch_tokens": total, "train.max_steps": 100_000,  # stopped by the span
+                     "optim.warmup_steps": 2, "train.log_interval": 1, "train.checkpoint_interval": 100_000,
                      "train.activation_checkpointing": recompute, "eval.eval_interval": 0,
                      "eval.hellaswag.enabled": False, "eval.sample_interval": 0, "eval.val_tokens": cap * seq,
                      **width}
         proc = subprocess.Popen(torchrun_cmd(preset, overrides, 1), cwd=ROOT, env=worker_env(),
                                 stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
-        rc = wait_for_step(proc, run, FAMILY_STEPS, 600)
+        rc = wait_until(proc, run, measured_span(seconds), 600, f"{seconds:.0f} s of steps")
         rows = [r for r in read_metrics(run / "metrics.jsonl", "train") if r["step"] > WARM]
         if rc != 0 or not rows:
             ok = False
             parts.append(f"{preset}: exit {rc}: {log.read_text()[-300:]}")
             continue
-        tok_s = statistics.median(r["train/tokens_per_s"] for r in rows)
+        each = [r["train/tokens_per_s"] for r in rows]
+        tok_s = statistics.median(each)
         fpt = flops_per_token(cfg.model, seq)
         peak = max((r.get("train/peak_memory_gib", 0.0) for r in rows), default=0.0)
         micro = (read_json(run / CHOICE_FILE) or {}).get("micro_batch")
+        accumulation = total // (micro * seq) if micro else "?"
         # like with like: llm.c's and llm-foundry's figures are of the card's datasheet peak, so is the gate
         target = 0.44 if preset == "gpt2-1558m" else 0.349
         card = peak_flops_guess(device) if cuda else None  # None: a card the table does not know, no gate
         ok = ok and (fpt * tok_s / card >= target if card else True)
         measured = (f", {mfu_text(fpt, [tok_s], card, rate)} (target {target:.1%} of the card), peak {peak:.1f} GiB"
                     if cuda else "")
-        parts.append(f"{preset} ({recompute}): micro_batch {micro} of {cap}, {tok_s:,.0f} tok/s{measured}")
-    head = f"matmul {rate / 1e12:.1f} TFLOP/s" if cuda else "CPU, width 64: the path only, no speed or MFU"
-    return (ok if cuda else None), f"{head}; " + "; ".join(parts)
+        parts.append(f"{preset} ({recompute}): micro_batch {micro} of {cap} x {accumulation} micro-steps "
+                     f"({total:,}-token steps), {tok_s:,.0f} tok/s ({min(each):,.0f}-{max(each):,.0f}) over "
+                     f"{len(rows)} steps, {sum(r['train/step_time'] for r in rows):.0f} s{measured}")
+    head = (f"matmul {rate / 1e12:.1f} TFLOP/s" if cuda else "CPU, width 64: the path only, no speed or MFU")
+    return (ok if cuda else None), f"{head}; steps after the first {WARM}; " + "; ".join(parts)
 
 
 FP8_SIZES = "gpt2-1558m:selective,gpt2-774m:none,gpt2-124m:none"
@@ -978,7 +1014,8 @@ def shapes(device: str) -> dict[str, dict]:
 
 
 ROWS = ("micro-batch", "train", "reference", "harness", "guards", "resume", "ranks", "oom", "speed", "profile",
-        "family", "fp8")
+        "family", "fp8", "sustained")
+OWN_CALLS = ("family", "fp8", "sustained")  # rows a lease runs in calls of their own: not in the default set
 
 
 def markdown(table: dict) -> str:
@@ -998,7 +1035,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", default="default", help=f"comma-separated of {', '.join(ROWS)}; default: all but "
                                                       "speed; all: every row")
     ap.add_argument("--reference", type=Path, help="build-nanogpt's train_gpt2.py (benchmarks/fetch_reference.sh)")
-    ap.add_argument("--reference-rounds", type=int, default=2)
+    ap.add_argument("--reference-rounds", type=int, default=REFERENCE_ROUNDS,
+                    help=f"alternated rounds of the reference row (default {REFERENCE_ROUNDS}: AB BA AB)")
     ap.add_argument("--budget-s", type=float, default=330.0, help="start no row after this many seconds")
     ap.add_argument("--deadline-s", type=float, default=math.inf,
                     help="kill any run still going this many seconds after the start (its row FAILs, the table "
@@ -1007,6 +1045,10 @@ def main(argv: list[str] | None = None) -> int:
                                               "after each row (checkpoints and data left out)")
     ap.add_argument("--family", default=FAMILY, help="the family row's preset:checkpointing pairs, comma-separated "
                                                      f"(default {FAMILY})")
+    ap.add_argument("--family-seconds", type=float, help="the family row measures each size over this many "
+                    f"seconds of steps after the warm-up (default {FAMILY_SECONDS['cuda']:.0f} on CUDA)")
+    ap.add_argument("--sustained-seconds", type=float, help="the sustained row trains for this many seconds of "
+                    "steps after the warm-up (default 180 on CUDA)")
     ap.add_argument("--fp8", default=FP8_SIZES, help="the fp8 row's preset:checkpointing pairs (default "
                                                      f"{FP8_SIZES})")
     ap.add_argument("--fp8-rounds", type=int, default=1, help="1: bf16 then fp8; 2: ABBA")
@@ -1026,8 +1068,7 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_check: no CUDA device is visible on this machine; nothing was checked (run it on the GPU "
               "machine, or --device cpu to try the checks on CPU)")
         return 0
-    # family and fp8: lease calls of their own (--rows family, --rows fp8)
-    default = set(ROWS) - {"speed", "profile", "family", "fp8"}
+    default = set(ROWS) - {"speed", "profile", *OWN_CALLS}
     chosen = default if a.rows == "default" else set(ROWS) if a.rows == "all" else set(a.rows.split(","))
     if chosen - set(ROWS):
         ap.error(f"--rows: unknown {', '.join(sorted(chosen - set(ROWS)))}; choose from {', '.join(ROWS)}")
@@ -1110,12 +1151,18 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 table.skip("out of memory", "needs the train micro row")
         if "family" in chosen:
-            table.run("family", check_family, work / "family", dataset, device, sizes)
+            table.run("family", check_family, work / "family", dataset, device, sizes,
+                      a.family_seconds if a.family_seconds is not None else FAMILY_SECONDS[a.device])
         if "fp8" in chosen:
             if why := fp8_unavailable(device):
                 table.skip("fp8", why)
             else:
                 table.run("fp8", check_fp8, work / "fp8", dataset, device, fp8_sizes, a.fp8_rounds)
+        if "sustained" in chosen:
+            from benchmarks.gpu_sustained import SUSTAINED_SECONDS, check_sustained
+
+            table.run("sustained", check_sustained, work / "sustained", device, all_shapes[big],
+                      a.sustained_seconds if a.sustained_seconds is not None else SUSTAINED_SECONDS[a.device])
         if "speed" in chosen:
             table.run(f"speed {big}", check_speed, device, all_shapes[big], dataset, a.speed_steps, a.speed_rounds,
                       ctx)
@@ -1133,4 +1180,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # one module whether run (python -m) or imported: gpu_sustained imports this one's helpers, and a second copy
+    # would have its own DEADLINE, which main never sets
+    sys.modules.setdefault("benchmarks.gpu_check", sys.modules[__name__])
     raise SystemExit(main())

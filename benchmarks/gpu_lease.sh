@@ -5,6 +5,17 @@
 # with the working tree (benchmarks/fetch_reference.sh fetches it); ../shared does not travel and is not needed.
 #
 #   bash benchmarks/gpu_lease.sh     # writes $OUT/gpu_check/{rows.json,gpu_check.log,env.txt,logs.tar.gz}
+#   CALL=fp8 bash benchmarks/gpu_lease.sh    # one of the plan's calls (below); extra arguments go to gpu_check
+#
+# CALL: the lease plan, what no lease has measured first (issue 68; docs/training.md's pending table says which
+# are still pending), each call sized to end inside a 570 s device call:
+#   fp8         train.fp8=tensorwise vs bf16 at gpt2-1558m and gpt2-774m (torchao's wheel carried in wheels/)
+#   sustained   gpt2-124m's whole job for 3 minutes of steps with NVML sampled, then the out-of-memory row
+#               (carry HellaSwag's validation file as wheels/hellaswag_val.jsonl for the real one)
+#   family      gpt2-350m, 774m and 1558m at their own 524,288-token steps, 60 s of steps each
+#   reference   build-nanogpt against ours, 3 alternated rounds (AB BA AB)
+#   acceptance  every other row of the default set (the reference has its own call)
+#   default     gpu_check's default set (the CPU test's dry run; on a GPU: a lease of 6's kind)
 #
 # Rows run by value (gpu_check.py): the reference ratio (ABBA), the preset's train run and the time outside
 # its steps, harness parity, then the rest, and a profile last where the ratio misses its target. BUDGET_S (default
@@ -14,7 +25,18 @@
 # (lease 6: the reference's rounds took 236-297 s, and every default row ~430-470 s in all).
 set -uo pipefail
 PY=${PYTHON:-python3}  # the GPU image has python3 (the one with torch), not always python
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 2
+case "${CALL:-default}" in
+    fp8) rows=(--rows fp8 --fp8 "gpt2-1558m:selective,gpt2-774m:none") ;;
+    sustained) rows=(--rows "sustained,oom") ;;
+    family) rows=(--rows family) ;;
+    reference) rows=(--rows reference) ;;
+    acceptance) rows=(--rows "train,harness,guards,micro-batch,resume,ranks,oom") ;;
+    default) rows=() ;;
+    *) echo "gpu_lease.sh: CALL=$CALL is not a call of the plan: fp8, sustained, family, reference, acceptance" \
+            "or default (see the top of this file)" >&2
+       exit 2 ;;
+esac
 out=${OUT:-var}/gpu_check
 mkdir -p "$out"
 ref=${REFERENCE:-reference/build-nanogpt/train_gpt2.py}
@@ -30,6 +52,7 @@ done
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1
     "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version())"
     "$PY" -c "import torchao; print('torchao', torchao.__version__)" 2>/dev/null || echo "torchao: none (the fp8 row does not run)"
+    echo "call ${CALL:-default}"
     "$PY" -m gptcore.launch accepts --shutdown-timeout && echo "torchrun has --shutdown-timeout" \
         || echo "torchrun has no --shutdown-timeout (left out)"
     echo "torchrun's flags: $("$PY" -m torch.distributed.run --help 2>&1 | grep -oE -- '--[a-z][a-z_-]+' | sort -u | tr '\n' ' ')"
@@ -39,8 +62,16 @@ done
         echo "reference: none ($ref missing): the stand-in runs"
     fi
 } > "$out/env.txt" 2>&1
+# the real HellaSwag validation file, where carried: the sustained row's evaluations score it (the device machine
+# has no internet; gpu_check finds it where the pipeline caches it)
+hs=${HELLASWAG_FILE:-${WHEELS:-wheels}/hellaswag_val.jsonl}
+if [ -f "$hs" ]; then
+    mkdir -p "${GPTPIPE_HOME:-var}/hellaswag"
+    cp "$hs" "${GPTPIPE_HOME:-var}/hellaswag/hellaswag_val.jsonl"
+    echo "HellaSwag: $hs ($(wc -l < "$hs") examples) carried" >&2
+fi
 refarg=()
 if [ -f "$ref" ]; then refarg=(--reference "$ref"); else echo "no $ref: the reference row runs the stand-in" >&2; fi
 "$PY" -m benchmarks.gpu_check "${refarg[@]}" --budget-s "${BUDGET_S:-440}" --deadline-s "${DEADLINE_S:-520}" \
-    --logs "$out/logs.tar.gz" --out "$out/rows.json" "$@" 2>&1 | tee "$out/gpu_check.log"
+    --logs "$out/logs.tar.gz" --out "$out/rows.json" "${rows[@]}" "$@" 2>&1 | tee "$out/gpu_check.log"
 exit "${PIPESTATUS[0]}"

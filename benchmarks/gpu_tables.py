@@ -190,7 +190,8 @@ def family_table(all_leases: list[Lease]) -> str:
 
 
 OTHER_ROWS = ("train gpt2-124m", "outside steps gpt2-124m", "harness parity", "guards gpt2-124m",
-              "micro-batch auto", "train micro", "resume after SIGKILL", "ranks", "out of memory", "profile", "fp8")
+              "micro-batch auto", "train micro", "resume after SIGKILL", "ranks", "out of memory", "profile", "fp8",
+              "sustained")
 FIGURES = {  # what each row is read for, from its own text (a row that measured nothing says why instead)
     "train gpt2-124m": (r"loss [\d.]+ -> [\d.]+", "{0}"),
     "train micro": (r"loss [\d.]+ -> [\d.]+", "{0}"),
@@ -204,6 +205,9 @@ FIGURES = {  # what each row is read for, from its own text (a row that measured
     "micro-batch auto": (r"micro_batch \d+ of at most \d+", "{0}"),
     "resume after SIGKILL": (r"worst loss gap [\d.e+-]+", "{0}"),
     "profile": (r"ours ([\d.]+) ms.*plain ([\d.]+) ms", "one micro-step: ours {1} ms, the plain loop {2} ms"),
+    "sustained": (r"([\d,]+) s of steps.*tokens/s first \d+ s ([\d,]+), last \d+ s ([\d,]+) \(([\d.]+)%.*outside "
+                  r"steps ([\d.]+)%", "{1} s of steps: {2} -> {3} tok/s first to last minute ({4}%), {5}% of wall "
+                                      "time outside steps, measured"),
 }
 
 
@@ -268,20 +272,30 @@ def presets_table() -> str:
 # gpu_check's rows (its --rows names) as their rows.json names begin, and the lease call that measures each
 ROW_NAMES = {"micro-batch": "micro-batch auto", "train": "train gpt2-124m", "reference": "reference",
              "harness": "harness parity", "guards": "guards", "resume": "resume after SIGKILL", "ranks": "ranks",
-             "oom": "out of memory", "profile": "profile", "family": "family", "fp8": "fp8"}
+             "oom": "out of memory", "profile": "profile", "family": "family", "fp8": "fp8",
+             "sustained": "sustained"}
+# a row measured the way issue 68 asks only once its text says so: earlier leases' rows do not count for these
+METHOD = {"reference": ("3 alternated rounds", r"over [3-9]\d* alternated rounds"),
+          "family": ("at the presets' own steps over 60 s", r"-token steps\), [\d,]+ tok/s .* over \d+ steps")}
 NEXT_CALLS = {  # in the order a lease should spend its time: what no lease has measured first (issue 68)
-    "fp8": "`bash benchmarks/gpu_lease.sh --rows fp8 --fp8 gpt2-1558m:selective`, then `--rows fp8 --fp8 "
-           "gpt2-774m:none,gpt2-124m:none` (torchao's wheel carried in wheels/)",
-    "oom": "`bash benchmarks/gpu_lease.sh --rows oom`",
-    "ranks": "`bash benchmarks/gpu_lease.sh --rows ranks` on a machine with >= 2 GPUs",
+    "fp8": "`CALL=fp8 bash benchmarks/gpu_lease.sh` (torchao's wheel carried in wheels/)",
+    "sustained": "`CALL=sustained bash benchmarks/gpu_lease.sh` (HellaSwag's file carried as "
+                 "wheels/hellaswag_val.jsonl)",
+    "oom": "`CALL=sustained bash benchmarks/gpu_lease.sh` (its second row)",
+    "family": "`CALL=family bash benchmarks/gpu_lease.sh`",
+    "reference": "`CALL=reference bash benchmarks/gpu_lease.sh` (build-nanogpt carried in reference/)",
+    "ranks": "`CALL=acceptance bash benchmarks/gpu_lease.sh` on a machine with >= 2 GPUs",
 }
 
 
 def measured(lease: Lease, key: str) -> bool:
-    """Whether the lease ran gpu_check's row `key` to a figure (PASS, FAIL on its target, or info)."""
+    """Whether the lease ran gpu_check's row `key` to a figure (PASS, FAIL on its target, or info), by the
+    method METHOD asks for where it names one."""
     prefix, ranks = ROW_NAMES[key], key == "ranks"
+    method = METHOD.get(key, ("", ""))[1]
     return any((r["name"].startswith(prefix) or ranks and r["name"].endswith("ranks == 1 rank"))
                and r["status"] != "not run" and "Error" not in r["detail"].split(":")[0]
+               and re.search(method, r["detail"]) is not None
                for r in lease.table["rows"])
 
 
@@ -290,7 +304,8 @@ def pending_table(all_leases: list[Lease]) -> str:
     lines = ["| row | measured by | next |", "|---|---|---|"]
     for key in [*NEXT_CALLS, *(k for k in ROW_NAMES if k not in NEXT_CALLS)]:
         by = [lease.name for lease in all_leases if measured(lease, key)]
-        lines.append(f"| {key} | {', '.join(by) if by else '**pending**: no lease yet'} | "
+        name = f"{key} ({METHOD[key][0]})" if key in METHOD else key
+        lines.append(f"| {name} | {', '.join(by) if by else '**pending**: no lease yet'} | "
                      f"{NEXT_CALLS.get(key, 'rerun with the default call') if not by else ''} |")
     return "\n".join(lines)
 

@@ -11,13 +11,16 @@ encoding built from the project's rank file (tiktoken would download its files).
 its working directory (it reads edu_fineweb10B/ and writes log/ there), with its own folder first on
 sys.path. Its `from hellaswag import ...` gets a stand-in whose functions raise: the file calls them only
 with use_compile=False, and the real module downloads its tokenizer and data when imported.
-Last, on CUDA, it prints `reference peak memory: X GiB` (torch.cuda.max_memory_allocated).
+On CUDA the allocator's peak is read and reset as each step line is printed (the file prints it after the
+step's synchronize), and last it prints `reference peak memory per step: STEP:GiB,...`: the peak over the same
+steps as the trainer's `train/peak_memory_gib` rows, so the two sides are compared over one span.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import builtins
 import os
 import re
 import sys
@@ -30,7 +33,7 @@ from gptcore.model.tokenizer import get_encoding
 
 OFFLINE_ENCODING = "__offline_gpt2_encoding__"
 STEP_LINE = re.compile(r"^step\s+(\d+) \| loss: ([-\d.naif]+) \|.*\| dt: ([\d.]+)ms \| tok/sec: ([\d.]+)")
-PEAK_LINE = re.compile(r"^reference peak memory: ([\d.]+) GiB")
+PEAK_LINE = re.compile(r"^reference peak memory per step: (.*)$")
 
 
 def rewrite(source: str, filename: str, settings: dict) -> ast.Module:
@@ -85,12 +88,28 @@ def parse_steps(output: str) -> dict[int, tuple[float, float, float]]:
     return steps
 
 
-def parse_peak_memory(output: str) -> float | None:
+def parse_peak_memory(output: str) -> dict[int, float]:
+    """{step: the allocator's peak GiB over that step} from the harness's last line (none off CUDA)."""
     m = next((PEAK_LINE.match(line) for line in output.splitlines() if PEAK_LINE.match(line)), None)
-    return float(m[1]) if m else None
+    pairs = (item.split(":") for item in m[1].split(",") if item) if m else ()
+    return {int(step): float(gib) for step, gib in pairs}
 
 
-def run_as_main(tree: ast.Module, path: Path) -> None:
+def step_peak_print(peaks: dict[int, float]):
+    """The file's `print`, which also records the allocator's peak since the previous step line when it
+    prints a step line, and starts a new count: build-nanogpt prints each step's line after synchronizing,
+    so each count is one step (its evaluation, at step 0 and the last, included in that step's)."""
+    def recording_print(*args, **kwargs):
+        builtins.print(*args, **kwargs)
+        m = STEP_LINE.match(" ".join(map(str, args)).strip())
+        if m and torch.cuda.is_available() and torch.cuda.is_initialized():
+            peaks[int(m[1])] = torch.cuda.max_memory_allocated() / 2**30
+            torch.cuda.reset_peak_memory_stats()
+
+    return recording_print
+
+
+def run_as_main(tree: ast.Module, path: Path, peaks: dict[int, float]) -> None:
     """Execute the file as Python runs a script: in a real module registered as sys.modules["__main__"],
     with its `__file__`. A plain dict would do for the steps, but not for the file's last step: it pickles a
     dataclass defined in the file (torch.save of `raw_model.config`), and pickle finds `__main__.GPTConfig`
@@ -98,6 +117,7 @@ def run_as_main(tree: ast.Module, path: Path) -> None:
     module = types.ModuleType("__main__")
     module.__file__ = str(path)
     module.__builtins__ = __builtins__
+    module.print = step_peak_print(peaks)  # the file's global `print` (its functions look it up there too)
     setattr(module, OFFLINE_ENCODING, get_encoding())
     harness, sys.modules["__main__"] = sys.modules.get("__main__"), module
     try:
@@ -126,9 +146,11 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(path.parent))  # the file's folder first, as when it runs as a script
     stand_in_hellaswag()
     os.chdir(a.workdir)
-    run_as_main(tree, path)
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        print(f"reference peak memory: {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB", flush=True)
+    peaks: dict[int, float] = {}
+    run_as_main(tree, path, peaks)
+    if peaks:
+        print(f"reference peak memory per step: {','.join(f'{s}:{g:.3f}' for s, g in sorted(peaks.items()))}",
+              flush=True)
     return 0
 
 

@@ -2,7 +2,9 @@
 go unexercised; on a CUDA machine the `gpu` tests run the real thing."""
 
 import json
+import math
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -104,7 +106,8 @@ def test_the_lease_script_runs_every_row_on_cpu_on_a_bare_image_and_keeps_everyt
     assert "killed mid-run: True" in table and "auto dtype float32)" in table
     assert "8 synthetic examples each" in table  # no real HellaSwag offline: the synthetic set, not the fixture
     assert "consistency check" in table and "micro: micro_batch 8 of at most 8" in table and "loss=plain" in table
-    assert "over 2 alternated rounds (ABBA;" in table and "reference: our stand-in" in table
+    assert "over 3 alternated rounds (ABBAAB;" in table and "reference: our stand-in" in table
+    assert "; min " in table.split("alternated rounds", 1)[1]  # the median with its spread (issue 68)
     assert "micro-batch ours 2 (2) vs reference 2" in table
     out = tmp_path / "out" / "gpu_check"
     rows = json.loads((out / "rows.json").read_text())
@@ -120,8 +123,8 @@ def test_the_lease_script_runs_every_row_on_cpu_on_a_bare_image_and_keeps_everyt
     assert "torchrun has no --shutdown-timeout" in env_txt and "the stand-in runs" in env_txt
     with tarfile.open(out / "logs.tar.gz") as tar:
         kept = tar.getnames()
-    for name in ("reference/ours-0.log", "reference/ours-1.log", "reference/reference-0.log",
-                 "reference/reference-1.log", "reference/reference-cwd/log/log.txt",
+    for name in ("reference/ours-0.log", "reference/ours-1.log", "reference/ours-2.log", "reference/reference-0.log",
+                 "reference/reference-1.log", "reference/reference-2.log", "reference/reference-cwd/log/log.txt",
                  "gpt2-shaped/train-gpt2-shaped.log", "gpt2-shaped/train-gpt2-shaped/metrics.jsonl",
                  "micro/resume2.log", "micro/oom/memory/oom-step2-rank0/record.json"):
         assert name in kept, kept
@@ -144,6 +147,73 @@ def test_the_family_row_trains_350m_and_1558m_depths_with_the_probe_and_checkpoi
     assert row["status"] == "info", row
     assert "gpt2-350m (none): micro_batch 4 of 4" in row["detail"], row
     assert "gpt2-1558m (selective): micro_batch 4 of 4" in row["detail"], row
+
+
+# nvidia-smi as the sustained row runs it (--query-gpu ... --format=csv,noheader,nounits --loop-ms=N): one line of
+# the asked fields every 0.2 s in its own format (local time), until it is stopped
+NVIDIA_SMI = """#!/usr/bin/env bash
+case "$*" in *"--query-gpu=timestamp,clocks.sm,clocks.max.sm,power.draw,temperature.gpu,utilization.gpu"*) ;;
+    *) echo "unexpected arguments: $*"; exit 2 ;; esac
+while true; do echo "$(date +'%Y/%m/%d %H:%M:%S.%3N'), 1980, 1980, 650.12, 61, 99"; sleep 0.2; done
+"""
+
+
+def test_the_sustained_call_trains_minutes_with_every_evaluation_and_reads_nvml(tmp_path):
+    """The lease plan's sustained call on CPU (CALL=sustained, a few seconds of steps here): the whole job at
+    the row's cadence, with the carried HellaSwag file installed where the pipeline caches it and scored, the
+    first and last stretch of steps compared, the time outside steps measured in the run, NVML's samples read
+    over the measured span (nvidia-smi stands in here, printing its own format), then the out-of-memory row."""
+    carried, bin_dir = tmp_path / "wheels", tmp_path / "bin"
+    carried.mkdir()
+    bin_dir.mkdir()
+    (carried / "hellaswag_val.jsonl").write_text((ROOT / "tests" / "fixtures" / "hellaswag_mini.jsonl").read_text())
+    (bin_dir / "nvidia-smi").write_text(NVIDIA_SMI)
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    env = {**bare_image(tmp_path), "OUT": str(tmp_path / "out"), "WHEELS": str(carried), "CALL": "sustained",
+           "GPTPIPE_HOME": str(tmp_path / "home"), "PYTHON": sys.executable,
+           "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    r = subprocess.run(["bash", "benchmarks/gpu_lease.sh", "--device", "cpu"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "HellaSwag: " in r.stderr and "(7 examples) carried" in r.stderr
+    rows = json.loads((tmp_path / "out" / "gpu_check" / "rows.json").read_text())["rows"]
+    assert [(x["name"], x["status"]) for x in rows] == [("train micro", "PASS"), ("out of memory", "PASS"),
+                                                        ("sustained", "info")], rows
+    detail = rows[2]["detail"]
+    assert "7 real examples each" in detail and " saves, " in detail and "0 saves" not in detail, detail
+    first, last = (float(x.replace(",", "")) for x in re.findall(r"(?:first|last) \d+ s ([\d,]+)", detail))
+    assert first > 0 and last > 0
+    steps = float(re.search(r"([\d.]+) s of steps", detail)[1])
+    assert steps >= 6, detail  # SUSTAINED_SECONDS on CPU
+    assert re.search(r"NVML \((\d+) samples\): first minute SM 1980 MHz, 650 W, 61 C max, util 99%", detail), detail
+    assert "lowest SM clock 1980 of 1980 MHz" in detail
+    assert "call sustained" in (tmp_path / "out" / "gpu_check" / "env.txt").read_text()
+    bad = subprocess.run(["bash", "benchmarks/gpu_lease.sh"], cwd=ROOT, env={**env, "CALL": "nope"},
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "CALL=nope is not a call of the plan" in bad.stderr
+
+
+def test_nvidia_smi_lines_it_cannot_read_are_nan_or_left_out():
+    from benchmarks.gpu_sustained import nvml_text, parse_nvidia_smi
+
+    text = ("2026/11/29 12:00:00.000, 1980, 1980, 690.5, 60, 100\n"
+            "2026/11/29 12:00:01.000, 1755, 1980, [N/A], 71, 98\n"
+            "2026/11/29 12:00:02.0")  # torn: the sampler was stopped mid-line
+    samples = parse_nvidia_smi(text)
+    assert [(s.sm_mhz, s.celsius) for s in samples] == [(1980.0, 60.0), (1755.0, 71.0)]
+    assert samples[1].t - samples[0].t == 1.0 and math.isnan(samples[1].watts)
+    text = nvml_text(samples, (samples[0].t, samples[1].t), 0.5, None)
+    assert "first minute SM 1980 MHz, 690 W, 60 C max" in text and "last minute SM 1755 MHz, nan W, 71 C max" in text
+    assert "lowest SM clock 1755 of 1980 MHz" in text
+    assert nvml_text(samples, (0.0, 1.0), 0.5, None) == "no NVML samples inside the measured span"
+
+
+def test_the_reference_peak_memory_is_read_per_step():
+    from benchmarks.reference_run import parse_peak_memory
+
+    out = "step    3 | loss: 1.0 | ...\nreference peak memory per step: 0:20.500,3:18.250,11:21.000\n"
+    assert parse_peak_memory(out) == {0: 20.5, 3: 18.25, 11: 21.0}
+    assert parse_peak_memory("step    3 | loss: 1.0 |") == {}  # off CUDA: no line
 
 
 def test_rows_that_cannot_run_here_say_why_instead_of_vanishing(tmp_path):

@@ -55,3 +55,27 @@ def test_the_figures_are_recomputed_in_the_one_mfu_convention():
 def test_an_unknown_table_marker_is_refused():
     with pytest.raises(SystemExit, match="unknown table 'nope'"):
         gpu_tables.render("<!-- gpu-table:nope -->\nx\n<!-- /gpu-table:nope -->\n", {"reference": ""})
+
+
+def test_the_pending_table_counts_a_row_only_when_measured_as_issue_68_asks(tmp_path):
+    """Earlier leases' family rows (2 micro-steps, 5 steps) and 2-round reference ratios do not count as the
+    steady-state rows; a lease whose rows say 3 rounds and the presets' own steps does, and a sustained row's
+    figures are read from its own text."""
+    old = gpu_tables.pending_table(gpu_tables.leases())
+    assert "| family (at the presets' own steps over 60 s) | **pending**: no lease yet |" in old
+    assert "| reference (3 alternated rounds) | **pending**: no lease yet |" in old
+    assert "| sustained | **pending**: no lease yet | `CALL=sustained bash benchmarks/gpu_lease.sh`" in old
+    sustained = ("150 steps after the first 3, 181 s of steps in 189 s of wall time; tokens/s first 60 s 490,100, "
+                 "last 60 s 487,000 (99.4%; pass >= 95%); outside steps 3.9% of steps + outside (pass <= 5%): ...")
+    rows = [{"name": "reference", "status": "PASS", "seconds": 400,
+             "detail": "491,226 vs 478,586 tok/s: median 1.026x over 3 alternated rounds (ABBAAB; ...)"},
+            {"name": "family", "status": "PASS", "seconds": 400,
+             "detail": "matmul 760.6 TFLOP/s; steps after the first 3; gpt2-350m (none): micro_batch 32 of 32 x 16 "
+                       "micro-steps (524,288-token steps), 180,000 tok/s (179,000-181,000) over 20 steps, 60 s"},
+            {"name": "sustained", "status": "PASS", "seconds": 260, "detail": sustained}]
+    new = gpu_tables.Lease(tmp_path / "2026-12-01-h100", {"device": "1 x NVIDIA H100 80GB HBM3", "rows": rows})
+    table = gpu_tables.pending_table([*gpu_tables.leases(), new])
+    for key in ("family (at the presets' own steps over 60 s)", "reference (3 alternated rounds)", "sustained"):
+        assert f"| {key} | 2026-12-01-h100 |  |" in table, table
+    assert gpu_tables.figure(rows[2]) == ("PASS: 181 s of steps: 490,100 -> 487,000 tok/s first to last minute "
+                                          "(99.4%), 3.9% of wall time outside steps, measured")

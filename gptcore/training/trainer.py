@@ -347,8 +347,11 @@ class Trainer:
         rates = self.clock.row(self.pending[-1].step, cfg.train.max_steps, dt, now)
         if self.peak_flops:
             rates["train/mfu"] = self.raw.estimate_mfu(tok_s, self.peak_flops, cfg.train.seq_len)
-        if env.device.type == "cuda":  # the allocator's own count: no device sync
+        if env.device.type == "cuda":  # the allocator's own count, host side: no device sync
+            # the peak since the previous row, then a new count: a spike shows at the steps (or the evaluation
+            # or checkpoint between two rows) where it happened, and a span's peak is the max of its rows
             rates["train/peak_memory_gib"] = torch.cuda.max_memory_allocated(env.device) / 2**30
+            torch.cuda.reset_peak_memory_stats(env.device)
         read = Read(math.nan, OK, False)
         for p, s in zip(self.pending, rows, strict=True):
             read.loss, read.stop = s.loss_sum / env.world, read.stop or s.stop_votes > 0
