@@ -56,9 +56,10 @@ and `profile`:
           loss within 0.5% of bf16 (issue 68); where float8 cannot run (a CPU, a card before 8.9, no
           torchao) the row says "not run" and why
   family  (--rows family: a lease call of its own) gpt2-350m, 774m and 1558m (--family) on one card at each
-          preset's own 524,288-token steps (micro_batch=auto up to its cap, the accumulation a user's run has),
-          under its activation checkpointing, over --family-seconds (60) of steps after the warm-up: tokens/s
-          median with min-max, MFU (datasheet and measured matmul), peak memory over the same steps
+          preset's own steps (524,288 tokens; 1,048,576 at 1558m; micro_batch=auto up to its cap, so the
+          accumulation a user's run has), under its activation checkpointing, over --family-seconds (60) of
+          steps after the warm-up: tokens/s median with min-max, MFU (datasheet and measured matmul), peak
+          memory over the same steps
   sustained (--rows sustained: a lease call of its own) gpt2-124m's whole job for 3 minutes of steps with
           NVML's clocks, power and temperature sampled: tokens/s of the first and last minute, the time outside
           steps measured in the run at the preset's cadence over 8 GPUs (benchmarks/gpu_sustained.py)
@@ -767,14 +768,14 @@ def measured_span(seconds: float):
 
 def check_family(work: Path, dataset: Path, device: torch.device, sizes: list[tuple[str, str]], seconds: float
                  ) -> tuple[bool | None, str]:
-    """The larger GPT-2 shapes on one device (issue 53), each through the trainer as users launch it, at its
-    preset's own step (524,288 tokens; micro_batch=auto up to the preset's cap, so the accumulation is what a
-    user's run has), under its activation checkpointing, measured over `seconds` of steps after the WARM
-    warm-up steps (issue 68: steady state): the size the probe chose, tokens/s (median of those steps, with
-    their min and max), MFU (llm.c's count over the card's datasheet peak, and the share of the matmul rate
-    measured in this call), peak memory over the same steps. On CPU the same depths at width 64 and small
-    steps (a smoke test of the path, not a speed). PASS on CUDA when 1558m trains and the datasheet MFU
-    targets hold (>= llm.c's ~44% at 1558m, >= llm-foundry's 34.9% at 774m, at 350m and 774m)."""
+    """The larger GPT-2 shapes on one device (issue 53), each through the trainer as users launch it, at its preset's
+    own step (524,288 tokens, 1,048,576 at 1558m; micro_batch=auto up to the preset's cap, so the accumulation is
+    what a user's run has), under its activation checkpointing, measured over `seconds` of steps after the WARM
+    warm-up steps (issue 68: steady state): the size the probe chose, tokens/s (median of those steps, with their
+    min and max), MFU (llm.c's count over the card's datasheet peak, and the share of the matmul rate measured in
+    this call), peak memory over the same steps. On CPU the same depths at width 64 and small steps (a smoke test of
+    the path, not a speed). PASS on CUDA when 1558m trains and the datasheet MFU targets hold (>= llm.c's ~44% at
+    1558m, >= llm-foundry's 34.9% at 774m, at 350m and 774m)."""
     from gptcore.files import read_json
     from gptcore.launch import torchrun_cmd
     from gptcore.metrics import read_metrics

@@ -12,7 +12,8 @@
 #   fp8         train.fp8=tensorwise vs bf16 at gpt2-1558m and gpt2-774m (torchao's wheel carried in wheels/)
 #   sustained   gpt2-124m's whole job for 3 minutes of steps with NVML sampled, then the out-of-memory row
 #               (carry HellaSwag's validation file as wheels/hellaswag_val.jsonl for the real one)
-#   family      gpt2-350m, 774m and 1558m at their own 524,288-token steps, 60 s of steps each
+#   family      gpt2-350m and 774m at their presets' own 524,288-token steps, 60 s of steps each
+#   family-1558m  gpt2-1558m likewise (1,048,576-token steps: ~22 s each on one card, a call of its own)
 #   reference   build-nanogpt against ours, 3 alternated rounds (AB BA AB)
 #   acceptance  every other row of the default set (the reference has its own call)
 #   default     gpu_check's default set (the CPU test's dry run; on a GPU: a lease of 6's kind)
@@ -29,12 +30,13 @@ cd "$(dirname "$0")/.." || exit 2
 case "${CALL:-default}" in
     fp8) rows=(--rows fp8 --fp8 "gpt2-1558m:selective,gpt2-774m:none") ;;
     sustained) rows=(--rows "sustained,oom") ;;
-    family) rows=(--rows family) ;;
+    family) rows=(--rows family --family "gpt2-350m:none,gpt2-774m:none") ;;
+    family-1558m) rows=(--rows family --family gpt2-1558m:selective) ;;
     reference) rows=(--rows reference) ;;
     acceptance) rows=(--rows "train,harness,guards,micro-batch,resume,ranks,oom") ;;
     default) rows=() ;;
-    *) echo "gpu_lease.sh: CALL=$CALL is not a call of the plan: fp8, sustained, family, reference, acceptance" \
-            "or default (see the top of this file)" >&2
+    *) echo "gpu_lease.sh: CALL=$CALL is not a call of the plan: fp8, sustained, family, family-1558m, reference," \
+            "acceptance or default (see the top of this file)" >&2
        exit 2 ;;
 esac
 out=${OUT:-var}/gpu_check

@@ -282,7 +282,7 @@ NEXT_CALLS = {  # in the order a lease should spend its time: what no lease has 
     "sustained": "`CALL=sustained bash benchmarks/gpu_lease.sh` (HellaSwag's file carried as "
                  "wheels/hellaswag_val.jsonl)",
     "oom": "`CALL=sustained bash benchmarks/gpu_lease.sh` (its second row)",
-    "family": "`CALL=family bash benchmarks/gpu_lease.sh`",
+    "family": "`CALL=family bash benchmarks/gpu_lease.sh`, then `CALL=family-1558m`",
     "reference": "`CALL=reference bash benchmarks/gpu_lease.sh` (build-nanogpt carried in reference/)",
     "ranks": "`CALL=acceptance bash benchmarks/gpu_lease.sh` on a machine with >= 2 GPUs",
 }
