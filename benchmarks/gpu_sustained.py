@@ -15,7 +15,8 @@ synthetic set of its lengths, and the row says which. A checkpoint is whole-mode
 
 It trains until SUSTAINED_SECONDS of step time after the warm-up and at least one of each evaluation and a
 checkpoint, then stops the run. Reported: tokens/s over the first and the last minute of steps, the share of
-wall time outside steps (checkpoint blocking and waits, validation + HellaSwag, samples) and the wall time
+wall time outside steps (checkpoint blocking and waits, validation + HellaSwag, samples; the gate leaves out the
+first validation's excess over the later ones, a once-per-launch warm-up, reported beside it) and the wall time
 unaccounted for by either, and NVML's samples (nvidia-smi, which the GPU image has) over the same span: SM
 clock, power, temperature, first minute against last. PASS on CUDA when the outside share is within
 gpu_check's OUTSIDE_TARGET and the last minute keeps >= 95% of the first's tokens/s.
@@ -216,13 +217,18 @@ def check_sustained(work: Path, device: torch.device, shape: dict, seconds: floa
     hs = [r for r in evals if "hellaswag/acc" in r]
     samples = nvml.samples()
     nvml_part = nvml_text(samples, (start, train[-1]["time"]), minute, nvml.why)
-    share_out = outside / (outside + steps_s)
+    # the first validation of a process warms up (its kernels, the first read of the shards): once per launch,
+    # not once per interval, so the gate leaves out its excess over the later ones (as gpu_check's outside row)
+    val_times = [r["time/val_s"] for r in evals if "time/val_s" in r]
+    once = max(0.0, val_times[0] - statistics.median(val_times[1:])) if len(val_times) > 1 else 0.0
+    share_out, with_once = (outside - once) / (outside - once + steps_s), outside / (outside + steps_s)
     ok = share_out <= OUTSIDE_TARGET and last >= KEEP * first
     which = "real" if real else "synthetic (carry the real file: docs/training.md, the GPU lease)"
     detail = (f"{len(train)} steps after the first {WARM}, {steps_s:.0f} s of steps in {wall:.0f} s of wall time; "
               f"tokens/s first {minute:.0f} s {first:,.0f}, last {minute:.0f} s {last:,.0f} "
               f"({last / first:.1%}; pass >= {KEEP:.0%}); outside steps {share_out:.1%} of steps + outside "
-              f"(pass <= {OUTSIDE_TARGET:.0%}): checkpoint blocked {spent['checkpoint']:.2f} s + waited "
+              f"(pass <= {OUTSIDE_TARGET:.0%}; {with_once:.1%} with the first validation's one-time {once:.1f} s "
+              f"warm-up): checkpoint blocked {spent['checkpoint']:.2f} s + waited "
               f"{spent['checkpoint_wait']:.2f} s over {len(saves)} saves, {len(evals)} evaluations "
               f"{spent['eval']:.1f} s ({len(hs)} with HellaSwag, {hs[0]['hellaswag/n'] if hs else 0} {which} "
               f"examples each), samples {spent['sample']:.1f} s; unaccounted "
