@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from gptcore.config import TrainConfig
+from gptcore.config import ConfigError, TrainConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -85,7 +85,7 @@ def select(tc: TrainConfig) -> Env:
     """This process's rank and hardware settings (from torchrun's environment; no communication)."""
     rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
     if tc.device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("train.device=cuda but no CUDA device is visible; use train.device=auto or cpu")
+        raise ConfigError("train.device=cuda but no CUDA device is visible; use train.device=auto or cpu")
     cuda = uses_cuda(tc)
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:

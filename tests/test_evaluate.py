@@ -235,6 +235,9 @@ def test_cli_errors_are_clear(tmp_path, capsys):
     shutil.rmtree(home / "shards")
     code, _, err = run_cli([str(run_dir), "--val", "--no-hellaswag"], capsys)
     assert code == 2 and "tokenize" in err
+    if not torch.cuda.is_available():  # --device cuda on a machine without one: exit 2, not a traceback
+        code, _, err = run_cli([str(run_dir), "--device", "cuda"], capsys)
+        assert code == 2 and "train.device=cuda but no CUDA device is visible" in err
 
 
 def test_evaluate_stage_writes_eval_json_once(tmp_path):

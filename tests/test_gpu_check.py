@@ -354,3 +354,19 @@ def test_the_synthetic_hellaswag_costs_per_example_what_the_whole_set_does(tmp_p
     assert padded_per_example(FIXTURE) > 2 * padded_per_example(whole)
     before = lease.read_bytes()
     assert synthetic_hellaswag(lease, 5) == lease and lease.read_bytes() == before  # written once
+
+
+def test_a_size_of_the_fp8_row_that_fails_keeps_the_other_sizes_and_fails_the_row(tmp_path):
+    """A size that cannot train (here: this machine has no CUDA, so each run exits 2 at start-up, as a size cut
+    by the deadline raises) is that size's text and a FAIL; the row does not raise, so the sizes measured before
+    it (on a lease: 1558m, then 774m) keep their figures in the table."""
+    from benchmarks.gpu_check import check_fp8, make_dataset
+
+    ok, detail = check_fp8(tmp_path / "fp8", make_dataset(tmp_path / "data"), torch.device("cpu"),
+                           [("gpt2-1558m", "selective"), ("gpt2-124m", "none")], 1)
+    assert ok is False, detail
+    # torchrun exits 1 when a worker fails; the worker refused the device with exit 2, in each size's log
+    assert "gpt2-1558m: RuntimeError: fp8=off: exit 1" in detail and "gpt2-124m: RuntimeError: fp8=off: exit 1" \
+        in detail, detail
+    log = (tmp_path / "fp8" / "fp8-gpt2-124m-off-0.log").read_text()
+    assert "train.device=cuda but no CUDA device is visible" in log and "exitcode  : 2" in log, log[-2000:]

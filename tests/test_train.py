@@ -6,6 +6,7 @@ import shutil
 import signal
 
 import pytest
+import torch
 
 from gptcore.checkpoints import checkpoint as C
 from gptcore.checkpoints import run_files as R
@@ -114,6 +115,9 @@ def test_finished_run_started_again_does_nothing(finished, ds, capsys):
     ("train.total_batch_tokens=100", "not divisible"),
     ("model.n_head=3", "n_embd"),
     ("train.nonsense=1", "unknown config key"),
+    # bad input for this machine: refused at start-up with exit 2 (it was a traceback and exit 1 from every rank)
+    pytest.param("train.device=cuda", "train.device=cuda but no CUDA device is visible",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")),
 ])
 def test_bad_config_exits_2_before_any_write(ds, tmp_path, capsys, override, message):
     assert main(args(ds, tmp_path / "run", override)) == 2

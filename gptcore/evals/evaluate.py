@@ -112,7 +112,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
-    env = distributed.select(TrainConfig(device=args.device))
+    try:
+        env = distributed.select(TrainConfig(device=args.device))
+    except ConfigError as e:  # --device cuda on a machine without one
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     distributed.init_process_group(env)  # only under torchrun with more than one rank
     rank, world, device, autocast_ctx = env.rank, env.world, env.device, env.autocast()
     try:
