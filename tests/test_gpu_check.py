@@ -370,3 +370,16 @@ def test_a_size_of_the_fp8_row_that_fails_keeps_the_other_sizes_and_fails_the_ro
         in detail, detail
     log = (tmp_path / "fp8" / "fp8-gpt2-124m-off-0.log").read_text()
     assert "train.device=cuda but no CUDA device is visible" in log and "exitcode  : 2" in log, log[-2000:]
+
+
+def test_the_sustained_cadence_is_the_presets_over_8_gpus_and_the_trainer_accepts_it():
+    """On CUDA the row's evaluations come at gpt2-124m's cadence in wall time on 8 GPUs: every interval and each
+    evaluation's work divided by 8 (module docstring of benchmarks/gpu_sustained.py); the keys are the trainer's."""
+    from benchmarks.gpu_sustained import sustained_settings
+    from gptcore.overrides import load_config
+
+    every = sustained_settings("cuda", 0)
+    assert every == {"eval.eval_interval": 31, "eval.sample_interval": 31, "eval.hellaswag.interval": 125,
+                     "train.checkpoint_interval": 125, "eval.val_tokens": 1_310_720}
+    cfg = load_config("gpt2-124m", every)
+    assert cfg.eval.val_tokens % (64 * 1024) == 0  # whole 64 x 1024 batches: 20 of them
