@@ -13,8 +13,9 @@ is killed with its workers (its row FAILs, the table goes on). Exit 1 when any r
 
 Rows run by value, so that a lease's deadline cuts the least telling ones: reference, train <big> and
 outside steps, harness parity, profile (on CUDA when the reference ratio misses its target, or asked for),
-guards, micro-batch auto, train micro, resume, ranks, speed. CUDA's default set is everything but `speed`
-and `profile`:
+guards, micro-batch auto, train micro, resume, ranks, out of memory, family, fp8, sustained, speed. The default
+set is everything but `speed`, `profile` and the rows a lease runs in calls of their own (`family`, `fp8`,
+`sustained`: benchmarks/gpu_lease.sh's CALL):
   micro-batch auto   what train.micro_batch=auto chooses for gpt2-124m here, probed as the trainer probes it
           (the probe that killed the CUDA context on the first H200: it must finish)
   reference  the project's full trainer (torchrun, gpt2-124m, micro_batch=auto (64 x 1024 at most), 524,288-token
