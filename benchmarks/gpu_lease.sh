@@ -17,7 +17,8 @@
 #   family-1558m  gpt2-1558m likewise (1,048,576-token steps: ~22 s each on one card, a call of its own)
 #   reference   build-nanogpt against ours, 3 alternated rounds (AB BA AB)
 #   acceptance  every other row of the default set (the reference has its own call)
-#   default     gpu_check's default set (the CPU test's dry run; on a GPU: a lease of 6's kind)
+#   default     gpu_check's default set (the CPU test's dry run; on a GPU the 3 reference rounds and the rest
+#               exceed one call: the rows past BUDGET_S say "not run"; run reference, then acceptance)
 #
 # Rows run by value (gpu_check.py): the reference ratio (ABBA), the preset's train run and the time outside
 # its steps, harness parity, then the rest, and a profile last where the ratio misses its target. BUDGET_S (default
