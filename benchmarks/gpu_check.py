@@ -803,7 +803,12 @@ def check_family(work: Path, dataset: Path, device: torch.device, sizes: list[tu
                      **width}
         proc = subprocess.Popen(torchrun_cmd(preset, overrides, 1), cwd=ROOT, env=worker_env(),
                                 stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
-        rc = wait_until(proc, run, measured_span(seconds), 600, f"{seconds:.0f} s of steps")
+        try:
+            rc = wait_until(proc, run, measured_span(seconds), 600, f"{seconds:.0f} s of steps")
+        except TimeoutError as e:  # this size's text and a FAIL: the sizes before it keep their figures
+            ok = False
+            parts.append(f"{preset}: TimeoutError: {e}")
+            continue
         rows = [r for r in read_metrics(run / "metrics.jsonl", "train") if r["step"] > WARM]
         if rc != 0 or not rows:
             ok = False

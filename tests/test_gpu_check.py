@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -384,3 +385,15 @@ def test_the_sustained_cadence_is_the_presets_over_8_gpus_and_the_trainer_accept
                      "train.checkpoint_interval": 125, "eval.val_tokens": 1_310_720}
     cfg = load_config("gpt2-124m", every)
     assert cfg.eval.val_tokens % (64 * 1024) == 0  # whole 64 x 1024 batches: 20 of them
+
+
+def test_a_family_size_cut_by_the_deadline_is_its_own_text_and_the_row_goes_on(tmp_path, monkeypatch):
+    """A size the call's deadline cuts (here the deadline has passed before the first) is that size's text;
+    the row does not raise, so on a lease the sizes measured before it keep their figures."""
+    import benchmarks.gpu_check as gc
+
+    monkeypatch.setattr(gc, "DEADLINE", [time.monotonic()])
+    ok, detail = gc.check_family(tmp_path / "family", gc.make_dataset(tmp_path / "data"), torch.device("cpu"),
+                                 [("gpt2-350m", "none"), ("gpt2-1558m", "selective")], 2.0)
+    assert "gpt2-350m: TimeoutError: killed before 2 s of steps" in detail, detail
+    assert "gpt2-1558m: TimeoutError: killed before 2 s of steps" in detail, detail
