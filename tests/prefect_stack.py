@@ -201,6 +201,13 @@ KNOWN_SERVER_ERRORS = {
     # not covered: a client would see it
     r"^\S+ \| ERROR +\| docket\.dependencies - [^\n]*\n[\s\S]*sqlite3\.OperationalError\) database is locked":
         "a perpetual service's pass lost to SQLite write contention (its next pass redoes it)",
+    # SQLite only, the same contention at a worker's channel set-up (Prefect 3.8's worker websocket; seen once in
+    # CI, 2026-11-29: the set-up's UPDATE of the pool's base job template): the server closes the channel with
+    # TRANSIENT_SERVER_ERROR, which Prefect's close policy marks retryable and not terminal, and the worker
+    # connects again (every flow run of that suite then ran on it)
+    r"Worker channel setup failed due to a transient server error[^\n]*\n[\s\S]*sqlite3\.OperationalError\) "
+    r"database is locked":
+        "a worker channel's set-up lost to SQLite write contention (retryable: the worker connects again)",
 }
 
 

@@ -39,3 +39,15 @@ def test_a_perpetual_service_failing_otherwise_is_not_known(tmp_path):
     log = ("04:53:51.737 | ERROR   | docket.dependencies - ↩ [    37ms] monitor_worker_health()\n"
            "KeyError: 'status'\n")
     assert len(unexpected_server_errors(_stack_with_log(tmp_path, log))) == 1
+
+
+def test_a_worker_channel_set_up_lost_to_sqlite_is_known_and_lost_otherwise_is_not(tmp_path):
+    """Prefect closes the channel with TRANSIENT_SERVER_ERROR (retryable: the worker connects again); the same
+    set-up failing for any other reason is a failure (CI, 2026-11-29)."""
+    head = "13:32:37.890 | ERROR   | prefect.server.api.workers - Worker channel setup failed due to a transient " \
+           "server error: work_pool=cpu-pool\n"
+    locked = _stack_with_log(tmp_path, head + LOCKED.format(table="work_pool"))
+    assert len(server_log_errors(locked)) == 1 and unexpected_server_errors(locked) == []
+    other = tmp_path / "other"
+    other.mkdir()
+    assert len(unexpected_server_errors(_stack_with_log(other, head + "KeyError: 'initial_snapshot'\n"))) == 1
