@@ -192,9 +192,9 @@ def check_sustained(work: Path, device: torch.device, shape: dict, seconds: floa
         after = [r for r in rows if r["step"] > WARM]
         if sum(r["train/step_time"] for r in after) < seconds:
             return False
-        kinds = {r["kind"] for r in read_metrics(run / "metrics.jsonl") if r["step"] > WARM}
-        evals = [r for r in read_metrics(run / "metrics.jsonl", "eval") if r["step"] > WARM]
-        return "checkpoint" in kinds and any("hellaswag/acc" in r for r in evals)
+        later = [r for r in read_metrics(run / "metrics.jsonl") if r["step"] > WARM]  # one read per poll
+        return (any(r["kind"] == "checkpoint" for r in later)
+                and any(r["kind"] == "eval" and "hellaswag/acc" in r for r in later))
 
     with NvmlSampler(work / "nvml.csv") as nvml:
         proc = subprocess.Popen(torchrun_cmd("gpt2-124m", overrides, 1), cwd=ROOT, env=worker_env(),
